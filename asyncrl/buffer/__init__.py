@@ -1,0 +1,1 @@
+"""Trajectory buffer: version-tagged samples, group assembly, freshness ordering (learner side)."""

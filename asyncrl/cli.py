@@ -1,0 +1,103 @@
+"""The `asyncrl` command line. Thin: parses arguments, then imports the heavy modules.
+
+New knobs belong in the config tree (`--set a.b=c`), not in new flags.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="asyncrl",
+    help="Ray-free asynchronous RL post-training for language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def launch(
+    config: Annotated[Path | None, typer.Argument(help="TOML config file (default: the embedded job)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")] = None,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="Plain log lines instead of the live view")] = False,
+) -> None:
+    """Train: spawn the learner and generators, stream until done, write the run directory."""
+    from asyncrl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    from asyncrl.generators.base import resolve_generator
+    from asyncrl.scheduler.job import run_job
+    from asyncrl.scheduler.service import RunFailed
+
+    try:
+        resolve_generator(cfg.generators.kind)
+    except ValueError as exc:
+        _fail(str(exc))
+    from asyncrl.monitor.live import LiveReporter, PlainReporter
+
+    use_tui = cfg.monitor.tui and not no_tui and sys.stdout.isatty()
+    reporter = LiveReporter() if use_tui else PlainReporter()
+    try:
+        with reporter:
+            summary = run_job(cfg, reporter)
+    except RunFailed as exc:
+        _fail(f"run failed: {exc}", code=1)
+    except ValueError as exc:
+        _fail(str(exc))
+    keys = ("mode", "status", "policy_versions", "eval_before", "eval_after", "wall_s", "samples_per_s", "max_staleness", "trajectories_lost")
+    typer.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
+    typer.echo(f"run directory: {summary['run_dir']}")
+    if summary["status"] == "interrupted":
+        raise typer.Exit(130)
+
+
+@app.command()
+def sft(
+    out: Annotated[Path, typer.Option(help="Directory to write the warm-started model to")] = Path("default_model"),
+    steps: Annotated[int, typer.Option(help="SFT optimizer steps")] = 1500,
+) -> None:
+    """Build the embedded tiny model and tokenizer and warm-start them on the built-in task."""
+    from dataclasses import replace
+
+    from asyncrl.models.default import SftSettings, build_default_checkpoint
+
+    if steps <= 0:
+        _fail("--steps must be > 0")
+
+    def progress(step: int, loss: float) -> None:
+        if step % 100 == 0:
+            typer.echo(f"sft step {step}/{steps} loss {loss:.4f}")
+
+    info = build_default_checkpoint(out, replace(SftSettings(), steps=steps), on_step=progress)
+    typer.echo(f"wrote {out} (final loss {info['final_loss']:.4f}, {info['sft_s']:.0f} s)")
+
+
+@app.command()
+def generators() -> None:
+    """List installed generator plugins (entry-point group asyncrl.generators)."""
+    from asyncrl.generators.base import available_generators
+
+    for name, target in sorted(available_generators().items()):
+        typer.echo(f"{name}\t{target}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

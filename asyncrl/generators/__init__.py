@@ -1,0 +1,1 @@
+"""Generators: turn PromptTasks into Trajectories (in-process torch model, SGLang servers, plugins)."""

@@ -1,0 +1,99 @@
+"""The Generator and RewardFn plugin interfaces, and how plugins are found.
+
+A generator turns `PromptTask`s into `Rollout`s: sampled token ids with, for every completion
+token, the behavior log-prob (under the distribution it was sampled from) and the policy_version
+that produced it, plus a reward. The generator service (`service.py`) owns the sockets and calls
+these methods; a plugin never touches ZeroMQ.
+
+Plugins are found by registry name (entry-point group `asyncrl.generators`) or by a
+`pkg.mod:obj` path. Lookup happens at startup, never at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+from asyncrl.messages import PromptTask
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One sampled completion of one task. `loss_mask` marks tokens the learner trains on
+    (all True for single-turn; tool output in multi-turn episodes is False)."""
+
+    task_id: int
+    sample_index: int
+    completion_ids: list[int]
+    behavior_logprobs: list[float]
+    token_versions: list[int]
+    reward: float
+    finish_reason: str
+    loss_mask: list[bool] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorContext:
+    """What a generator gets at setup: its id, the model directory and its config sub-trees."""
+
+    generator_id: str
+    model_path: str
+    sampling: Any  # asyncrl.config.SamplingConfig
+    task: Any  # asyncrl.config.TaskConfig
+    seed: int
+    threads: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Implement these to plug in your own rollout logic (agents, tools, other engines)."""
+
+    def setup(self, ctx: GeneratorContext) -> None:
+        """Load models and tokenizers; called once in the generator process."""
+
+    @property
+    def version(self) -> int:
+        """The policy_version the generator samples with now."""
+
+    async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
+        """All `num_samples` rollouts of every task (any order)."""
+
+    async def load_weights(self, version: int, location: str) -> None:
+        """Switch to the weights published for `version` (a safetensors directory)."""
+
+    async def close(self) -> None: ...
+
+
+ENTRY_POINT_GROUP = "asyncrl.generators"
+
+
+def available_generators() -> dict[str, str]:
+    """Registry name -> `module:object` for every installed generator plugin."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def resolve_generator(kind: str) -> type:
+    """The generator class for a registry name or a `pkg.mod:obj` path; ValueError if unknown."""
+    if ":" in kind:
+        target = kind
+    else:
+        names = available_generators()
+        if kind not in names:
+            valid = ", ".join(sorted(names)) or "(none installed)"
+            raise ValueError(f"unknown generator {kind!r} (generators.kind); valid names: {valid}, or a 'pkg.module:Class' path")
+        target = names[kind]
+    module_name, _, attr = target.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"generator plugin {kind!r} could not be loaded from {target!r}: {exc}") from None
+    return obj

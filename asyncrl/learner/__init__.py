@@ -1,0 +1,1 @@
+"""Learner: advantages, policy losses, log-probs and the optimizer loop that consumes trajectories."""

@@ -1,0 +1,141 @@
+"""Advantage estimators (pure): group rewards in, per-sample (or per-token) advantages out.
+
+Place in the data flow: the learner groups finished trajectories by prompt, turns each group's
+rewards into advantages here, broadcasts them to tokens, and hands them to `losses.py`.
+
+Legend: G groups (one prompt each), N samples per group, B sequences, T tokens per sequence
+(padded; `mask_BT` marks real completion tokens).
+
+A group whose rewards are all equal carries no learning signal and gets exactly zero advantage in
+every estimator (the float mean of equal values can differ from them by one ulp, and dividing
+that ulp by a tiny std would give a spurious non-zero advantage).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# verl's convention: unbiased std (ddof=1) and eps 1e-6 added to the std.
+GRPO_EPS = 1e-6
+# MC-GRPO (lotusroot-kim/MC-GRPO): scale = MAD + 1e-3, and |A| > 1e-6 counts as non-zero.
+MC_GRPO_MAD_EPS = 1e-3
+MC_GRPO_NONZERO_TOL = 1e-6
+
+
+def _degenerate_G1(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """True for groups whose rewards are all equal (and for groups of one)."""
+    return (rewards_GN == rewards_GN[:, :1]).all(dim=1, keepdim=True)
+
+
+def grpo_advantages(
+    rewards_GN: torch.Tensor, *, eps: float = GRPO_EPS, unbiased: bool = True
+) -> torch.Tensor:
+    """GRPO: (r - mean_g) / (std_g + eps).
+
+    `unbiased=True` is verl's `torch.std` (ddof=1); `unbiased=False` is the population std that
+    VCPO's streaming path uses. A streaming accumulator must use the same choice as the batch path.
+    A group of size 1 gets advantage 0 (verl instead uses mean 0, std 1, i.e. A = r / (1 + eps)).
+    """
+    if rewards_GN.shape[1] < 2:
+        return torch.zeros_like(rewards_GN)
+    mean_G1 = rewards_GN.mean(dim=1, keepdim=True)
+    std_G1 = rewards_GN.std(dim=1, keepdim=True, unbiased=unbiased)
+    adv_GN = (rewards_GN - mean_G1) / (std_G1 + eps)
+    return torch.where(_degenerate_G1(rewards_GN), 0.0, adv_GN)
+
+
+def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: r - mean_g, no std normalisation (pair it with the `seq-mean-token-sum-norm` loss)."""
+    adv_GN = rewards_GN - rewards_GN.mean(dim=1, keepdim=True)
+    return torch.where(_degenerate_G1(rewards_GN), 0.0, adv_GN)
+
+
+def rloo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """RLOO: r_i - mean of the other N-1 rewards = N/(N-1) * (r_i - mean_g). Groups of one get 0."""
+    num_samples = rewards_GN.shape[1]
+    if num_samples < 2:
+        return torch.zeros_like(rewards_GN)
+    adv_GN = num_samples / (num_samples - 1) * (rewards_GN - rewards_GN.mean(dim=1, keepdim=True))
+    return torch.where(_degenerate_G1(rewards_GN), 0.0, adv_GN)
+
+
+class McGrpoAdvantages(NamedTuple):
+    adv_GN: torch.Tensor
+    pivot_GN: torch.Tensor  # bool, one True per group: the median sample, excluded from the backward
+
+
+def mc_grpo_advantages(
+    rewards_GN: torch.Tensor,
+    *,
+    mad_eps: float = MC_GRPO_MAD_EPS,
+    nonzero_tol: float = MC_GRPO_NONZERO_TOL,
+) -> McGrpoAdvantages:
+    """MC-GRPO: N = G+1 rollouts, median baseline, MAD scale, non-zero rescale, pivot excluded.
+
+    A_i = (r_i - med) / (MAD + mad_eps), MAD = median |r - med|; then within each group the
+    advantages with |A| > nonzero_tol are multiplied by N / #non-zero. The pivot (the sample that
+    is the median) has A = 0 and must be dropped from the loss mask (`~pivot_GN`), so only G
+    samples cost a backward. N should be odd; for even N the lower median is used (as
+    `torch.median` does). Ties are broken by position (stable sort), so the pivot is deterministic.
+    """
+    num_samples = rewards_GN.shape[1]
+    mid = (num_samples - 1) // 2
+    order_GN = torch.sort(rewards_GN, dim=1, stable=True).indices
+    pivot_G1 = order_GN[:, mid : mid + 1]
+    median_G1 = rewards_GN.gather(1, pivot_G1)
+    abs_dev_GN = (rewards_GN - median_G1).abs()
+    mad_G1 = torch.sort(abs_dev_GN, dim=1).values[:, mid : mid + 1]
+    adv_GN = (rewards_GN - median_G1) / (mad_G1 + mad_eps)
+    nonzero_GN = adv_GN.abs() > nonzero_tol
+    num_nonzero_G1 = nonzero_GN.sum(dim=1, keepdim=True).clamp(min=1)
+    adv_GN = torch.where(nonzero_GN, adv_GN * (num_samples / num_nonzero_G1), 0.0)
+    pivot_GN = torch.zeros_like(rewards_GN, dtype=torch.bool).scatter(1, pivot_G1, True)
+    return McGrpoAdvantages(adv_GN=adv_GN, pivot_GN=pivot_GN)
+
+
+def k1_reward_to_go(delta_BT: torch.Tensor, mask_BT: torch.Tensor, *, kl_coef: float) -> torch.Tensor:
+    """KL-in-reward with the k1 estimator, as a per-token term to add to the advantages.
+
+    The per-token reward is -kl_coef * delta_t with delta = logp - logp_ref (detached here: it is a
+    reward). Token t gets its reward-to-go -kl_coef * sum_{t' >= t, valid} delta_t'. Used with the
+    REINFORCE-style score gradient this is the unbiased sequence-level reverse-KL gradient
+    (ALGORITHMS.md 7.6). Zero at masked positions.
+    """
+    delta_BT = torch.where(mask_BT, delta_BT.detach(), 0.0)
+    to_go_BT = delta_BT.flip(1).cumsum(1).flip(1)
+    return torch.where(mask_BT, -kl_coef * to_go_BT, 0.0)
+
+
+def k1_sequence_penalty(delta_BT: torch.Tensor, mask_BT: torch.Tensor, *, kl_coef: float) -> torch.Tensor:
+    """-kl_coef * sum_t delta_t per sequence, to fold into the outcome reward r_i before grouping."""
+    return -kl_coef * torch.where(mask_BT, delta_BT.detach(), 0.0).sum(dim=1)
+
+
+def group_rewards(
+    reward_B: torch.Tensor,
+    group_B: torch.Tensor,
+    slot_B: torch.Tensor,
+    *,
+    num_groups: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Scatter per-sequence rewards into [G, N]: sequence b goes to (group_B[b], slot_B[b])."""
+    count_GN = torch.zeros(num_groups, group_size, dtype=torch.long, device=reward_B.device)
+    count_GN.index_put_((group_B, slot_B), torch.ones_like(group_B), accumulate=True)
+    if not bool((count_GN == 1).all()):
+        raise ValueError("group_rewards: every (group, slot) must be filled exactly once")
+    rewards_GN = torch.empty(num_groups, group_size, dtype=reward_B.dtype, device=reward_B.device)
+    rewards_GN[group_B, slot_B] = reward_B
+    return rewards_GN
+
+
+def sequence_advantages(adv_GN: torch.Tensor, group_B: torch.Tensor, slot_B: torch.Tensor) -> torch.Tensor:
+    """Map per-group advantages back to sequences: adv_B[b] = adv_GN[group_B[b], slot_B[b]]."""
+    return adv_GN[group_B, slot_B]
+
+
+def token_advantages(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-sequence advantage to its valid tokens (0 elsewhere)."""
+    return torch.where(mask_BT, adv_B[:, None], 0.0)

@@ -1,0 +1,181 @@
+"""Every wire type between asyncrl processes, as tagged, frozen msgspec Structs.
+
+This module is a leaf: it imports nothing from asyncrl. The codec in `asyncrl.transport.codec`
+encodes these Structs with msgspec (never pickle) and carries large arrays as separate
+zero-copy frames described by `TensorRef`.
+
+Data flow (see asyncrl/__init__.py for the whole picture):
+  scheduler -> generator : Hello, PromptTask, WeightsPublished, Shutdown
+  generator -> learner   : Trajectory (+ tensor frames)
+  generator -> scheduler : Hello, TaskDone, WeightsLoaded, Metrics, Heartbeat, Fatal
+  learner   -> scheduler : Hello, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
+  scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["scheduler", "generator", "learner", "monitor"]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base: every message carries its class name as the `type` tag."""
+
+
+class TensorRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Describes one tensor that travels as its own frame after the Struct frame."""
+
+    frame: int  # index of the frame, counted from the first frame after the Struct
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: tuple[int, ...]
+
+
+class TensorMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """Name, dtype and shape of one model tensor (weight manifests and broadcast metadata)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+class Hello(_Msg, frozen=True, kw_only=True):
+    role: Role
+    peer_id: str
+    protocol_version: int = PROTOCOL_VERSION
+    pid: int = 0
+    endpoint: str = ""  # the learner's trajectory endpoint (PULL), announced at start
+
+
+class PromptTask(_Msg, frozen=True, kw_only=True):
+    """One group: `num_samples` completions of one prompt, all for the same learner step."""
+
+    task_id: int
+    group_id: int
+    prompt_ids: list[int]
+    num_samples: int
+    sampling: SamplingParams
+    dataset_index: int
+    step: int  # the learner step (admission window) this group is trained in
+    answer: str  # what the task's verifier checks against
+
+
+class Trajectory(_Msg, frozen=True, kw_only=True):
+    """One sampled completion. Per-token arrays travel as tensor frames (see TensorRef).
+
+    `behavior_logprobs` are log-probs of the sampled tokens under the distribution they were
+    sampled from (after temperature); `token_versions` is the policy_version that produced each
+    completion token.
+    """
+
+    traj_id: int
+    group_id: int
+    task_id: int
+    sample_index: int
+    step: int
+    num_samples: int
+    prompt_ids: list[int]
+    completion_ids: TensorRef  # int64 [T]
+    behavior_logprobs: TensorRef  # float32 [T]
+    token_versions: TensorRef  # int64 [T]
+    reward: float
+    finish_reason: Literal["stop", "length", "abort"]
+    generator_id: str
+    generate_s: float = 0.0
+
+
+class TaskDone(_Msg, frozen=True, kw_only=True):
+    """A generator finished every sample of a task (the samples went to the learner)."""
+
+    task_id: int
+    generator_id: str
+    num_trajectories: int
+    num_tokens: int
+    generate_s: float
+    mean_reward: float
+
+
+class WeightsPublished(_Msg, frozen=True, kw_only=True):
+    """New weights exist for `version`; `location` says where (a directory for safetensors)."""
+
+    version: int
+    transport: Literal["safetensors", "broadcast"]
+    location: str
+    num_bytes: int
+    publish_s: float = 0.0
+
+
+class WeightsLoaded(_Msg, frozen=True, kw_only=True):
+    """A generator (or, scheduler -> learner, every generator) now samples with `version`."""
+
+    generator_id: str
+    version: int
+    load_s: float = 0.0
+
+
+class StepDone(_Msg, frozen=True, kw_only=True):
+    """The learner finished optimizer step `step`; `version` = step + 1 is the new policy_version."""
+
+    step: int
+    version: int
+    num_trajectories: int
+    num_tokens: int
+    loss: float
+    mean_reward: float
+    max_staleness: int
+    mean_staleness: float
+    clip_fraction: float
+    grad_norm: float
+    step_s: float
+    idle_s: float
+
+
+class Metrics(_Msg, frozen=True, kw_only=True):
+    """Free-form numeric metrics from one process (flat names, float values)."""
+
+    source: str
+    time_s: float
+    values: dict[str, float]
+
+
+class Heartbeat(_Msg, frozen=True, kw_only=True):
+    peer_id: str
+    time_s: float
+
+
+class Fatal(_Msg, frozen=True, kw_only=True):
+    """A process failed; `error` is the message shown to the user, `traceback` the details."""
+
+    role: Role
+    peer_id: str
+    error: str
+    traceback: str = ""
+
+
+class Shutdown(_Msg, frozen=True, kw_only=True):
+    reason: str = "done"
+
+
+Message = (
+    Hello
+    | PromptTask
+    | Trajectory
+    | TaskDone
+    | WeightsPublished
+    | WeightsLoaded
+    | StepDone
+    | Metrics
+    | Heartbeat
+    | Fatal
+    | Shutdown
+)

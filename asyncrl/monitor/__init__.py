@@ -1,0 +1,1 @@
+"""Terminal views of a run's metrics (rich); imported only by the CLI layer."""

@@ -1,0 +1,130 @@
+"""Process plumbing shared by every child role (generator, learner): the imperative shell.
+
+A child process: parses its few command-line arguments (the control address, its peer id, the
+resolved config file), ignores SIGINT (the launcher owns Ctrl-C and tells children to stop),
+connects a DEALER to the launcher's ROUTER, says Hello, sends Heartbeats, exits when its parent
+disappears, and turns any exception into a `Fatal` message before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.config import Config, load_resolved_config
+from asyncrl.messages import Fatal, Heartbeat, Hello, Role
+from asyncrl.transport.zmq_io import Endpoint
+
+log = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class ChildContext:
+    role: Role
+    peer_id: str
+    config: Config
+    run_dir: Path
+    zmq_ctx: zmq.asyncio.Context
+    ctrl: Endpoint
+    extra: dict[str, str]
+
+    async def hello(self, **fields) -> None:
+        await self.ctrl.send(Hello(role=self.role, peer_id=self.peer_id, pid=os.getpid(), **fields))
+
+
+def child_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ctrl", required=True)
+    p.add_argument("--peer-id", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--extra", action="append", default=[], help="KEY=VALUE")
+    return p.parse_args(argv)
+
+
+async def _heartbeats(ctx: ChildContext) -> None:
+    while True:
+        await ctx.ctrl.send(Heartbeat(peer_id=ctx.peer_id, time_s=time.time()))
+        await asyncio.sleep(ctx.config.monitor.heartbeat_s)  # a timer, not a synchronisation
+
+
+class ParentGone(Exception):
+    """The launcher died without telling us to stop (e.g. it was SIGKILLed)."""
+
+
+async def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    raise ParentGone()
+
+
+def run_child(role: Role, main: Callable[[ChildContext], Awaitable[None]], argv: list[str] | None = None) -> None:
+    """Entry point of a child process: runs `main(ctx)` on uvloop until it returns or fails."""
+    import uvloop
+
+    args = child_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s {args.peer_id} %(levelname)s %(name)s: %(message)s",
+    )
+    run_dir = Path(args.run_dir)
+    config = load_resolved_config(run_dir / "config.json")
+    extra = dict(kv.split("=", 1) for kv in args.extra)
+    parent_pid = os.getppid()
+
+    async def amain() -> int:
+        zctx = zmq.asyncio.Context()
+        ctrl = Endpoint(zctx, zmq.DEALER, name=f"{args.peer_id}.ctrl", identity=args.peer_id)
+        ctrl.connect(args.ctrl)
+        ctx = ChildContext(role, args.peer_id, config, run_dir, zctx, ctrl, extra)
+        code = 0
+        try:
+            async with asyncio.TaskGroup() as tg:
+                helpers = [
+                    tg.create_task(_heartbeats(ctx), name="heartbeats"),
+                    tg.create_task(_watch_parent(parent_pid), name="watch-parent"),
+                ]
+
+                async def main_then_stop() -> None:
+                    try:
+                        await main(ctx)
+                    finally:
+                        for h in helpers:
+                            h.cancel()
+
+                tg.create_task(main_then_stop(), name=f"{role}-main")
+        except* ParentGone:
+            log.warning("%s: the launcher is gone; exiting", args.peer_id)
+            code = 3
+        except* Exception as group:
+            exc = group.exceptions[0]
+            tb = "".join(traceback.format_exception(exc))
+            log.error("%s failed: %s", args.peer_id, exc)
+            try:
+                await asyncio.wait_for(
+                    ctrl.send(Fatal(role=role, peer_id=args.peer_id, error=f"{type(exc).__name__}: {exc}", traceback=tb)),
+                    timeout=2.0,
+                )
+            except TimeoutError:
+                pass
+            code = 1
+        finally:
+            ctrl.close()
+            zctx.term()
+        return code
+
+    sys.exit(uvloop.run(amain()))

@@ -1,0 +1,115 @@
+"""A whole `asyncrl launch` job around the launcher: run directory, evaluation before and after,
+`summary.json`. Called by the CLI; rendering stays in the CLI's reporter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import datetime
+from pathlib import Path
+
+import uvloop
+
+from asyncrl.config import Config, write_resolved_config
+from asyncrl.scheduler.service import Launcher, Reporter, RunFailed
+
+log = logging.getLogger(__name__)
+
+
+def model_path(config: Config) -> Path:
+    from asyncrl.models.default import DEFAULT_MODEL_DIR
+
+    path = Path(config.model.path) if config.model.path else DEFAULT_MODEL_DIR
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.path {path} is not a Hugging Face model directory (no config.json); "
+            "point it at a local checkpoint, or leave it empty for the embedded default"
+        )
+    return path
+
+
+def make_run_dir(config: Config) -> Path:
+    name = config.run.name or datetime.now().strftime("%Y%m%d-%H%M%S-") + config.mode
+    run_dir = Path(config.run.out_dir) / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"run directory {run_dir} already exists and is not empty; choose another run.name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def evaluate(config: Config, path: Path, problems) -> float:
+    """Greedy accuracy on held-out problems (the same decoding before and after training)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.generators.torch_gen import make_reward
+    from asyncrl.models.sft import greedy_accuracy
+
+    if not problems:
+        return float("nan")
+    torch.set_num_threads(max(1, config.learner.threads))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return greedy_accuracy(
+        model,
+        tok,
+        [(p.prompt, p.answer) for p in problems],
+        max_new_tokens=config.sampling.max_new_tokens,
+        verify=make_reward(config.task.kind),
+    )
+
+
+def run_job(config: Config, reporter: Reporter) -> dict:
+    """Runs the whole job; returns the summary (also written to summary.json).
+    Raises RunFailed (a child failed) or ValueError (bad input) with a clear message."""
+    path = model_path(config)
+    run_dir = make_run_dir(config)
+    write_resolved_config(config, run_dir / "config.json")
+    reporter.event(f"run directory: {run_dir}")
+    launcher = Launcher(config, run_dir, path, reporter)
+    t0 = time.perf_counter()
+    eval_before = evaluate(config, path, launcher.task.eval_problems)
+    reporter.event(f"held-out accuracy before training: {eval_before:.3f}")
+    failure = None
+    try:
+        state = uvloop.run(launcher.run())
+    except RunFailed as exc:
+        failure = str(exc)
+        state = launcher.state
+    train_wall = state.elapsed_s
+    final = run_dir / "final_model"
+    eval_after = float("nan")
+    if failure is None and not launcher.interrupted and final.is_dir():
+        eval_after = evaluate(config, final, launcher.task.eval_problems)
+        reporter.event(f"held-out accuracy after training: {eval_after:.3f}")
+    expected = state.groups_admitted * config.learner.samples_per_group
+    summary = {
+        "mode": config.mode,
+        "status": "failed" if failure else ("interrupted" if launcher.interrupted else "completed"),
+        "policy_versions": state.policy_version,
+        "steps": state.step,
+        "trajectories_generated": state.trajectories_generated,
+        "trajectories_trained": state.trajectories_trained,
+        # Admitted samples that were neither trained nor still legitimately pending at the end.
+        "trajectories_lost": (expected - state.trajectories_trained) if failure is None and not launcher.interrupted else None,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "eval_problems": len(launcher.task.eval_problems),
+        "wall_s": time.perf_counter() - t0,
+        "train_wall_s": train_wall,
+        "samples_per_s": state.trajectories_trained / max(1e-9, train_wall),
+        "tokens_per_s": state.tokens_generated / max(1e-9, train_wall),
+        "max_staleness": state.max_staleness,
+        "max_staleness_bound": config.effective_max_staleness,
+        "num_generators": config.generators.num_generators,
+        "duplicates": int(state.metrics.get("learner/duplicates", 0)),
+        "run_dir": str(run_dir),
+    }
+    if failure:
+        summary["error"] = failure
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if failure:
+        raise RunFailed(failure)
+    return summary

@@ -1,0 +1,1 @@
+"""Built-in verifiable tasks: prompt datasets and exact reward functions."""

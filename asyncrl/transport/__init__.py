@@ -1,0 +1,1 @@
+"""Transport: the ZeroMQ wire (msgspec codec, framed tensors) and weight shipping (safetensors, broadcast)."""

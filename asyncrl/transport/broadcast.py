@@ -1,0 +1,391 @@
+"""torch.distributed weight-update group: the broadcast path of weight sync (learner -> generators).
+
+Place in the data flow: learner rank 0 is rank 0 of a dedicated "weight update" process group whose
+other ranks are generator processes (or SGLang server TP ranks). After an optimizer step the learner
+announces `WeightsPublished(version, transport="broadcast")` with the tensor metadata over ZMQ, then
+calls `broadcast_tensors`; each generator calls `receive_tensors` with the same metadata and acks with
+`WeightsLoaded`.
+
+The group has its own TCPStore on `master_addr:master_port`, wrapped in `PrefixStore(group_name)`
+exactly as SGLang's `init_weights_update_group` does on the server side, so it never touches the
+learner's default (data-parallel) group and SGLang ranks can join it.
+
+Bytes travel in buckets (`plan_buckets`): consecutive tensors grouped up to `bucket_bytes`, each
+bucket one flat uint8 buffer. Inside a bucket tensors are ordered by element size, largest first,
+so every tensor starts at an offset that is a multiple of its element size with no padding: the
+layout of SGLang's `load_format="flattened_bucket"` (`Bucket.sglang_fields()` gives the request).
+A bucket of one tensor is sent straight from (received straight into) that tensor, with no copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from asyncrl.messages import TensorMeta
+from asyncrl.transport.shards import dtype_from_name, dtype_name
+
+logger = logging.getLogger(__name__)
+
+# At most this many buckets are in flight per rank: one being sent while the next is packed.
+_MAX_IN_FLIGHT = 2
+# The layout fingerprint is the first 7 bytes of a sha256, so it and its negation fit in int64.
+_FINGERPRINT_BYTES = 7
+
+
+class BucketEntry(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset_bytes: int  # a multiple of the dtype's element size
+    num_bytes: int
+
+
+class Bucket(msgspec.Struct, frozen=True, kw_only=True):
+    """One flat broadcast: `entries` in byte order, `num_bytes` in total (no padding)."""
+
+    entries: tuple[BucketEntry, ...]
+    num_bytes: int
+
+    def sglang_fields(self) -> dict[str, list]:
+        """`names`/`dtypes`/`shapes` for SGLang's /update_weights_from_distributed with this bucket."""
+        return {
+            "names": [e.name for e in self.entries],
+            "dtypes": [e.dtype for e in self.entries],
+            "shapes": [list(e.shape) for e in self.entries],
+        }
+
+
+def tensor_metas(
+    tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+) -> list[TensorMeta]:
+    """Wire metadata of named tensors, in order (what receivers need to call `receive_tensors`)."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    return [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape)) for n, t in items]
+
+
+def plan_buckets(metas: Sequence[TensorMeta], *, bucket_bytes: int) -> list[Bucket]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (pure; identical on all ranks).
+
+    A tensor larger than `bucket_bytes` gets a bucket of its own. Within a bucket, entries are
+    stably sorted by element size, largest first, and packed without gaps: as element sizes are
+    powers of two, each offset is then a multiple of its tensor's element size.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    seen: set[str] = set()
+    sized: list[tuple[TensorMeta, torch.dtype, int]] = []
+    for meta in metas:
+        if meta.name in seen:
+            raise ValueError(f"tensor name {meta.name!r} appears twice")
+        seen.add(meta.name)
+        if any(dim < 0 for dim in meta.shape):
+            raise ValueError(f"tensor {meta.name!r} has a negative dimension in shape {meta.shape}")
+        dtype = dtype_from_name(meta.dtype)
+        sized.append((meta, dtype, math.prod(meta.shape) * dtype.itemsize))
+
+    groups: list[list[tuple[TensorMeta, torch.dtype, int]]] = []
+    current: list[tuple[TensorMeta, torch.dtype, int]] = []
+    current_bytes = 0
+    for item in sized:
+        if current and current_bytes + item[2] > bucket_bytes:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(item)
+        current_bytes += item[2]
+    if current:
+        groups.append(current)
+
+    buckets = []
+    for group in groups:
+        entries = []
+        offset = 0
+        for meta, dtype, nbytes in sorted(group, key=lambda item: -item[1].itemsize):
+            assert offset % dtype.itemsize == 0, "offsets stay aligned when sorted by element size"
+            entries.append(
+                BucketEntry(
+                    name=meta.name, dtype=meta.dtype, shape=meta.shape, offset_bytes=offset, num_bytes=nbytes
+                )
+            )
+            offset += nbytes
+        buckets.append(Bucket(entries=tuple(entries), num_bytes=offset))
+    return buckets
+
+
+def layout_fingerprint(buckets: Sequence[Bucket]) -> int:
+    """A positive int64 that differs (almost surely) whenever two ranks planned different layouts."""
+    digest = hashlib.sha256(msgspec.json.encode(list(buckets))).digest()
+    return int.from_bytes(digest[:_FINGERPRINT_BYTES], "little")
+
+
+# ---------------------------------------------------------------------------------------------- group
+
+
+@contextlib.contextmanager
+def _no_split_from_default_group() -> Iterator[None]:
+    """Stop torch from building the new group's communicator by splitting the default group's.
+
+    When the default group is bound to a device (eager NCCL init), torch creates new groups with
+    ncclCommSplit, a collective over *all* ranks of the default group; the generators are not in
+    that group, so the split would hang. Unbinding it for the duration of the creation avoids that.
+    """
+    default_pg = c10d._world.default_pg if dist.is_initialized() else None
+    bound = default_pg.bound_device_id if default_pg is not None else None
+    if bound is None:
+        yield
+        return
+    default_pg.bound_device_id = None
+    try:
+        yield
+    finally:
+        default_pg.bound_device_id = bound
+
+
+def init_weight_update_group(
+    *,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) a process group used only for weight updates; blocks until all ranks join.
+
+    Rank 0 (the learner) starts a TCPStore on `master_addr:master_port`; the store is wrapped in
+    `PrefixStore(group_name, ...)` before the group is created, which is what SGLang's server side
+    does, so SGLang ranks can be ranks 1.. of this group. Group ranks are used as-is (`src` in
+    `broadcast_tensors` is a rank of this group). The learner's default group, if any, is untouched.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {master_port}")
+    if not group_name:
+        raise ValueError("group_name must be non-empty")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if group_name in c10d._world.pg_names.values():
+        raise ValueError(f"a process group named {group_name!r} already exists in this process")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    with _no_split_from_default_group():
+        pg, _ = c10d._new_process_group_helper(
+            world_size, rank, [], dist.Backend(backend), prefixed, group_name=group_name, timeout=timeout
+        )
+    # Let torch.distributed collectives translate `src` for this group: its ranks are its own.
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    logger.info(
+        "joined weight update group %r as rank %d of %d (%s, store %s:%d)",
+        group_name,
+        rank,
+        world_size,
+        backend,
+        master_addr,
+        master_port,
+    )
+    return pg
+
+
+def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
+    """Leave and free a group made by `init_weight_update_group` (the default group is untouched)."""
+    dist.destroy_process_group(group)
+
+
+# ---------------------------------------------------------------------------------------------- transfer
+
+
+def _check_layout(group: dist.ProcessGroup, buckets: Sequence[Bucket], device: torch.device) -> None:
+    """All ranks compare layouts with one tiny all-reduce; on a mismatch all of them raise (no hang)."""
+    fingerprint = layout_fingerprint(buckets)
+    both = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low = both.tolist()
+    if high != fingerprint or -neg_low != fingerprint:
+        raise ValueError(
+            "weight layout differs between ranks of the weight update group: sender and receivers "
+            "must use the same tensor metadata, in the same order, and the same bucket_bytes"
+        )
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _entry_view(flat: torch.Tensor, entry: BucketEntry) -> torch.Tensor:
+    window = flat[entry.offset_bytes : entry.offset_bytes + entry.num_bytes]
+    return window.view(dtype_from_name(entry.dtype)).view(entry.shape)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    """`"cuda"` -> `cuda:<current>`, so it compares equal to the devices of tensors on it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _direct(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether a one-tensor bucket can be sent from / received into `t` itself."""
+    return t.device == device and t.is_contiguous()
+
+
+class _Staging:
+    """Reusable flat buffers for multi-tensor buckets, used round-robin.
+
+    With at most `_MAX_IN_FLIGHT` broadcasts outstanding and the oldest waited for before the next
+    is started, a slot is never reused while a broadcast on it is still in flight.
+    """
+
+    def __init__(self, num_bytes: int, device: torch.device) -> None:
+        self._num_bytes = num_bytes
+        self._device = device
+        self._buffers: list[torch.Tensor] = []
+        self._num_used = 0
+
+    def next_slot(self, num_bytes: int) -> torch.Tensor:
+        slot = self._num_used % _MAX_IN_FLIGHT
+        self._num_used += 1
+        if slot == len(self._buffers):
+            self._buffers.append(torch.empty(self._num_bytes, dtype=torch.uint8, device=self._device))
+        return self._buffers[slot][:num_bytes]
+
+
+def _staging_bytes(buckets: Sequence[Bucket]) -> int:
+    return max((b.num_bytes for b in buckets if len(b.entries) > 1), default=0)
+
+
+def broadcast_tensors(
+    group: dist.ProcessGroup,
+    tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+    *,
+    bucket_bytes: int,
+    src: int = 0,
+    device: str | torch.device | None = None,
+    check_layout: bool = True,
+) -> int:
+    """Send `tensors` (in order) to every other rank of `group`; returns the bytes sent.
+
+    Receivers call `receive_tensors` with `tensor_metas(tensors)` and the same `bucket_bytes`.
+    `device` is where the flat buffers live (default: the first tensor's device; "cuda" for NCCL).
+    With `check_layout` all ranks first compare layout fingerprints; turn it off only for receivers
+    that do not do it (SGLang servers).
+    """
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    if not items:
+        raise ValueError("there are no tensors to broadcast")
+    by_name = dict(items)
+    buckets = plan_buckets(tensor_metas(items), bucket_bytes=bucket_bytes)
+    device = _resolve_device(device if device is not None else items[0][1].device)
+    if check_layout:
+        _check_layout(group, buckets, device)
+    staging = _Staging(_staging_bytes(buckets), device)
+    in_flight: collections.deque[dist.Work] = collections.deque()
+    for bucket in buckets:
+        if bucket.num_bytes == 0:
+            continue  # nothing to send; receivers skip it too
+        if len(in_flight) == _MAX_IN_FLIGHT:
+            in_flight.popleft().wait()  # frees the staging slot used below
+        only = by_name[bucket.entries[0].name].detach() if len(bucket.entries) == 1 else None
+        if only is not None and _direct(only, device):
+            flat = _flat_bytes(only)
+        else:
+            flat = staging.next_slot(bucket.num_bytes)
+            for entry in bucket.entries:
+                _entry_view(flat, entry).copy_(by_name[entry.name].detach())
+        in_flight.append(dist.broadcast(flat, src=src, group=group, async_op=True))
+    for work in in_flight:
+        work.wait()
+    return sum(b.num_bytes for b in buckets)
+
+
+def receive_tensors(
+    group: dist.ProcessGroup,
+    metas: Sequence[TensorMeta],
+    *,
+    bucket_bytes: int,
+    src: int = 0,
+    device: str | torch.device = "cpu",
+    out: Mapping[str, torch.Tensor] | None = None,
+    check_layout: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Receive what `broadcast_tensors` sends; returns {name: tensor} in `metas` order.
+
+    Without `out`, tensors are fresh, on `device` (views into one buffer per bucket). With `out`
+    (name -> existing tensor for every name in `metas`, e.g. model parameters) the bytes land in
+    those tensors: directly when a bucket holds one contiguous tensor on `device`, else through a
+    staging buffer on `device` and a copy.
+    """
+    device = _resolve_device(device)
+    buckets = plan_buckets(metas, bucket_bytes=bucket_bytes)
+    if out is not None:
+        for meta in metas:
+            dest = out.get(meta.name)
+            if dest is None:
+                raise ValueError(f"out has no tensor named {meta.name!r}")
+            if dtype_name(dest.dtype) != meta.dtype or tuple(dest.shape) != meta.shape:
+                raise ValueError(
+                    f"out[{meta.name!r}] is {dtype_name(dest.dtype)}{list(dest.shape)}, "
+                    f"the sender sends {meta.dtype}{list(meta.shape)}"
+                )
+    if check_layout:
+        _check_layout(group, buckets, device)
+    staging = _Staging(_staging_bytes(buckets), device)
+    received: dict[str, torch.Tensor] = {}
+    # (work, bucket, flat buffer or None when the bytes went straight into out)
+    in_flight: collections.deque[tuple[dist.Work, Bucket, torch.Tensor | None]] = collections.deque()
+
+    def finish(work: dist.Work, bucket: Bucket, flat: torch.Tensor | None) -> None:
+        work.wait()
+        if flat is None:
+            return
+        for entry in bucket.entries:
+            view = _entry_view(flat, entry)
+            if out is None:
+                received[entry.name] = view
+            else:
+                out[entry.name].detach().copy_(view)
+
+    for bucket in buckets:
+        if bucket.num_bytes == 0:  # the sender skips it: only empty tensors
+            finish(_DoneWork(), bucket, torch.empty(0, dtype=torch.uint8, device=device))
+            continue
+        if len(in_flight) == _MAX_IN_FLIGHT:
+            finish(*in_flight.popleft())
+        only = out[bucket.entries[0].name].detach() if out is not None and len(bucket.entries) == 1 else None
+        if only is not None and _direct(only, device):
+            target, flat = _flat_bytes(only), None
+        elif out is None:
+            target = flat = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=device)
+        else:
+            target = flat = staging.next_slot(bucket.num_bytes)
+        in_flight.append((dist.broadcast(target, src=src, group=group, async_op=True), bucket, flat))
+    while in_flight:
+        finish(*in_flight.popleft())
+    if out is not None:
+        return {meta.name: out[meta.name] for meta in metas}
+    return {meta.name: received[meta.name] for meta in metas}
+
+
+class _DoneWork:
+    """Stands in for the Work of a bucket with no bytes (nothing is sent for it)."""
+
+    def wait(self) -> bool:
+        return True

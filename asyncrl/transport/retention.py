@@ -1,0 +1,121 @@
+"""Which published weight versions may be deleted: the retention policy of the safetensors path.
+
+Place in the data flow: the process that publishes shards (learner rank 0, or the scheduler on its
+behalf) records every `WeightsPublished` with `publish(v)` and every generator's `WeightsLoaded` with
+`ack(generator_id, v)`; after each publish it calls `prune(root, retention)`. A version is deleted
+only when it is outside the last `keep_last` versions (which the snapshot-based old-logit strategy
+and late loaders need) AND older than the version every registered generator has acked, so a version
+some generator still samples with (or is about to load) is never deleted.
+
+`VersionRetention` is pure bookkeeping; `prune` is the one function here that touches the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from asyncrl.transport.shards import temporary_dir, version_dir
+
+logger = logging.getLogger(__name__)
+
+
+class VersionRetention:
+    """Published versions and per-generator acked versions; decides what is deletable."""
+
+    def __init__(self, keep_last: int) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (the newest version is always kept), got {keep_last}")
+        self.keep_last = keep_last
+        self._published: list[int] = []  # ascending, still on disk
+        self._acked: dict[str, int] = {}  # generator_id -> version it samples with (or will load)
+
+    @property
+    def published(self) -> list[int]:
+        """Versions published and not yet deleted, ascending."""
+        return list(self._published)
+
+    @property
+    def acked(self) -> dict[str, int]:
+        """generator_id -> its pinned version."""
+        return dict(self._acked)
+
+    def publish(self, version: int) -> None:
+        """Record a newly published version; versions must increase."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        if self._published and version <= self._published[-1]:
+            raise ValueError(
+                f"published version {version} is not newer than the latest, {self._published[-1]}"
+            )
+        self._published.append(version)
+
+    def register(self, generator_id: str) -> None:
+        """Pin the latest published version for a generator that has not acked yet.
+
+        A generator that joins loads the latest version, so from registration on that version (and
+        anything newer) must stay until the generator acks. Registering an already known generator
+        changes nothing.
+        """
+        if generator_id not in self._acked:
+            self._acked[generator_id] = self._published[-1] if self._published else 0
+
+    def ack(self, generator_id: str, version: int) -> None:
+        """A generator now samples with `version` (its `WeightsLoaded`); older versions are free for it.
+
+        The last ack wins, also when it goes backwards (a restarted generator that loaded an older
+        version really does use that one).
+        """
+        latest = self._published[-1] if self._published else None
+        if latest is None or version > latest:
+            raise ValueError(
+                f"generator {generator_id!r} acked version {version}, which was never published (latest: {latest})"
+            )
+        self._acked[generator_id] = version
+
+    def forget(self, generator_id: str) -> None:
+        """A generator left (or died); it no longer pins any version. Unknown ids are ignored."""
+        self._acked.pop(generator_id, None)
+
+    def in_use(self) -> set[int]:
+        """Versions some generator pins."""
+        return set(self._acked.values())
+
+    def deletable(self) -> list[int]:
+        """Versions older than the last `keep_last` AND older than every generator's pinned version."""
+        kept_from = self._published[-self.keep_last] if len(self._published) >= self.keep_last else None
+        if kept_from is None:
+            return []
+        floor = min([kept_from, *self._acked.values()])
+        return [v for v in self._published if v < floor]
+
+    def deleted(self, version: int) -> None:
+        """Record that `version`'s directory is gone (called by `prune`)."""
+        if version in self.in_use():
+            raise ValueError(f"version {version} is still in use and cannot have been deleted")
+        self._published.remove(version)
+
+
+def prune(root: Path, retention: VersionRetention) -> list[int]:
+    """Delete the directories of `retention.deletable()` versions under `root`; returns them.
+
+    Each directory is first renamed to a hidden temporary name (atomic, so `list_versions` never
+    lists a half-deleted version) and then removed. A version whose directory is already gone is
+    recorded as deleted too.
+    """
+    removed = []
+    for version in retention.deletable():
+        path = version_dir(root, version)
+        if path.is_dir():
+            doomed = temporary_dir(root, f"delete-v{version:08d}")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+        else:
+            logger.warning("weights version %d was already deleted from %s", version, root)
+        retention.deleted(version)
+        removed.append(version)
+    if removed:
+        logger.info("pruned weights versions %s from %s", removed, root)
+    return removed

@@ -1,0 +1,90 @@
+"""ZeroMQ sockets for asyncrl processes: one asyncio context per process, typed receive loops.
+
+Delivery semantics: every socket sets linger and high-water marks explicitly. Control traffic
+(ROUTER/DEALER) is small and must not be dropped, so HWMs are generous and sends block rather
+than drop. Trajectories (PUSH/PULL) use the credit-bounded admission upstream, so queues stay
+short by construction. A malformed frame is logged, counted in `rejected`, and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.transport.codec import MalformedFrame, decode, encode
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "tcp://127.0.0.1"
+# On close, wait at most this long for queued messages (shutdown must never hang on a dead peer).
+LINGER_MS = 1000
+CONTROL_HWM = 100_000
+DATA_HWM = 100_000
+
+
+class Endpoint:
+    """One socket plus its codec and rejection counters. Owned by exactly one task for receiving."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int, *, name: str, identity: str | None = None):
+        self.name = name
+        self.sock = ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        hwm = DATA_HWM if kind in (zmq.PUSH, zmq.PULL) else CONTROL_HWM
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        if kind == zmq.ROUTER:
+            # Fail loudly instead of silently dropping a message to a peer that is gone.
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.rejected: Counter[str] = Counter()
+        self.address = ""
+
+    def bind_loopback(self) -> str:
+        port = self.sock.bind_to_random_port(LOOPBACK)
+        self.address = f"{LOOPBACK}:{port}"
+        return self.address
+
+    def connect(self, address: str) -> None:
+        self.sock.connect(address)
+        self.address = address
+
+    async def send(self, msg: Any, tensors=(), *, to: bytes | None = None) -> None:
+        frames = encode(msg, tensors)
+        if to is not None:
+            frames = [to, *frames]
+        await self.sock.send_multipart(frames, copy=False)
+
+    async def recv(self) -> tuple[bytes | None, Any, list]:
+        """Next valid message as (sender identity or None, message, tensors); skips malformed ones."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            sender = None
+            if self.sock.type == zmq.ROUTER:
+                if len(frames) < 2:
+                    self._reject("missing identity frame")
+                    continue
+                sender, frames = frames[0].bytes, frames[1:]
+            try:
+                msg, tensors = decode(frames)
+            except MalformedFrame as exc:
+                self._reject(str(exc))
+                continue
+            return sender, msg, tensors
+
+    def _reject(self, reason: str) -> None:
+        key = reason.split(":")[0][:80]
+        self.rejected[key] += 1
+        if sum(self.rejected.values()) <= 10 or sum(self.rejected.values()) % 1000 == 0:
+            log.error("%s: rejected malformed message (%s); %d rejected so far", self.name, reason, sum(self.rejected.values()))
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+    def close(self) -> None:
+        self.sock.close()
