@@ -34,7 +34,9 @@ def launch(
 ) -> None:
     """Train: spawn the learner and generators, stream until done, write the run directory."""
     from asyncrl.config import ConfigError, load_config
+    from asyncrl.models.hf import quiet_offline
 
+    quiet_offline()
     try:
         cfg = load_config(config, set_ or [])
     except ConfigError as exc:
@@ -74,7 +76,9 @@ def sft(
     from dataclasses import replace
 
     from asyncrl.models.default import SftSettings, build_default_checkpoint
+    from asyncrl.models.hf import quiet_offline
 
+    quiet_offline()
     if steps <= 0:
         _fail("--steps must be > 0")
 

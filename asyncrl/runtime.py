@@ -75,6 +75,9 @@ def run_child(role: Role, main: Callable[[ChildContext], Awaitable[None]], argv:
     """Entry point of a child process: runs `main(ctx)` on uvloop until it returns or fails."""
     import uvloop
 
+    from asyncrl.models.hf import quiet_offline
+
+    quiet_offline()
     args = child_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(

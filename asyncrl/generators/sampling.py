@@ -10,6 +10,7 @@ Legend: B sequences, L prompt length (left-padded), V vocab.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -56,6 +57,16 @@ def next_token_logprobs(logits_BV: torch.Tensor, *, temperature: float, top_p: f
     return logp_BV
 
 
+def _cache_keyword(model) -> str:
+    """transformers >= 5.x names the KV cache argument `cache`; 4.x calls it `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -81,8 +92,9 @@ def generate(
     ids_BL, attn_BL = left_pad(prompt_ids, pad_token_id)
     num_seqs = ids_BL.shape[0]
     pos_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
+    cache_kw = _cache_keyword(model)
     out = model(input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL, use_cache=True)
-    cache = out.past_key_values
+    cache = _cache_of(out)
     logits_BV = out.logits[:, -1]
     next_pos_B = pos_BL[:, -1] + 1
 
@@ -112,10 +124,10 @@ def generate(
             input_ids=tok_B[:, None],
             attention_mask=attn_BL,
             position_ids=next_pos_B[:, None],
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kw: cache},
         )
-        cache = out.past_key_values
+        cache = _cache_of(out)
         logits_BV = out.logits[:, -1]
         next_pos_B = next_pos_B + 1
 

@@ -85,7 +85,7 @@ def aggregate(
     if mode == "seq-mean-token-mean":
         num_valid_B = mask_BT.sum(dim=1).clamp(min=1)
         seq_means = (per_token_BT.sum(dim=1) / num_valid_B).sum()
-        return seq_means / mask_BT.shape[0]
+        return seq_means / _denominator(num_seqs_global, "num_seqs_global", mode)
     if mode == "seq-mean-token-sum":
         return per_token_BT.sum() / _denominator(num_seqs_global, "num_seqs_global", mode)
     return per_token_BT.sum() / _denominator(norm_constant, "norm_constant", mode)

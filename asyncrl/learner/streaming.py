@@ -294,8 +294,7 @@ class StreamingAccumulator:
         kept = not (degenerate and self.drop_degenerate_groups)
         if kept:
             self._num_groups_kept += 1
-            self._count(group.num_tokens + 0, num_samples)
-        if not kept: self._count(group.num_tokens, 0)
+            self._count(group.num_tokens, num_samples)
         else:
             self._num_groups_dropped += 1
         # Degenerate: every shift was 0, so S1 was never allocated and (for mean-only baselines)

@@ -195,7 +195,7 @@ class Launcher:
         self.reporter.event(text)
 
     def write_record(self, kind: str, payload: dict) -> None:
-        record = {"type": kind, "time_s": round(self.state.elapsed_s, 4), **payload}
+        record = {**payload, "type": kind, "time_s": round(self.state.elapsed_s, 4)}
         self.metrics_file.write(json.dumps(record) + "\n")
 
     def min_loaded_version(self) -> int:

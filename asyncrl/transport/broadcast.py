@@ -10,11 +10,13 @@ The group has its own TCPStore on `master_addr:master_port`, wrapped in `PrefixS
 exactly as SGLang's `init_weights_update_group` does on the server side, so it never touches the
 learner's default (data-parallel) group and SGLang ranks can join it.
 
-Bytes travel in buckets (`plan_buckets`): consecutive tensors grouped up to `bucket_bytes`, each
-bucket one flat uint8 buffer. Inside a bucket tensors are ordered by element size, largest first,
-so every tensor starts at an offset that is a multiple of its element size with no padding: the
-layout of SGLang's `load_format="flattened_bucket"` (`Bucket.sglang_fields()` gives the request).
-A bucket of one tensor is sent straight from (received straight into) that tensor, with no copy.
+Bytes travel in buckets (`plan_buckets`): small tensors grouped up to `bucket_bytes`, large ones
+alone, each bucket one flat uint8 buffer. Inside a bucket tensors are ordered by element size,
+largest first, so every tensor starts at an offset that is a multiple of its element size with no
+padding: the layout of SGLang's `load_format="flattened_bucket"` (`Bucket.sglang_fields()` gives
+the request). A bucket of one tensor is sent straight from (received straight into) that tensor.
+On gloo (CPU) pick `bucket_bytes` around a few MiB so large tensors go without copies; for NCCL
+and SGLang larger buckets (hundreds of MiB) mean fewer calls.
 """
 
 from __future__ import annotations
@@ -75,11 +77,13 @@ def tensor_metas(
 
 
 def plan_buckets(metas: Sequence[TensorMeta], *, bucket_bytes: int) -> list[Bucket]:
-    """Group tensors, in order, into buckets of at most `bucket_bytes` (pure; identical on all ranks).
+    """Group tensors into buckets of at most `bucket_bytes` (pure, so identical on every rank).
 
-    A tensor larger than `bucket_bytes` gets a bucket of its own. Within a bucket, entries are
-    stably sorted by element size, largest first, and packed without gaps: as element sizes are
-    powers of two, each offset is then a multiple of its tensor's element size.
+    A tensor of `bucket_bytes` or more gets a bucket of its own, sent without a copy; smaller ones
+    are packed, in order, into shared buckets that keep filling across the large ones (so the small
+    norms and biases of many layers travel together). Within a bucket, entries are stably sorted by
+    element size, largest first, and packed without gaps: as element sizes are powers of two, each
+    offset is then a multiple of its tensor's element size.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -98,7 +102,10 @@ def plan_buckets(metas: Sequence[TensorMeta], *, bucket_bytes: int) -> list[Buck
     current: list[tuple[TensorMeta, torch.dtype, int]] = []
     current_bytes = 0
     for item in sized:
-        if current and current_bytes + item[2] > bucket_bytes:
+        if item[2] >= bucket_bytes:
+            groups.append([item])
+            continue
+        if current_bytes + item[2] > bucket_bytes:
             groups.append(current)
             current, current_bytes = [], 0
         current.append(item)

@@ -530,7 +530,7 @@ def _check_entries(
         if end - begin != math.prod(t.shape) * dtype.itemsize:
             raise corrupt(f"has data offsets for {t.name!r} that do not match its shape")
         entries.append((t, begin, end))
-    entries.sort(key=lambda e: e[1])
+    entries.sort(key=lambda e: (e[1], e[2]))  # an empty tensor sorts before its neighbour
     pos = 0
     for t, begin, end in entries:
         if begin != pos:

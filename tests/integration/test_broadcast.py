@@ -2,7 +2,8 @@
 
 Rank 0 plays the learner and sends; the other ranks play generators and receive. Every process
 builds the same deterministic tensors itself and reports only comparisons, so no tensor crosses the
-result queue. Processes are spawned by the test and ended only by it.
+result queue. Processes are started by the test and ended only by it. The bucket planner, which is
+pure, is tested first.
 """
 
 from __future__ import annotations
@@ -14,17 +15,26 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncrl.messages import TensorMeta
+from asyncrl.transport.broadcast import Bucket, layout_fingerprint, plan_buckets
 
 TIMEOUT_S = 60.0  # gloo and store timeout inside the workers; the pytest timeout is the outer guard
 BUCKET_BYTES = 4096
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (all held open at once, so they differ)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -52,6 +62,70 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
     )
+
+
+_DTYPE_NAMES = ["float64", "float32", "bfloat16", "float16", "int64", "int32", "int8", "bool", "uint8"]
+
+
+def meta(name: str, dtype: str, *shape: int) -> TensorMeta:
+    return TensorMeta(name=name, dtype=dtype, shape=shape)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(st.sampled_from(_DTYPE_NAMES), st.lists(st.integers(0, 9), max_size=3)),
+        min_size=1,
+        max_size=12,
+    ),
+    bucket_bytes=st.integers(1, 300),
+)
+def test_buckets_are_aligned_gapless_and_cover_every_tensor_once(specs: list, bucket_bytes: int) -> None:
+    metas = [meta(f"t{i}", dtype, *shape) for i, (dtype, shape) in enumerate(specs)]
+    buckets = plan_buckets(metas, bucket_bytes=bucket_bytes)
+    names = [e.name for b in buckets for e in b.entries]
+    assert sorted(names) == sorted(m.name for m in metas)
+    for bucket in buckets:
+        offset = 0
+        for e in bucket.entries:
+            itemsize = getattr(torch, e.dtype).itemsize
+            assert e.offset_bytes == offset and e.offset_bytes % itemsize == 0
+            offset += e.num_bytes
+        assert bucket.num_bytes == offset
+        assert bucket.num_bytes <= bucket_bytes or len(bucket.entries) == 1
+
+
+def test_small_tensors_share_buckets_across_large_ones() -> None:
+    metas = [
+        meta("a", "float32", 2),
+        meta("big1", "bfloat16", 64),
+        meta("b", "int8", 3),
+        meta("big2", "int64", 20),
+    ]
+    buckets = plan_buckets(metas, bucket_bytes=100)
+    assert [[e.name for e in b.entries] for b in buckets] == [["big1"], ["big2"], ["a", "b"]]
+    assert [(e.offset_bytes, e.num_bytes) for e in buckets[2].entries] == [(0, 8), (8, 3)]
+    assert buckets[2].sglang_fields() == {
+        "names": ["a", "b"],
+        "dtypes": ["float32", "int8"],
+        "shapes": [[2], [3]],
+    }
+
+
+def test_plan_rejects_bad_input_and_fingerprints_differ() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([meta("a", "float32", 1)], bucket_bytes=0)
+    with pytest.raises(ValueError, match="twice"):
+        plan_buckets([meta("a", "float32", 1), meta("a", "float32", 1)], bucket_bytes=8)
+    with pytest.raises(ValueError, match="dtype"):
+        plan_buckets([meta("a", "float33", 1)], bucket_bytes=8)
+    with pytest.raises(ValueError, match="negative"):
+        plan_buckets([meta("a", "float32", -1)], bucket_bytes=8)
+    metas = [meta("a", "float32", 4), meta("b", "float32", 3)]
+    plan: list[Bucket] = plan_buckets(metas, bucket_bytes=64)
+    assert layout_fingerprint(plan) == layout_fingerprint(plan_buckets(metas, bucket_bytes=64))
+    assert layout_fingerprint(plan) != layout_fingerprint(plan_buckets(metas, bucket_bytes=8))
+    assert layout_fingerprint(plan) != layout_fingerprint(plan_buckets(metas[::-1], bucket_bytes=64))
 
 
 def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
@@ -82,15 +156,15 @@ def run_exchange(pg: object, rank: int, *, bucket_bytes: int, into: bool) -> lis
     return bad
 
 
-def worker(rank: int, port: int, dp_port: int, results: mp.Queue) -> None:
-    """Ranks 0..2 form the weight group; ranks 0 and 1 also form a 2-rank default (data-parallel)
-    group and use it before, between and after weight updates. Rank 2 is a plain generator."""
+def worker(rank: int, port: int, dp_port: int | None, results: mp.Queue) -> None:
+    """Ranks 0..2 form the weight group. With `dp_port`, ranks 0 and 1 also form a 2-rank default
+    (data-parallel) group and use it before, between and after weight updates."""
     import torch.distributed as dist
 
     from asyncrl.transport.broadcast import init_weight_update_group
 
     report: dict[str, object] = {"rank": rank}
-    in_dp = rank < 2
+    in_dp = dp_port is not None and rank < 2
     if in_dp:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dp_port}", rank=rank, world_size=2)
         x = torch.tensor([rank + 1.0])
@@ -150,7 +224,10 @@ def _entry(target: Callable[..., None], *args: object) -> None:
 
 
 def run_ranks(target: Callable[..., None], world_size: int, *extra: object) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    # fork, not spawn: a spawned child re-imports torch, which takes ~5 s per process on a loaded
+    # 2-core machine. The parent never initialises torch.distributed, and torch resets its intra-op
+    # thread pool in a forked child, so the children start clean.
+    ctx = mp.get_context("fork")
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_entry, args=(target, rank, *extra, results), name=f"rank{rank}", daemon=True)
@@ -172,28 +249,22 @@ def run_ranks(target: Callable[..., None], world_size: int, *extra: object) -> l
     return sorted(reports, key=lambda r: r["rank"])
 
 
-@pytest.fixture(scope="module")
-def reports() -> list[dict]:
-    """One run of three spawned ranks serves every test below (spawning costs seconds on 2 cores)."""
-    return run_ranks(worker, 3, free_port(), free_port())
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_receivers_get_bitwise_identical_tensors(reports: list[dict]) -> None:
+@pytest.mark.timeout(120)
+def test_receivers_get_bitwise_identical_tensors() -> None:
+    reports = run_ranks(worker, 3, *free_ports(1), None)
     assert [(r["bad_small_buckets"], r["bad_large_buckets"]) for r in reports] == [([], [])] * 3
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_layout_mismatch_fails_on_every_rank(reports: list[dict]) -> None:
+    # the third exchange planned different buckets on rank 2: every rank raised instead of hanging
     assert all("layout differs" in r["mismatch_error"] for r in reports), reports
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_weight_group_coexists_with_default_group(reports: list[dict]) -> None:
+@pytest.mark.timeout(120)
+def test_weight_group_coexists_with_default_group() -> None:
+    reports = run_ranks(worker, 3, *free_ports(2))
+    assert [(r["bad_small_buckets"], r["bad_large_buckets"]) for r in reports] == [([], [])] * 3
     for r in reports[:2]:
         assert (r["dp_before"], r["dp_between"], r["dp_end"]) == (3.0, 30.0, 2.0)
         assert r["dp_world"] == (r["rank"], 2)
         assert r["name_taken"]
+    assert "dp_before" not in reports[2]

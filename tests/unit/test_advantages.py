@@ -9,8 +9,8 @@ import torch
 
 from asyncrl.learner.advantages import (
     dr_grpo_advantages,
-    grpo_advantages,
     group_rewards,
+    grpo_advantages,
     k1_reward_to_go,
     k1_sequence_penalty,
     mc_grpo_advantages,

@@ -1,0 +1,101 @@
+"""Real processes on loopback: a short multi-generator run, and Ctrl-C leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _job_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    sets = [
+        f'model.path="{model_dir}"',
+        f'run.out_dir="{out_dir}"',
+        'run.name="t"',
+        "learner.groups_per_step=4",
+        "learner.samples_per_group=4",
+        "task.num_eval=16",
+        "sampling.max_new_tokens=4",
+        *extra,
+    ]
+    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes once its parent reaped it.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_two_generators_run_to_completion_with_nothing_lost(tiny_model_dir, tmp_path):
+    proc = subprocess.run(
+        _job_args(tiny_model_dir, tmp_path, "learner.steps=3", "generators.num_generators=2", "staleness.max_staleness=1"),
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["policy_versions"] == 3
+    assert summary["trajectories_trained"] == 3 * 4 * 4
+    assert summary["trajectories_generated"] == summary["trajectories_trained"]
+    assert summary["trajectories_lost"] == 0
+    assert summary["duplicates"] == 0
+    assert 0 <= summary["max_staleness"] <= 1
+    for key in ("eval_before", "eval_after", "wall_s", "samples_per_s", "tokens_per_s"):
+        assert summary[key] >= 0
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert {r["generator_id"] for r in lines if r["type"] == "loaded"} == {"gen-0", "gen-1"}
+    assert (tmp_path / "t" / "final_model" / "config.json").is_file()
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["generators"]["num_generators"] == 2
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_leaves_no_process_behind(tiny_model_dir, tmp_path):
+    proc = subprocess.Popen(
+        _job_args(tiny_model_dir, tmp_path, "learner.steps=1000", "generators.num_generators=2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        for line in proc.stdout:
+            m = re.search(r"started (\S+) \(pid (\d+)\)", line)
+            if m:
+                pids.append(int(m.group(2)))
+            if line.startswith("step 1/"):
+                break
+        assert len(pids) == 3, pids
+        assert all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert "interrupted" in rest
+    assert not [p for p in pids if _alive(p)]
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"

@@ -1,0 +1,63 @@
+"""Config loading: defaults, TOML, --set overrides, and errors that name the field path."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config, load_resolved_config, write_resolved_config
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg.mode == "async"
+    assert cfg.effective_max_staleness == cfg.staleness.max_staleness
+
+
+def test_toml_then_overrides(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('mode = "sync"\n[learner]\nsteps = 7\nlr = 0.01\n')
+    cfg = load_config(path, ["learner.lr=3e-4", "generators.num_generators=2"])
+    assert cfg.mode == "sync"
+    assert cfg.learner.steps == 7
+    assert cfg.learner.lr == pytest.approx(3e-4)
+    assert cfg.generators.num_generators == 2
+    assert cfg.effective_max_staleness == 0  # sync is strictly on-policy
+
+
+def test_unknown_key_names_path_and_valid_keys():
+    with pytest.raises(ConfigError) as exc:
+        load_config(overrides=["learner.lrr=0.1"])
+    assert "learner.lrr" in str(exc.value)
+    assert "lr" in str(exc.value).split("valid keys here:")[1]
+
+
+def test_wrong_type_names_path():
+    with pytest.raises(ConfigError, match=r"learner\.steps.*Expected `int`"):
+        load_config(overrides=["learner.steps=many"])
+
+
+def test_out_of_range_names_path():
+    with pytest.raises(ConfigError, match=r"learner\.lr.*> 0"):
+        load_config(overrides=["learner.lr=-1"])
+
+
+def test_bad_enum_lists_valid_values():
+    with pytest.raises(ConfigError, match="valid values: 'async', 'sync'"):
+        load_config(overrides=["mode=fast"])
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(overrides=["learner.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trip(tmp_path):
+    cfg = load_config(overrides=["learner.steps=3", "sampling.temperature=0.7"])
+    write_resolved_config(cfg, tmp_path / "config.json")
+    assert load_resolved_config(tmp_path / "config.json") == cfg
