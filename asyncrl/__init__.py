@@ -1,0 +1,27 @@
+"""asyncrl: Ray-free asynchronous RL post-training for language models.
+
+Data flow (one machine by default; every socket on loopback):
+
+    launcher (scheduler/service.py)  --PromptTask-------------------->  generator[i] (generators/service.py)
+      | owns prompts, admission,       --WeightsPublished (forwarded)-->    | samples with the torch model,
+      | supervision, metrics.jsonl   <--TaskDone, WeightsLoaded---------    | scores with the task's verifier
+      |                                                                     |
+      |  <--Hello(endpoint), StepDone, WeightsPublished--+                  | Trajectory (+ 3 tensor frames)
+      |  --WeightsLoaded (forwarded), Shutdown---------> |                  v
+      |                                          learner (learner/service.py): PULL socket, window
+      |                                          per step, GRPO step, publishes versioned safetensors
+      |                                          shards (transport/shards.py) under <run>/weights/
+
+| loop | consumes | produces | waits for | unblocked by |
+|---|---|---|---|---|
+| launcher dispatch | WeightsLoaded | PromptTask | a free admission credit | every generator loading a newer version |
+| generator work | PromptTask, WeightsPublished | Trajectory, TaskDone, WeightsLoaded | a pending task | PromptTask |
+| learner train | Trajectory | StepDone, WeightsPublished | the step's whole window | the window's last Trajectory |
+| learner ctrl | WeightsLoaded, Shutdown | deletions of unused versions | a control message | the launcher |
+
+Admission (scheduler/admission.py): group j is trained at step j // B and is admitted only
+when every generator holds a version >= j // B - max_staleness, so no token is ever more than
+max_staleness versions older than the step that trains on it.
+"""
+
+__version__ = "0.1.0"

@@ -456,7 +456,7 @@ class Buffer(Generic[P]):
             return self._max_staleness is None or self._version - group.min_version <= self._max_staleness
         if reason == "freshness":
             return group.freshness >= self._freshness_floor
-        return group.step > self._version - self._window
+        return group.step >= self._version - self._window
 
     def _policy_key(self, group: _Group) -> Any:
         if self._order == "fifo":

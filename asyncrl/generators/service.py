@@ -19,7 +19,15 @@ import torch
 import zmq
 
 from asyncrl.generators.base import GeneratorContext, Rollout, resolve_generator
-from asyncrl.messages import Metrics, PromptTask, Shutdown, TaskDone, Trajectory, WeightsLoaded, WeightsPublished
+from asyncrl.messages import (
+    Metrics,
+    PromptTask,
+    Shutdown,
+    TaskDone,
+    Trajectory,
+    WeightsLoaded,
+    WeightsPublished,
+)
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import tensor_ref
 from asyncrl.transport.zmq_io import Endpoint

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from asyncrl.learner.advantages import grpo_advantages, group_rewards, sequence_advantages, token_advantages
+from asyncrl.learner.advantages import group_rewards, grpo_advantages, sequence_advantages, token_advantages
 from asyncrl.learner.logprobs import causal_lm_logprobs
 from asyncrl.learner.losses import clipped_surrogate
 
