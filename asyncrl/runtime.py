@@ -71,6 +71,13 @@ async def _watch_parent(parent_pid: int) -> None:
     raise ParentGone()
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 def run_child(role: Role, main: Callable[[ChildContext], Awaitable[None]], argv: list[str] | None = None) -> None:
     """Entry point of a child process: runs `main(ctx)` on uvloop until it returns or fails."""
     import uvloop
@@ -114,9 +121,9 @@ def run_child(role: Role, main: Callable[[ChildContext], Awaitable[None]], argv:
             log.warning("%s: the launcher is gone; exiting", args.peer_id)
             code = 3
         except* Exception as group:
-            exc = group.exceptions[0]
+            exc = _leaf(group)
             tb = "".join(traceback.format_exception(exc))
-            log.error("%s failed: %s", args.peer_id, exc)
+            log.error("%s failed:\n%s", args.peer_id, tb)
             try:
                 await asyncio.wait_for(
                     ctrl.send(Fatal(role=role, peer_id=args.peer_id, error=f"{type(exc).__name__}: {exc}", traceback=tb)),

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 HIDDEN = 1024
 MATRIX_PARAMS = 4 * HIDDEN * HIDDEN  # one [4096, 1024] bf16 matrix = 8 MiB, like a mid-size MLP weight
 DEFAULT_SHARD_BYTES = 64 << 20
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 4 << 20  # gloo: tensors of 4 MiB or more go alone, without copies
 GROUP_TIMEOUT_S = 300.0
 _GB = 1e9
 
@@ -301,7 +301,7 @@ def run_weights_bench(
     torch.set_num_threads(1)  # copies and hashing here are single-stream, like the library's callers
     sd = make_state_dict(num_params)
     num_bytes = num_bytes_of(sd)
-    memcpy = measure_memcpy_gbps(num_bytes, repeats=max(3, repeats))
+    memcpy = measure_memcpy_gbps(num_bytes, repeats=max(11, repeats))  # short: more samples
     base = shard_root or (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
     detail: dict[str, dict[str, dict]] = {"shards": {}, "broadcast": {}}
     for n in num_generators_list:

@@ -90,7 +90,9 @@ class LedgerCounters(msgspec.Struct, kw_only=True):
     """Running totals; they survive `compact()`, so they are checkpointed as they are."""
 
     tasks_by_state: dict[str, int] = msgspec.field(default_factory=lambda: {s.value: 0 for s in TaskState})
-    trajectories_by_state: dict[str, int] = msgspec.field(default_factory=lambda: {s.value: 0 for s in TrajState})
+    trajectories_by_state: dict[str, int] = msgspec.field(
+        default_factory=lambda: {s.value: 0 for s in TrajState}
+    )
     evicted_by_reason: dict[str, int] = msgspec.field(default_factory=dict)  # trajectories
     num_requeues: int = 0
     num_duplicate_ids: int = 0
@@ -175,8 +177,14 @@ class Ledger:
     def task_done(self, task_id: int, *, generator_id: str | None = None) -> None:
         """The generator sent every sample of the task (they may still be on the wire)."""
         task = self._task(task_id)
-        if generator_id is not None and task.state == TaskState.IN_FLIGHT and task.generator_id != generator_id:
-            raise ValueError(f"task {task_id}: done reported by {generator_id!r}, but in flight on {task.generator_id!r}")
+        if (
+            generator_id is not None
+            and task.state == TaskState.IN_FLIGHT
+            and task.generator_id != generator_id
+        ):
+            raise ValueError(
+                f"task {task_id}: done reported by {generator_id!r}, but in flight on {task.generator_id!r}"
+            )
         self._move_task(task, "task_done", (TaskState.IN_FLIGHT,), TaskState.GENERATED)
         self._in_flight[task.generator_id].discard(task_id)
         self._maybe_close(task)
@@ -230,9 +238,13 @@ class Ledger:
             return Arrival.DUPLICATE_SAMPLE
         task = self._task(task_id)
         if task.state not in (TaskState.IN_FLIGHT, TaskState.GENERATED, TaskState.REQUEUED):
-            raise ValueError(f"trajectory {traj_id}: task {task_id} is {task.state}, no trajectory can arrive for it")
+            raise ValueError(
+                f"trajectory {traj_id}: task {task_id} is {task.state}, no trajectory can arrive for it"
+            )
         if not 0 <= sample_index < task.num_samples:
-            raise ValueError(f"trajectory {traj_id}: sample_index {sample_index} not in [0, {task.num_samples})")
+            raise ValueError(
+                f"trajectory {traj_id}: sample_index {sample_index} not in [0, {task.num_samples})"
+            )
         slots = self._slots[task_id]
         verdict = Arrival.NEW
         if sample_index in slots.seen:
@@ -264,7 +276,9 @@ class Ledger:
         """A trained trajectory was used again (buffer replay): counted, no state change."""
         traj = self._traj(traj_id)
         if traj.state != TrajState.TRAINED:
-            raise ValueError(f"trajectory {traj_id}: cannot replay from {traj.state} (replayed needs trained)")
+            raise ValueError(
+                f"trajectory {traj_id}: cannot replay from {traj.state} (replayed needs trained)"
+            )
         traj.num_replays += 1
         self._counters.num_replays += 1
 

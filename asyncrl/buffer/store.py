@@ -7,17 +7,20 @@ every optimizer step. Freshness is computed elsewhere (`asyncrl.staleness`) and 
 
 Life of a group:
 
-   put x num_samples   +---------+  complete,     +-------+  sample, last use
-  -------------------> | pending | --bounds ok--> | ready | -------------------> handed out
-                       +---------+                +-------+ <--+
-                         |     |                   |  ^  |     | sample, replays left:
-     discard_pending     |     | complete,         |  |  +-----+ freshness *= replay_decay
-     ("abandoned")       |     | bound violated    |  |
-                         |     v                   |  | bounds loosened (set_bounds)
-                         |   withhold: withheld <--+--+   bound crossed (update_version,
-                         |     |                   |        set_bounds tightened)
-                         v     v memory full       v
-                       drop: evicted, counted by reason ("reclaimed" for withheld data)
+  pending     members still arriving (`put` returns True when the last one arrives)
+  ready       complete and within every bound: `sample` may hand it out
+  withheld    complete but violating a bound, with action="withhold"
+  handed out  left through `sample` (at its last use, if replayed)
+  evicted     dropped and counted by reason: a bound with action="drop", "abandoned"
+              (`discard_pending`), or "reclaimed" (withheld data dropped to make room)
+
+  pending --complete--> ready --sample--> handed out
+     |         |          ^ |  +--sample, replays left: freshness *= replay_decay, re-filed
+     |         |          | |     like a newly completed group
+     |         | violated | | bound crossed (update_version, set_bounds tightened)
+     |         v  loosened| v
+     |       withheld / evicted (by action)      withheld --memory full--> evicted
+     +--discard_pending--> evicted
 
 A bound is violated when staleness = learner_version - min_version > max_staleness, when the
 group's freshness (the minimum over its members) is below `freshness_floor`, or, for the
@@ -288,13 +291,17 @@ class Buffer(Generic[P]):
                 f"got {item.num_tokens} and {item.num_samples}"
             )
         if self._max_tokens is not None and item.num_tokens > self._max_tokens:
-            raise ValueError(f"traj {item.traj_id}: {item.num_tokens} tokens can never fit max_tokens={self._max_tokens}")
+            raise ValueError(
+                f"traj {item.traj_id}: {item.num_tokens} tokens can never fit max_tokens={self._max_tokens}"
+            )
         if item.traj_id in self._traj_ids:
             raise ValueError(f"traj {item.traj_id} is already in the buffer")
         group = self._groups.get(item.group_id)
         if group is not None:
             if group.where != "pending":
-                raise ValueError(f"traj {item.traj_id}: group {item.group_id} is already complete ({group.where})")
+                raise ValueError(
+                    f"traj {item.traj_id}: group {item.group_id} is already complete ({group.where})"
+                )
             if (group.num_samples, group.step) != (item.num_samples, item.step):
                 raise ValueError(
                     f"traj {item.traj_id}: (num_samples, step)=({item.num_samples}, {item.step}) disagrees with "
@@ -529,7 +536,8 @@ class Buffer(Generic[P]):
         if decay == 1.0:
             return
         group.items = [
-            dataclasses.replace(item, freshness=max(item.freshness * decay, MIN_FRESHNESS)) for item in group.items
+            dataclasses.replace(item, freshness=max(item.freshness * decay, MIN_FRESHNESS))
+            for item in group.items
         ]
         group.freshness = max(group.freshness * decay, MIN_FRESHNESS)
 
@@ -543,7 +551,9 @@ class Buffer(Generic[P]):
                 self._unready(group)
                 self._place(group)
         if self._order == "windowed":
-            while (top := self._policy.peek()) is not None and not self._passes("window", self._groups[top[1]]):
+            while (top := self._policy.peek()) is not None and not self._passes(
+                "window", self._groups[top[1]]
+            ):
                 group = self._groups[top[1]]
                 self._unready(group)
                 self._place(group)

@@ -11,12 +11,13 @@ the backward (logits, log-softmax, softmax, products: several [C, V] tensors ali
 forward keeps only the per-token log-sum-exp and entropy ([T] each), and the backward recomputes
 one chunk of logits and turns it into the logit gradient in closed form,
 
-    z = logits / tau,  p = softmax(z),  log p = z - lse,  H = lse - sum p z
+    z = logits / tau,  p = softmax(z),  log p = z - lse,  H = -sum p log p
     d logp_target / dz = onehot(target) - p
     d H / dz           = -p * (log p + H)
 
-then applies the two matmuls of the linear layer. The weight gradient is accumulated over chunks in
-the accumulation dtype (float32 for bf16 weights) and cast once at the end.
+in place in two [C, V] buffers, then applies the two matmuls of the linear layer. The weight
+gradient is accumulated over chunks with an in-place addmm in the accumulation dtype (float32 for
+bf16 weights) and cast once at the end.
 
 Optionally the two chunk bodies are compiled with `torch.compile` (`compile_backend="inductor"`
 on a machine with a C++ compiler or GPU). If compilation fails, the chunk bodies run eagerly
@@ -42,6 +43,19 @@ from asyncrl.learner.logprobs import (
 
 ChunkFn = Callable[..., tuple[torch.Tensor, ...]]
 
+# log p is clamped here before it multiplies anything: exp(-1e4) is exactly 0 in every float dtype,
+# so p is unchanged, while p * log p and p * (log p + H) become 0 instead of 0 * -inf = nan for
+# vocabulary entries masked to -inf (e.g. by the bias).
+LOG_P_FLOOR = -1e4
+
+
+def _scaled_logits(
+    hidden_CD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """A fresh [C, V] tensor of logits / temperature in the accumulation dtype (safe to modify in place)."""
+    z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype))
+    return z_CV.div_(temperature)
+
 
 def _chunk_forward(
     hidden_CD: torch.Tensor,
@@ -50,14 +64,13 @@ def _chunk_forward(
     targets_C: torch.Tensor,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse) of one chunk; no [C, V] tensor survives the call."""
-    z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype)) / temperature
-    lse_C = torch.logsumexp(z_CV, dim=-1)
-    p_CV = torch.exp(z_CV - lse_C[:, None])
-    # p == 0 where z == -inf: clean z first so that 0 * -inf never appears.
-    z_clean_CV = torch.where(p_CV > 0, z_CV, 0.0)
-    entropy_C = lse_C - (p_CV * z_clean_CV).sum(dim=-1)
-    logp_C = z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
+    """(logp, entropy, lse) of one chunk; at most two [C, V] buffers are alive, none survives."""
+    log_p_CV = _scaled_logits(hidden_CD, weight_VD, bias_V, temperature)
+    lse_C = torch.logsumexp(log_p_CV, dim=-1)
+    log_p_CV.sub_(lse_C[:, None])
+    logp_C = log_p_CV.gather(-1, targets_C[:, None]).squeeze(-1)
+    log_p_CV.clamp_(min=LOG_P_FLOOR)
+    entropy_C = -torch.exp(log_p_CV).mul_(log_p_CV).sum(dim=-1)
     return logp_C, entropy_C, lse_C
 
 
@@ -73,21 +86,23 @@ def _chunk_backward(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d loss / d logits of the chunk in the weight dtype, d loss / d hidden of the chunk).
+    """(d loss / d logits of the chunk in the accumulation dtype, d loss / d hidden of the chunk).
 
     `with_entropy` is False when the entropy output got no gradient; `grad_entropy_C` is then ignored.
     """
-    z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(lse_C.dtype) / temperature
-    log_p_CV = z_CV - lse_C[:, None]
-    p_CV = torch.exp(log_p_CV)
-    # -p * (g_logp + g_H * (log p + H)); where p == 0 the term is 0 (and log p may be -inf).
-    inner_CV = grad_logp_C[:, None].expand_as(log_p_CV)
+    log_p_CV = _scaled_logits(hidden_CD, weight_VD, bias_V, temperature)
+    log_p_CV.sub_(lse_C[:, None]).clamp_(min=LOG_P_FLOOR)
+    grad_CV = torch.exp(log_p_CV)
     if with_entropy:
-        inner_CV = inner_CV + grad_entropy_C[:, None] * (log_p_CV + entropy_C[:, None])
-    grad_z_CV = torch.where(p_CV > 0, -p_CV * inner_CV, 0.0)
-    grad_z_CV = grad_z_CV.scatter_add(-1, targets_C[:, None], grad_logp_C[:, None])
-    grad_logits_CV = (grad_z_CV / temperature).to(weight_VD.dtype)
-    return grad_logits_CV, grad_logits_CV @ weight_VD
+        # d/dz = -p * (g_logp + g_H * (log p + H)), built in the log p buffer.
+        inner_CV = log_p_CV.add_(entropy_C[:, None]).mul_(grad_entropy_C[:, None]).add_(grad_logp_C[:, None])
+        grad_CV.mul_(inner_CV).neg_()
+    else:
+        grad_CV.mul_(-grad_logp_C[:, None])
+    del log_p_CV
+    grad_CV.scatter_add_(-1, targets_C[:, None], grad_logp_C[:, None])
+    grad_CV.div_(temperature)  # now d loss / d logits
+    return grad_CV, grad_CV.to(weight_VD.dtype) @ weight_VD
 
 
 @functools.cache
@@ -191,9 +206,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             if grad_hidden_TD is not None:
                 grad_hidden_TD[start:end] = grad_hidden_CD
             if grad_weight_VD is not None:
-                grad_weight_VD += (grad_logits_CV.T @ hidden_CD).to(acc)
+                # In place: a [V, D] temporary per chunk would double the weight-gradient memory.
+                grad_weight_VD.addmm_(grad_logits_CV.T, hidden_CD.to(acc))
             if grad_bias_V is not None:
-                grad_bias_V += grad_logits_CV.sum(dim=0).to(acc)
+                grad_bias_V += grad_logits_CV.sum(dim=0)
         if grad_weight_VD is not None:
             grad_weight_VD = grad_weight_VD.to(weight_VD.dtype)
         if grad_bias_V is not None:

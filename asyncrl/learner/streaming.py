@@ -39,6 +39,7 @@ at fold time: its tokens and sequences do not count in Z.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, get_args
@@ -101,6 +102,12 @@ class StreamingAccumulator:
     Feed `add_trajectory` in any arrival order; every group closes by itself when its
     `group_size`-th sample arrives; `finish` returns the step gradient and resets for the next step.
     Buffers are flat, parameter-sized, in `dtype` (float32 by default, float64 for exactness tests).
+    The fold computes mu and sigma from the rewards in float64.
+
+    With data parallelism every sample of a group must go to the same rank (the scheduler's
+    prompt-major dispatch); splitting a group would need its mu and sigma broadcast first.
+    `max_open_groups` bounds the open-group buffers at `max_open_groups * BUFFERS_PER_OPEN_GROUP
+    * buffer_bytes`; `free_group_slots` is the matching credit count for the scheduler.
     """
 
     def __init__(
@@ -109,7 +116,7 @@ class StreamingAccumulator:
         *,
         estimator: Estimator = "grpo",
         agg: str = "token-mean",
-        group_size: int = 1,
+        group_size: int | None = None,
         eps: float = GRPO_EPS,
         unbiased: bool = True,
         drop_degenerate_groups: bool = False,
@@ -120,8 +127,8 @@ class StreamingAccumulator:
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         check_agg_mode(agg)
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if estimator != "opd" and (group_size is None or group_size < 1):
+            raise ValueError(f"estimator {estimator!r} needs group_size >= 1, got {group_size}")
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         if max_open_groups is not None and max_open_groups < 1:
@@ -148,6 +155,7 @@ class StreamingAccumulator:
         self._reset_step()
 
     def _reset_step(self) -> None:
+        self._closed: set[Hashable] = set()  # groups folded this step: a late sample is an error
         self._acc_P: torch.Tensor | None = None
         self._num_trajectories = 0
         self._num_groups_kept = 0
@@ -249,6 +257,10 @@ class StreamingAccumulator:
             return None
         if group_id is None or reward is None:
             raise ValueError(f"estimator {self.estimator!r} needs group_id and reward")
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be finite, got {reward} (group {group_id!r})")
+        if group_id in self._closed:
+            raise ValueError(f"group {group_id!r} already closed this step with {self.group_size} samples")
         group = self._open.get(group_id)
         if group is None:
             if self.max_open_groups is not None and len(self._open) >= self.max_open_groups:
@@ -279,7 +291,7 @@ class StreamingAccumulator:
 
     def _mean_baseline_scale(self) -> float:
         # RLOO: r_i - mean of the others = N/(N-1) (r_i - mu). A group of one is degenerate (A = 0).
-        if self.estimator == "rloo" and self.group_size > 1:
+        if self.estimator == "rloo" and self.group_size is not None and self.group_size > 1:
             return self.group_size / (self.group_size - 1)
         return 1.0
 
@@ -310,6 +322,7 @@ class StreamingAccumulator:
             else:
                 acc_P.add_(group.s0_P, alpha=self._mean_baseline_scale() * (group.pivot - mean))
         del self._open[group_id]
+        self._closed.add(group_id)
         return GroupFold(group_id, kept, degenerate, num_samples, mean, std)
 
     def finish(self, num_units_global: float | None = None) -> tuple[torch.Tensor, StreamStats]:

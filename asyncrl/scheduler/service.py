@@ -173,10 +173,8 @@ class Launcher:
         for child in self.children.values():
             child.stopping = True
             if child.proc.poll() is None:
-                try:
-                    await ctrl.send(Shutdown(reason="run finished" if self.failure is None else "run failed"), to=child.peer_id.encode())
-                except zmq.ZMQError:
-                    pass  # peer never connected or is gone: the signals below handle it
+                reason = "run finished" if self.failure is None else "run failed"
+                await self.send_to(ctrl, child.peer_id, Shutdown(reason=reason))
         deadline = time.monotonic() + STOP_GRACE_S
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             alive = [c for c in self.children.values() if c.proc.poll() is None]
@@ -190,6 +188,16 @@ class Launcher:
                 await asyncio.sleep(0.05)  # waiting for exit codes
 
     # ------------------------------------------------------------------ messages
+    async def send_to(self, ctrl: Endpoint, peer_id: str, msg) -> bool:
+        """Send to one child. A child that is gone (or never connected) is not an error here:
+        supervision sees its exit and decides; the message is logged as undeliverable."""
+        try:
+            await ctrl.send(msg, to=peer_id.encode())
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("could not deliver %s to %s: %s", type(msg).__name__, peer_id, exc)
+            return False
+
     def event(self, text: str) -> None:
         log.info(text)
         self.reporter.event(text)
@@ -221,7 +229,7 @@ class Launcher:
             self.state.groups_admitted += 1
             self.state.groups_in_flight += 1
             self.task_started[j] = time.perf_counter()
-            await ctrl.send(task, to=gen.peer_id.encode())
+            await self.send_to(ctrl, gen.peer_id, task)
 
     async def on_message(self, ctrl: Endpoint, sender: bytes, msg) -> None:
         peer = sender.decode(errors="replace")
@@ -243,11 +251,11 @@ class Launcher:
             case WeightsPublished():
                 self.write_record("publish", msgspec.to_builtins(msg))
                 for g in self.generator_ids:
-                    await ctrl.send(msg, to=g.encode())
+                    await self.send_to(ctrl, g, msg)
             case WeightsLoaded():
                 self.state.loaded_versions[msg.generator_id] = msg.version
                 self.write_record("loaded", msgspec.to_builtins(msg))
-                await ctrl.send(msg, to=b"learner")
+                await self.send_to(ctrl, "learner", msg)
                 await self.dispatch(ctrl)
             case StepDone():
                 self.on_step(msg)
@@ -257,7 +265,8 @@ class Launcher:
             case Heartbeat():
                 pass
             case Fatal():
-                self.fail(f"{child.role} {msg.peer_id} failed: {msg.error}\n{msg.traceback}".rstrip())
+                # The traceback is in the child's log; the user gets the reason and where to look.
+                self.fail(f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})")
             case _:
                 log.error("unexpected %s from %s dropped", type(msg).__name__, peer)
         self.reporter.update(self.state)

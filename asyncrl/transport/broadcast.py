@@ -359,10 +359,7 @@ def receive_tensors(
     # (work, bucket, flat buffer or None when the bytes went straight into out)
     in_flight: collections.deque[tuple[dist.Work, Bucket, torch.Tensor | None]] = collections.deque()
 
-    def finish(work: dist.Work, bucket: Bucket, flat: torch.Tensor | None) -> None:
-        work.wait()
-        if flat is None:
-            return
+    def unpack(bucket: Bucket, flat: torch.Tensor) -> None:
         for entry in bucket.entries:
             view = _entry_view(flat, entry)
             if out is None:
@@ -370,9 +367,14 @@ def receive_tensors(
             else:
                 out[entry.name].detach().copy_(view)
 
+    def finish(work: dist.Work, bucket: Bucket, flat: torch.Tensor | None) -> None:
+        work.wait()
+        if flat is not None:
+            unpack(bucket, flat)
+
     for bucket in buckets:
-        if bucket.num_bytes == 0:  # the sender skips it: only empty tensors
-            finish(_DoneWork(), bucket, torch.empty(0, dtype=torch.uint8, device=device))
+        if bucket.num_bytes == 0:  # only empty tensors: the sender sends nothing for it
+            unpack(bucket, torch.empty(0, dtype=torch.uint8, device=device))
             continue
         if len(in_flight) == _MAX_IN_FLIGHT:
             finish(*in_flight.popleft())
@@ -389,10 +391,3 @@ def receive_tensors(
     if out is not None:
         return {meta.name: out[meta.name] for meta in metas}
     return {meta.name: received[meta.name] for meta in metas}
-
-
-class _DoneWork:
-    """Stands in for the Work of a bucket with no bytes (nothing is sent for it)."""
-
-    def wait(self) -> bool:
-        return True

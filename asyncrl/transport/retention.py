@@ -1,4 +1,4 @@
-"""Which published weight versions may be deleted: the retention policy of the safetensors path.
+"""Version directories of the safetensors path: naming, listing, and which ones may be deleted.
 
 Place in the data flow: the process that publishes shards (learner rank 0, or the scheduler on its
 behalf) records every `WeightsPublished` with `publish(v)` and every generator's `WeightsLoaded` with
@@ -7,19 +7,70 @@ only when it is outside the last `keep_last` versions (which the snapshot-based 
 and late loaders need) AND older than the version every registered generator has acked, so a version
 some generator still samples with (or is about to load) is never deleted.
 
-`VersionRetention` is pure bookkeeping; `prune` is the one function here that touches the disk.
+`VersionRetention` is pure bookkeeping. The rest names and lists version directories
+(`root/v{version:08d}`; hidden `.tmp-*` directories are work in progress) and deletes them; what
+goes inside one version directory is `shards.py`'s business.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 
-from asyncrl.transport.shards import temporary_dir, version_dir
-
 logger = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"  # directories being written or deleted; never listed as versions
+_VERSION_DIR_RE = re.compile(r"^v(\d{8,})$")
+
+
+def version_dir(root: Path, version: int) -> Path:
+    """Where `version` is (or would be) published under `root`."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return Path(root) / f"v{version:08d}"
+
+
+def list_versions(root: Path) -> list[int]:
+    """Published versions under `root`, ascending (temporary directories are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    versions = []
+    for entry in os.scandir(root):
+        match = _VERSION_DIR_RE.match(entry.name)
+        if match and entry.is_dir():
+            versions.append(int(match.group(1)))
+    return sorted(versions)
+
+
+def latest_version(root: Path) -> int | None:
+    """The newest published version under `root`, or None when there is none."""
+    versions = list_versions(root)
+    return versions[-1] if versions else None
+
+
+def temporary_dir(root: Path, purpose: str) -> Path:
+    """A fresh hidden directory name under `root` that `list_versions` ignores."""
+    return Path(root) / f"{TMP_PREFIX}{purpose}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_incomplete(root: Path) -> list[Path]:
+    """Delete temporary directories left by writers or pruners that died; returns what was removed.
+
+    Call only when no writer is running on `root` (e.g. at learner start-up).
+    """
+    root = Path(root)
+    removed = []
+    if root.is_dir():
+        for entry in os.scandir(root):
+            if entry.name.startswith(TMP_PREFIX) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+                removed.append(Path(entry.path))
+    return removed
 
 
 class VersionRetention:
@@ -95,6 +146,8 @@ class VersionRetention:
         """Record that `version`'s directory is gone (called by `prune`)."""
         if version in self.in_use():
             raise ValueError(f"version {version} is still in use and cannot have been deleted")
+        if version not in self._published:
+            raise ValueError(f"version {version} is not a published version on disk")
         self._published.remove(version)
 
 

@@ -30,8 +30,6 @@ import json
 import logging
 import math
 import os
-import re
-import secrets
 import shutil
 import struct
 from collections.abc import Callable, Mapping
@@ -42,6 +40,32 @@ import msgspec
 import torch
 
 from asyncrl.messages import TensorMeta
+from asyncrl.transport.retention import (
+    TMP_PREFIX,
+    latest_version,
+    list_versions,
+    remove_incomplete,
+    temporary_dir,
+    version_dir,
+)
+
+__all__ = [
+    "ManifestFile",
+    "ManifestTensor",
+    "ShardManifest",
+    "WeightsCorruptError",
+    "collect_config_files",
+    "dtype_from_name",
+    "dtype_name",
+    "latest_version",
+    "list_versions",
+    "plan_shards",
+    "read_manifest",
+    "read_shards",
+    "remove_incomplete",
+    "version_dir",
+    "write_shards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +76,6 @@ MANIFEST_SCHEMA = 1
 _CHUNK_BYTES = 4 << 20
 # The safetensors header is padded so that tensor data starts 8-byte aligned.
 _HEADER_ALIGN_BYTES = 8
-_VERSION_DIR_RE = re.compile(r"^v(\d{8,})$")
-_TMP_PREFIX = ".tmp-"
 # Files in a model directory that `collect_config_files` never copies (weights and our own outputs).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -118,8 +140,11 @@ class ShardManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError(
                 f"manifest schema {manifest.schema} is not supported (expected {MANIFEST_SCHEMA})"
             )
+        for record in (*manifest.files, *manifest.extra_files):
+            _check_file_name(record.name)  # a tampered manifest must not point outside its directory
         file_names = {f.name for f in manifest.files}
         for t in manifest.tensors:
+            dtype_from_name(t.dtype)
             if t.file not in file_names:
                 raise ValueError(f"manifest tensor {t.name!r} refers to unknown file {t.file!r}")
         return manifest
@@ -155,53 +180,7 @@ def _safetensors_code(dtype: torch.dtype, name: str) -> str:
     return code
 
 
-# ---------------------------------------------------------------------------------------------- paths
-
-
-def version_dir(root: Path, version: int) -> Path:
-    """Where `version` is (or would be) published under `root`."""
-    if version < 0:
-        raise ValueError(f"version must be >= 0, got {version}")
-    return Path(root) / f"v{version:08d}"
-
-
-def list_versions(root: Path) -> list[int]:
-    """Published versions under `root`, ascending (temporary and deleting directories are skipped)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    versions = []
-    for entry in os.scandir(root):
-        match = _VERSION_DIR_RE.match(entry.name)
-        if match and entry.is_dir():
-            versions.append(int(match.group(1)))
-    return sorted(versions)
-
-
-def latest_version(root: Path) -> int | None:
-    """The newest published version under `root`, or None when there is none."""
-    versions = list_versions(root)
-    return versions[-1] if versions else None
-
-
-def remove_incomplete(root: Path) -> list[Path]:
-    """Delete temporary directories left by writers or pruners that died; returns what was removed.
-
-    Call only when no writer is running on `root` (e.g. at learner start-up).
-    """
-    root = Path(root)
-    removed = []
-    if root.is_dir():
-        for entry in os.scandir(root):
-            if entry.name.startswith(_TMP_PREFIX) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-                removed.append(Path(entry.path))
-    return removed
-
-
-def temporary_dir(root: Path, purpose: str) -> Path:
-    """A fresh hidden directory name under `root` that `list_versions` ignores."""
-    return Path(root) / f"{_TMP_PREFIX}{purpose}-{os.getpid()}-{secrets.token_hex(4)}"
+# ---------------------------------------------------------------------------------------------- config files
 
 
 def collect_config_files(model_dir: Path) -> dict[str, bytes]:
@@ -329,17 +308,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_file_name(name: str) -> None:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(TMP_PREFIX):
+        raise ValueError(f"file name {name!r} must be a plain file name")
+
+
 def _check_extra_name(name: str) -> None:
-    reserved = name in (MANIFEST_NAME, INDEX_NAME) or name.endswith(".safetensors")
-    if (
-        not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or name.startswith(_TMP_PREFIX)
-        or reserved
-    ):
-        raise ValueError(f"extra file name {name!r} must be a plain file name that is not a weights file")
+    _check_file_name(name)
+    if name in (MANIFEST_NAME, INDEX_NAME) or name.endswith(".safetensors"):
+        raise ValueError(f"extra file name {name!r} clashes with the weights files")
 
 
 def _num_threads(num_threads: int | None, num_jobs: int) -> int:
@@ -433,7 +410,7 @@ def write_shards(
         _write_small_file(tmp_dir / MANIFEST_NAME, manifest.to_json(), fsync=fsync)
         if fsync:
             _fsync_dir(tmp_dir)
-        os.rename(tmp_dir, final_dir)  # atomic publish; fails if final_dir appeared meanwhile
+        os.rename(tmp_dir, final_dir)  # the atomic publish
         if fsync:
             _fsync_dir(root)
     except BaseException:
@@ -522,6 +499,8 @@ def _check_entries(
             code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise corrupt(f"has a malformed header entry for {t.name!r}") from e
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise corrupt(f"has malformed data offsets for {t.name!r}")
         dtype = dtype_from_name(t.dtype)
         if code != _SAFETENSORS_CODES.get(dtype) or shape != t.shape:
             raise corrupt(

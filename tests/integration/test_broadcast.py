@@ -165,8 +165,8 @@ def worker(rank: int, port: int, dp_port: int | None, results: mp.Queue) -> None
 
     report: dict[str, object] = {"rank": rank}
     in_dp = dp_port is not None and rank < 2
-    if in_dp:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dp_port}", rank=rank, world_size=2)
+    if in_dp:  # default-group ranks are the reverse of weight-group ranks: `src` must be group-local
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dp_port}", rank=1 - rank, world_size=2)
         x = torch.tensor([rank + 1.0])
         dist.all_reduce(x)  # default group works before the weight group exists
         report["dp_before"] = x.item()
@@ -265,6 +265,6 @@ def test_weight_group_coexists_with_default_group() -> None:
     assert [(r["bad_small_buckets"], r["bad_large_buckets"]) for r in reports] == [([], [])] * 3
     for r in reports[:2]:
         assert (r["dp_before"], r["dp_between"], r["dp_end"]) == (3.0, 30.0, 2.0)
-        assert r["dp_world"] == (r["rank"], 2)
+        assert r["dp_world"] == (1 - r["rank"], 2)
         assert r["name_taken"]
     assert "dp_before" not in reports[2]

@@ -10,10 +10,12 @@ duplicate counts as defined, and byte-exact checkpoint round-trips.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from asyncrl.buffer.ledger import Arrival, Ledger
 from asyncrl.buffer.store import (
@@ -72,7 +74,9 @@ class BufferMachine(RuleBasedStateMachine):
         self.cfg = dict(order=order, action=action, max_replays=max_replays, replay_decay=decay)
         self.bounds = dict(max_staleness=max_staleness, freshness_floor=floor, window=window)
         self.cap = (max_items, max_tokens)
-        self.buf = Buffer(**self.cfg, **self.bounds, max_items=max_items, max_tokens=max_tokens, downweight=0.5)
+        self.buf = Buffer(
+            **self.cfg, **self.bounds, max_items=max_items, max_tokens=max_tokens, downweight=0.5
+        )
         self.version = 0
         self.groups: dict[int, _MGroup] = {}
         self.fate: dict[int, str] = {}  # traj_id -> "in" | "out" | "evicted"
@@ -151,9 +155,13 @@ class BufferMachine(RuleBasedStateMachine):
         tokens=st.integers(0, 40),
     )
     def put(self, new_group, pick, num_samples, step_offset, lag, freshness, tokens):
+        self.put_one(new_group, pick, num_samples, step_offset, lag, freshness, tokens)
+
+    def put_one(self, new_group, pick, num_samples, step_offset, lag, freshness, tokens) -> bool:
+        """Put one item into a new or a pending group; returns False when the buffer was full."""
         pending = sorted(gid for gid, g in self.groups.items() if g.where == "pending")
         if pending and not new_group:
-            gid = pending[pick % len(pending)]
+            gid = pending[pick % len(pending)] if pick else pending[-1]
             num_samples, step = self.groups[gid].num_samples, self.groups[gid].step
         else:
             gid, step = self.next_group, self.version + step_offset
@@ -173,7 +181,7 @@ class BufferMachine(RuleBasedStateMachine):
             with pytest.raises(BufferFull):
                 self.buf.put(it)
             assert self.buf.stats() == before
-            return
+            return False
         if not self.fits(tokens, reclaimable=False):
             # Which withheld groups go first is the buffer's documented choice (oldest withheld);
             # the model takes that order from it and checks that exactly enough are reclaimed.
@@ -196,6 +204,20 @@ class BufferMachine(RuleBasedStateMachine):
             g.seq = self.next_seq
             self.next_seq += 1
             self.place(gid)
+        return True
+
+    @rule(
+        num_samples=st.integers(1, 3),
+        step_offset=st.integers(-2, 2),
+        lags=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+        freshness=st.lists(FRESHNESS, min_size=3, max_size=3),
+        tokens=st.integers(0, 40),
+    )
+    def put_group(self, num_samples, step_offset, lags, freshness, tokens):
+        """A whole group in a row, so that many groups reach the ready set."""
+        for i in range(num_samples):
+            if not self.put_one(i > 0, 0, num_samples, step_offset, lags[i], freshness[i], tokens):
+                break
 
     @rule(num_groups=st.integers(1, 3))
     def sample(self, num_groups):
@@ -235,7 +257,14 @@ class BufferMachine(RuleBasedStateMachine):
                     assert self.fate[m[0]] == "in"
                     self.fate[m[0]] = "out"
         observed = [
-            (b.group_id, tuple((i.traj_id, i.freshness) for i in b.items), b.weight, b.reuse, b.staleness, b.freshness)
+            (
+                b.group_id,
+                tuple((i.traj_id, i.freshness) for i in b.items),
+                b.weight,
+                b.reuse,
+                b.staleness,
+                b.freshness,
+            )
             for b in got
         ]
         assert observed == expected
@@ -323,9 +352,10 @@ TestBufferMachine = BufferMachine.TestCase
 
 # ================================================================================ ledger model
 
-TASK_IDS = st.integers(0, 7)
-TRAJ_IDS = st.integers(0, 30)
+PICK = st.integers(0, 10**6)
+AIM = st.integers(0, 3)  # 0: any id (often illegal); else an id for which the event is legal, if any
 GENERATORS = st.sampled_from(["a", "b"])
+_GENERATING = ("admitted", "in_flight", "requeued")
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -336,8 +366,17 @@ class LedgerMachine(RuleBasedStateMachine):
         self.trajs: dict[int, list] = {}  # traj_id -> [task_id, index, state]; deleted on compaction
         self.dup_ids = self.dup_samples = self.overtrained = self.requeues = self.replays = 0
         self.evicted_by_reason: dict[str, int] = {}
+        self.next_task = self.next_traj = 0
 
     # ---------------------------------------------------------------- helpers
+
+    def choose_task(self, pick, aim, states):
+        legal = sorted(t["id"] for t in self.tasks.values() if not t["compacted"] and t["state"] in states)
+        return legal[pick % len(legal)] if aim and legal else pick % (self.next_task + 2)
+
+    def choose_traj(self, pick, aim, states):
+        legal = sorted(k for k, v in self.trajs.items() if v[2] in states)
+        return legal[pick % len(legal)] if aim and legal else pick % (self.next_traj + 2)
 
     def expect_error(self, call, match):
         before = self.ledger.to_bytes()
@@ -346,7 +385,10 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.ledger.to_bytes() == before  # an illegal event changes nothing
 
     def live(self, task_id, index):
-        return any(t[0] == task_id and t[1] == index and t[2] in ("generated", "buffered") for t in self.trajs.values())
+        return any(
+            t[0] == task_id and t[1] == index and t[2] in ("generated", "buffered")
+            for t in self.trajs.values()
+        )
 
     def closed(self, task):
         return (
@@ -355,22 +397,22 @@ class LedgerMachine(RuleBasedStateMachine):
             and not any(self.live(task["id"], i) for i in range(task["n"]))
         )
 
-    def settle(self, traj, kind):
-        task = self.tasks[traj[0]]
-        task["resolved"].setdefault(traj[1], kind)
-
     # ---------------------------------------------------------------- task rules
 
-    @rule(task_id=TASK_IDS, n=st.integers(1, 3))
-    def admit(self, task_id, n):
+    @rule(pick=PICK, aim=AIM, n=st.integers(1, 3))
+    def admit(self, pick, aim, n):
+        task_id = self.next_task if aim else pick % (self.next_task + 1)
         if task_id in self.tasks:
-            return self.expect_error(lambda: self.ledger.admit(task_id, group_id=task_id, num_samples=n), "already")
+            return self.expect_error(
+                lambda: self.ledger.admit(task_id, group_id=task_id, num_samples=n), "already"
+            )
         self.ledger.admit(task_id, group_id=task_id, num_samples=n)
         self.tasks[task_id] = dict(
             id=task_id, n=n, state="admitted", gen="", trained=0, resolved={}, seen=set(), compacted=False
         )
+        self.next_task = max(self.next_task, task_id + 1)
 
-    def task_event(self, task_id, name, call, allowed, target):
+    def task_event(self, task_id, call, allowed, target):
         task = self.tasks.get(task_id)
         if task is None or task["compacted"]:
             return self.expect_error(call, f"task {task_id}: unknown")
@@ -380,34 +422,41 @@ class LedgerMachine(RuleBasedStateMachine):
         task["state"] = target
         return task
 
-    @rule(task_id=TASK_IDS, gen=GENERATORS)
-    def dispatch(self, task_id, gen):
+    @rule(pick=PICK, aim=AIM, gen=GENERATORS)
+    def dispatch(self, pick, aim, gen):
+        task_id = self.choose_task(pick, aim, ("admitted", "requeued"))
         call = lambda: self.ledger.dispatch(task_id, generator_id=gen)  # noqa: E731
-        task = self.task_event(task_id, "dispatch", call, ("admitted", "requeued"), "in_flight")
+        task = self.task_event(task_id, call, ("admitted", "requeued"), "in_flight")
         if task:
             task["gen"] = gen
 
-    @rule(task_id=TASK_IDS)
-    def task_done(self, task_id):
-        self.task_event(task_id, "task_done", lambda: self.ledger.task_done(task_id), ("in_flight",), "generated")
+    @rule(pick=PICK, aim=AIM)
+    def task_done(self, pick, aim):
+        task_id = self.choose_task(pick, aim, ("in_flight",))
+        self.task_event(task_id, lambda: self.ledger.task_done(task_id), ("in_flight",), "generated")
 
-    @rule(task_id=TASK_IDS)
-    def requeue(self, task_id):
-        if self.task_event(task_id, "requeue", lambda: self.ledger.requeue(task_id), ("in_flight",), "requeued"):
+    @rule(pick=PICK, aim=AIM)
+    def requeue(self, pick, aim):
+        task_id = self.choose_task(pick, aim, ("in_flight",))
+        if self.task_event(task_id, lambda: self.ledger.requeue(task_id), ("in_flight",), "requeued"):
             self.requeues += 1
 
     @rule(gen=GENERATORS)
     def generator_failed(self, gen):
-        expected = sorted(t["id"] for t in self.tasks.values() if t["state"] == "in_flight" and t["gen"] == gen)
+        expected = sorted(
+            t["id"] for t in self.tasks.values() if t["state"] == "in_flight" and t["gen"] == gen
+        )
         assert self.ledger.generator_failed(gen) == expected
+        assert self.ledger.generator_failed(gen) == []  # exactly once per failure
         for task_id in expected:
             self.tasks[task_id]["state"] = "requeued"
         self.requeues += len(expected)
 
-    @rule(task_id=TASK_IDS)
-    def cancel(self, task_id):
+    @rule(pick=PICK, aim=AIM)
+    def cancel(self, pick, aim):
+        task_id = self.choose_task(pick, aim, ("admitted", "requeued"))
         call = lambda: self.ledger.cancel_task(task_id)  # noqa: E731
-        task = self.task_event(task_id, "cancel_task", call, ("admitted", "requeued"), "evicted")
+        task = self.task_event(task_id, call, ("admitted", "requeued"), "evicted")
         if task:
             for i in range(task["n"]):
                 if i not in task["resolved"] and not self.live(task_id, i):
@@ -415,10 +464,18 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- trajectory rules
 
-    @rule(traj_id=TRAJ_IDS, task_id=TASK_IDS, index=st.integers(0, 3))
-    def generated(self, traj_id, task_id, index):
-        call = lambda: self.ledger.generated(traj_id, task_id=task_id, sample_index=index)  # noqa: E731
+    @rule(pick=PICK, aim=AIM)
+    def generated(self, pick, aim):
+        task_id = self.choose_task(pick, aim, ("in_flight", "generated", "requeued"))
         task = self.tasks.get(task_id)
+        index = (pick // 7) % 4
+        if aim and task is not None:
+            unseen = [i for i in range(task["n"]) if i not in task["seen"]]
+            index = unseen[0] if unseen and aim > 1 else index % task["n"]
+        traj_id = self.next_traj if aim else pick % (self.next_traj + 2)
+        if aim == 3 and self.trajs:
+            traj_id = sorted(self.trajs)[pick % len(self.trajs)]
+        call = lambda: self.ledger.generated(traj_id, task_id=task_id, sample_index=index)  # noqa: E731
         if traj_id in self.trajs:
             assert call() is Arrival.DUPLICATE_ID
             self.dup_ids += 1
@@ -437,6 +494,7 @@ class LedgerMachine(RuleBasedStateMachine):
             self.dup_samples += verdict is Arrival.DUPLICATE_SAMPLE
             task["seen"].add(index)
             self.trajs[traj_id] = [task_id, index, "generated"]
+            self.next_traj = max(self.next_traj, traj_id + 1)
 
     def traj_event(self, traj_id, call, allowed, target):
         traj = self.trajs.get(traj_id)
@@ -448,29 +506,33 @@ class LedgerMachine(RuleBasedStateMachine):
         traj[2] = target
         return traj
 
-    @rule(traj_id=TRAJ_IDS)
-    def buffered(self, traj_id):
+    @rule(pick=PICK, aim=AIM)
+    def buffered(self, pick, aim):
+        traj_id = self.choose_traj(pick, aim, ("generated",))
         self.traj_event(traj_id, lambda: self.ledger.buffered(traj_id), ("generated",), "buffered")
 
-    @rule(traj_id=TRAJ_IDS)
-    def trained(self, traj_id):
+    @rule(pick=PICK, aim=AIM)
+    def trained(self, pick, aim):
+        traj_id = self.choose_traj(pick, aim, ("buffered",))
         traj = self.traj_event(traj_id, lambda: self.ledger.trained(traj_id), ("buffered",), "trained")
         if traj:
             task = self.tasks[traj[0]]
             task["trained"] += 1
             self.overtrained += task["trained"] > task["n"]
-            self.settle(traj, "trained")
+            task["resolved"].setdefault(traj[1], "trained")
 
-    @rule(traj_id=TRAJ_IDS, reason=st.sampled_from(["staleness", "duplicate"]))
-    def evicted(self, traj_id, reason):
+    @rule(pick=PICK, aim=AIM, reason=st.sampled_from(["staleness", "duplicate"]))
+    def evicted(self, pick, aim, reason):
+        traj_id = self.choose_traj(pick, aim, ("generated", "buffered"))
         call = lambda: self.ledger.evicted(traj_id, reason=reason)  # noqa: E731
         traj = self.traj_event(traj_id, call, ("generated", "buffered"), "evicted")
         if traj:
             self.evicted_by_reason[reason] = self.evicted_by_reason.get(reason, 0) + 1
-            self.settle(traj, "evicted")
+            self.tasks[traj[0]]["resolved"].setdefault(traj[1], "evicted")
 
-    @rule(traj_id=TRAJ_IDS)
-    def replayed(self, traj_id):
+    @rule(pick=PICK, aim=AIM)
+    def replayed(self, pick, aim):
+        traj_id = self.choose_traj(pick, aim, ("trained",))
         if self.traj_event(traj_id, lambda: self.ledger.replayed(traj_id), ("trained",), "trained"):
             self.replays += 1
 
@@ -485,7 +547,6 @@ class LedgerMachine(RuleBasedStateMachine):
         ids = {t["id"] for t in closed}
         self.trajs = {k: v for k, v in self.trajs.items() if v[0] not in ids}
 
-    @precondition(lambda self: self.tasks)
     @rule()
     def round_trip(self):
         data = self.ledger.to_bytes()
@@ -503,7 +564,7 @@ class LedgerMachine(RuleBasedStateMachine):
             for i in range(task["n"]):
                 if i in task["resolved"]:
                     continue
-                if self.live(task["id"], i) or task["state"] in ("admitted", "in_flight", "requeued"):
+                if self.live(task["id"], i) or task["state"] in _GENERATING:
                     pending += 1
                 else:
                     lost += 1
@@ -517,7 +578,10 @@ class LedgerMachine(RuleBasedStateMachine):
         for state in ("generated", "buffered"):  # terminal ones may have been compacted away
             assert s.trajectories_by_state[state] == live_states.count(state)
         assert s.num_samples_expected == sum(t["n"] for t in self.tasks.values())
-        assert (s.num_samples_trained, s.num_samples_evicted) == (resolved.count("trained"), resolved.count("evicted"))
+        assert (s.num_samples_trained, s.num_samples_evicted) == (
+            resolved.count("trained"),
+            resolved.count("evicted"),
+        )
         assert (s.num_samples_pending, s.num_samples_lost) == (pending, lost)
         assert s.num_samples_expected == s.num_samples_trained + s.num_samples_evicted + pending + lost
         assert self.ledger.lost() == sorted(lost_slots)
@@ -538,3 +602,87 @@ class LedgerMachine(RuleBasedStateMachine):
 
 LedgerMachine.TestCase.settings = SETTINGS
 TestLedgerMachine = LedgerMachine.TestCase
+
+
+# ================================================================================ long random runs
+# Hypothesis shrinks well but favours short sequences; these seeded runs drive the same models
+# through long sequences (hundreds of operations, deep buffers, many replays and releases).
+
+
+def _drive(machine, steps, rng):
+    for _ in range(steps):
+        name, draw = rng.choice(machine.RANDOM_OPS)
+        getattr(machine, name)(**draw(rng))
+        for check in machine.INVARIANTS:
+            getattr(machine, check)()
+
+
+def _put_args(r):
+    return dict(
+        new_group=r.random() < 0.4,
+        pick=r.randrange(1000),
+        num_samples=r.randint(1, 3),
+        step_offset=r.randint(-2, 2),
+        lag=r.choice([0, 0, 0, 1, 2, 3]),
+        freshness=r.choice([0.1, 0.25, 0.5, 0.75, 1.0]),
+        tokens=r.randint(0, 40),
+    )
+
+
+BufferMachine.RANDOM_OPS = [
+    *[("put", _put_args)] * 6,
+    *[("sample", lambda r: dict(num_groups=r.randint(1, 3)))] * 3,
+    ("update_version", lambda r: dict(delta=r.choice([0, 1, 1, 2]))),
+    (
+        "set_bounds",
+        lambda r: dict(
+            max_staleness=r.choice([None, 0, 1, 2, 3]),
+            floor=r.choice([0.0, 0.2, 0.5, 0.8]),
+            window=r.randint(0, 2),
+            which=r.choice(["max_staleness", "freshness_floor", "window"]),
+        ),
+    ),
+    ("discard_pending", lambda r: dict(pick=r.randrange(1000))),
+]
+BufferMachine.INVARIANTS = ["stats_match_model"]
+
+_PA = lambda r: dict(pick=r.randrange(10**6), aim=r.choice([0, 1, 2, 2, 2, 3]))  # noqa: E731
+LedgerMachine.RANDOM_OPS = [
+    *[("admit", lambda r: dict(_PA(r), n=r.randint(1, 3)))] * 3,
+    *[("dispatch", lambda r: dict(_PA(r), gen=r.choice("ab")))] * 3,
+    *[("task_done", _PA)] * 2,
+    ("requeue", _PA),
+    ("generator_failed", lambda r: dict(gen=r.choice("ab"))),
+    ("cancel", _PA),
+    *[("generated", _PA)] * 6,
+    *[("buffered", _PA)] * 4,
+    *[("trained", _PA)] * 4,
+    ("evicted", lambda r: dict(_PA(r), reason=r.choice(["staleness", "duplicate"]))),
+    ("replayed", _PA),
+    ("compact", lambda r: {}),
+    ("round_trip", lambda r: {}),
+]
+LedgerMachine.INVARIANTS = ["summary_matches_model"]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_buffer_long_random_run(seed):
+    rng = random.Random(seed)
+    machine = BufferMachine()
+    machine.setup(
+        order=["fifo", "freshest", "windowed"][seed % 3],
+        action=["withhold", "downweight", "drop"][(seed // 3) % 3],
+        max_staleness=rng.choice([None, 2, 3]),
+        floor=rng.choice([0.0, 0.2]),
+        window=rng.randint(0, 2),
+        max_replays=rng.randint(0, 2),
+        decay=rng.choice([1.0, 0.9, 0.5]),
+        max_items=None if seed % 2 else rng.randint(10, 40),
+        max_tokens=rng.choice([None, 400]),
+    )
+    _drive(machine, 300, rng)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ledger_long_random_run(seed):
+    _drive(LedgerMachine(), 300, random.Random(seed))

@@ -16,7 +16,9 @@ from asyncrl.buffer.store import (
 )
 
 
-def item(traj_id, group_id, *, num_samples=2, step=0, min_version=0, freshness=1.0, num_tokens=10, payload=None):
+def item(
+    traj_id, group_id, *, num_samples=2, step=0, min_version=0, freshness=1.0, num_tokens=10, payload=None
+):
     return BufferItem(
         traj_id=traj_id,
         group_id=group_id,

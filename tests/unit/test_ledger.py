@@ -27,7 +27,12 @@ def test_happy_path_counts():
     s = ledger.summary()
     assert s.num_tasks == 2 and s.tasks_by_state["generated"] == 2
     assert s.num_trajectories == 5 and s.trajectories_by_state["trained"] == 5
-    assert (s.num_samples_expected, s.num_samples_trained, s.num_samples_pending, s.num_samples_lost) == (5, 5, 0, 0)
+    assert (s.num_samples_expected, s.num_samples_trained, s.num_samples_pending, s.num_samples_lost) == (
+        5,
+        5,
+        0,
+        0,
+    )
     assert s.num_duplicated == 0 and ledger.summary(at_end=True).num_samples_lost == 0
 
 
@@ -144,7 +149,9 @@ def test_illegal_task_transitions():
     ledger.admit(1, group_id=1, num_samples=1)
     with pytest.raises(ValueError, match="already admitted"):
         ledger.admit(1, group_id=1, num_samples=1)
-    with pytest.raises(ValueError, match=r"task 1: cannot go admitted -> generated \(task_done needs in_flight\)"):
+    with pytest.raises(
+        ValueError, match=r"task 1: cannot go admitted -> generated \(task_done needs in_flight\)"
+    ):
         ledger.task_done(1)
     with pytest.raises(ValueError, match="task 1 is admitted"):
         ledger.generated(10, task_id=1, sample_index=0)
@@ -154,7 +161,11 @@ def test_illegal_task_transitions():
     with pytest.raises(ValueError, match="in flight on 'a'"):
         ledger.task_done(1, generator_id="b")
     ledger.task_done(1, generator_id="a")
-    for call in (lambda: ledger.dispatch(1, generator_id="a"), lambda: ledger.requeue(1), lambda: ledger.cancel_task(1)):
+    for call in (
+        lambda: ledger.dispatch(1, generator_id="a"),
+        lambda: ledger.requeue(1),
+        lambda: ledger.cancel_task(1),
+    ):
         with pytest.raises(ValueError, match="task 1: cannot go generated"):
             call()
     with pytest.raises(ValueError, match="task 7: unknown"):

@@ -9,6 +9,7 @@ random arrival order. Everything is float64, so "equal" means equal up to summat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -27,6 +28,7 @@ from asyncrl.learner.streaming import (
     StreamingAccumulator,
     StreamStats,
     flatten_grads,
+    grad_sync_disabled,
     token_weight,
     trajectory_score_gradient,
     write_flat_grad,
@@ -498,8 +500,10 @@ def test_invalid_configuration():
     params = _tiny_params()
     with pytest.raises(ValueError, match="valid: grpo"):
         StreamingAccumulator(params, estimator="ppo")
+    with pytest.raises(ValueError, match="needs group_size"):
+        StreamingAccumulator(params, estimator="grpo")
     with pytest.raises(ValueError, match="norm_constant"):
-        StreamingAccumulator(params, agg="seq-mean-token-sum-norm")
+        StreamingAccumulator(params, agg="seq-mean-token-sum-norm", group_size=2)
     with pytest.raises(ValueError, match="opd"):
         StreamingAccumulator(params, estimator="opd", drop_degenerate_groups=True)
     acc = StreamingAccumulator(params, estimator="opd")
@@ -507,8 +511,15 @@ def test_invalid_configuration():
         acc.add_trajectory(torch.zeros(10), num_tokens=1, group_id=1, reward=1.0)
     with pytest.raises(ValueError, match="flat"):
         acc.add_trajectory(torch.zeros(3, 2), num_tokens=1)
+    acc = StreamingAccumulator(params, group_size=2)
     with pytest.raises(ValueError, match="needs group_id"):
-        StreamingAccumulator(params).add_trajectory(torch.zeros(10), num_tokens=1)
+        acc.add_trajectory(torch.zeros(10), num_tokens=1)
+    with pytest.raises(ValueError, match="finite"):
+        acc.add_trajectory(torch.zeros(10), num_tokens=1, group_id=0, reward=float("nan"))
+    acc.add_trajectory(torch.zeros(10), num_tokens=1, group_id=0, reward=1.0)
+    acc.add_trajectory(torch.zeros(10), num_tokens=1, group_id=0, reward=0.0)
+    with pytest.raises(ValueError, match="already closed"):
+        acc.add_trajectory(torch.zeros(10), num_tokens=1, group_id=0, reward=0.0)
 
 
 def test_write_flat_grad_round_trip():
@@ -519,3 +530,41 @@ def test_write_flat_grad_round_trip():
     assert torch.equal(flatten_grads(params), flat)
     with pytest.raises(ValueError, match="10 elements"):
         write_flat_grad(params, torch.zeros(9))
+
+
+class _FakeDdp(torch.nn.Module):
+    """DDP's surface: a `no_sync()` context manager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.events.append("off")
+        yield
+        self.events.append("on")
+
+
+class _FakeFsdp2(torch.nn.Module):
+    """FSDP2's surface: `set_requires_gradient_sync(flag)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[bool] = []
+
+    def set_requires_gradient_sync(self, flag: bool) -> None:
+        self.events.append(flag)
+
+
+def test_grad_sync_disabled_uses_the_wrappers_switch():
+    ddp, fsdp = _FakeDdp(), _FakeFsdp2()
+    with grad_sync_disabled(ddp):
+        assert ddp.events == ["off"]
+    assert ddp.events == ["off", "on"]
+    with pytest.raises(KeyError), grad_sync_disabled(fsdp):
+        assert fsdp.events == [False]
+        raise KeyError("sync must be restored even when the backward fails")
+    assert fsdp.events == [False, True]
+    with grad_sync_disabled(torch.nn.Linear(2, 2)):
+        pass

@@ -1,0 +1,72 @@
+"""A child that fails ends the run cleanly, with an error naming the process and the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PLUGIN = textwrap.dedent(
+    """
+    from asyncrl.generators.torch_gen import TorchGenerator
+
+    class ExplodingGenerator(TorchGenerator):
+        async def generate(self, tasks):
+            raise RuntimeError("reward server unreachable")
+    """
+)
+
+
+@pytest.mark.timeout(200)
+def test_generator_failure_is_reported_and_everything_stops(tiny_model_dir, tmp_path):
+    (tmp_path / "exploding_plugin.py").write_text(PLUGIN)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
+    for s in (
+        f'model.path="{tiny_model_dir}"',
+        f'run.out_dir="{tmp_path}"',
+        'run.name="t"',
+        'generators.kind="exploding_plugin:ExplodingGenerator"',
+        "learner.groups_per_step=2",
+        "learner.samples_per_group=2",
+        "task.num_eval=0",
+    ):
+        args += ["--set", s]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 1
+    assert "generator gen-0 failed: RuntimeError: reward server unreachable" in proc.stderr
+    assert "Traceback" not in proc.stdout
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "reward server unreachable" in summary["error"]
+
+
+def test_unknown_generator_fails_before_any_process_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", "--no-tui", "--set", 'generators.kind="tourch"', "--set", f'run.out_dir="{tmp_path}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown generator 'tourch'" in proc.stderr and "torch" in proc.stderr.split("valid names:")[1]
+    assert not list(tmp_path.iterdir())  # no run directory: nothing started
+
+
+def test_config_error_is_one_clear_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", "--set", "learner.stepz=3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "unknown key 'learner.stepz'" in proc.stderr
+    assert "Traceback" not in proc.stderr
