@@ -77,7 +77,8 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
 
 class StalenessConfig(_Section, frozen=True, kw_only=True):
     max_staleness: NonNegInt = 2  # versions between the token's policy and the step that trains on it
-    policy: Literal["none"] = "none"
+    policy: str = "none"  # off-policy correction; see docs/staleness.md for names and parameters
+    params: dict[str, float | int | bool | str] = {}  # keyword parameters of the policy
 
 
 class WeightsConfig(_Section, frozen=True, kw_only=True):
@@ -187,9 +188,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for assignment in overrides:
         apply_override(tree, assignment)
     try:
-        return msgspec.convert(tree, Config)
+        config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc)) from None
+    check_staleness_policy(config.staleness)
+    return config
+
+
+# Optional policy inputs the learner computes today ("prox" is the step-start forward).
+LEARNER_PROVIDES = ("prox",)
+
+
+def check_staleness_policy(section: StalenessConfig):
+    """Build the configured policy once, so a misspelled name or parameter fails at load time."""
+    from asyncrl.staleness.registry import make_policy
+
+    try:
+        policy = make_policy(section.policy, **section.params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config error at staleness.policy: {exc}") from None
+    missing = [n for n in policy.needs if n not in LEARNER_PROVIDES]
+    if missing:
+        raise ConfigError(
+            f"config error at staleness.policy: {section.policy!r} needs {', '.join(missing)} log-probs, "
+            "which the learner does not compute yet; choose another policy"
+        )
+    return policy
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

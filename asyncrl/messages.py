@@ -138,6 +138,8 @@ class StepDone(_Msg, frozen=True, kw_only=True):
     grad_norm: float
     step_s: float
     idle_s: float
+    lr_scale: float = 1.0
+    stats: dict[str, float] = {}  # staleness-policy diagnostics (ESS, masked fraction, ...)
 
 
 class Metrics(_Msg, frozen=True, kw_only=True):

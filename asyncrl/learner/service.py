@@ -22,6 +22,7 @@ import msgspec
 import torch
 import zmq
 
+from asyncrl.config import check_staleness_policy
 from asyncrl.learner.step import TrainSample, accumulate_gradients, pack
 from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded, WeightsPublished
 from asyncrl.runtime import ChildContext, run_child
@@ -63,6 +64,7 @@ class LearnerService:
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
         self.max_staleness = cfg.effective_max_staleness
+        self.policy = check_staleness_policy(cfg.staleness)
         self.window_size = self.cfg.groups_per_step * self.cfg.samples_per_group
         self.windows: dict[int, list[TrainSample]] = {}
         self.seen: set[int] = set()
@@ -126,6 +128,7 @@ class LearnerService:
         stats = accumulate_gradients(
             self.model,
             batch,
+            policy=self.policy,
             policy_version=self.version,
             temperature=max(self.ctx.config.sampling.temperature, 1e-6),
             clip_low=self.cfg.clip_low,
@@ -137,6 +140,8 @@ class LearnerService:
                 f"step {step}: a trajectory is {stats.max_staleness} versions stale, above the bound {self.max_staleness}"
             )
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * stats.lr_scale  # VCPO scales this step only
         self.optimizer.step()
         self.version += 1
         train_s = time.perf_counter() - start
@@ -172,6 +177,8 @@ class LearnerService:
             grad_norm=grad_norm,
             step_s=train_s,
             idle_s=0.0,
+            lr_scale=stats.lr_scale,
+            stats=stats.policy_stats,
         )
         return done, published
 

@@ -9,6 +9,7 @@ per group. Log-probs are aligned with input positions: position t holds log pi(x
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,6 +19,7 @@ import torch
 from asyncrl.learner.advantages import group_rewards, grpo_advantages, sequence_advantages, token_advantages
 from asyncrl.learner.logprobs import causal_lm_logprobs
 from asyncrl.learner.losses import clipped_surrogate
+from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,8 @@ class StepStats(NamedTuple):
     num_tokens: int
     max_staleness: int
     mean_staleness: float
+    lr_scale: float
+    policy_stats: dict[str, float]  # the staleness policy's diagnostics (finite ones)
 
 
 def pack(samples: Sequence[TrainSample], *, pad_token_id: int) -> PackedBatch:
@@ -94,40 +98,81 @@ def staleness_B(batch: PackedBatch, policy_version: int) -> torch.Tensor:
     return policy_version - oldest_B
 
 
+def _log_probs(model: torch.nn.Module, input_ids_BL: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    return causal_lm_logprobs(model, input_ids_BL, temperature=temperature).logp
+
+
+# Clip bounds that never bind: ratios live in (0, e^MAX_LOG_RATIO], so clip_low=1 and an infinite
+# clip_high leave the surrogate unclipped (M2PO and VCPO use their mask or weights instead).
+NO_CLIP = {"clip_low": 1.0, "clip_high": float("inf")}
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     batch: PackedBatch,
     *,
+    policy: StalenessPolicy,
     policy_version: int,
     temperature: float,
     clip_low: float,
     clip_high: float,
     micro_batch_size: int,
 ) -> StepStats:
-    """GRPO: group-normalised advantages, clipped surrogate against the behavior log-probs,
-    token-mean over the whole batch. Gradients accumulate into `.grad` micro-batch by
-    micro-batch; the global token count is the denominator, so the split changes nothing."""
+    """GRPO: group-normalised advantages; the staleness policy's anchor, weights and mask; clipped
+    surrogate; token-mean over the whole batch. Gradients accumulate into `.grad` micro-batch by
+    micro-batch with the global token count as denominator, so the split changes nothing.
+
+    The correction is computed over the whole batch (policies such as M2PO use batch-global
+    statistics): with one micro-batch from the same forward, otherwise from one extra no-grad
+    forward at the same parameters. One optimizer step per batch makes the current log-probs the
+    proximal ones, so `prox` needs no other forward."""
     rewards_GN = group_rewards(
         batch.reward_B, batch.group_B, batch.slot_B, num_groups=batch.num_groups, group_size=batch.group_size
     )
     adv_B = sequence_advantages(grpo_advantages(rewards_GN), batch.group_B, batch.slot_B)
-    num_tokens = int(batch.completion_mask_BL.sum())
+    mask_BL = batch.completion_mask_BL
+    adv_BL = token_advantages(adv_B, mask_BL)
+    num_tokens = int(mask_BL.sum())
+    num = batch.input_ids_BL.shape[0]
+    single = num <= micro_batch_size
+    if single:
+        logp_BL = _log_probs(model, batch.input_ids_BL, temperature=temperature)
+        logp_now_BL = logp_BL.detach()
+    else:
+        with torch.no_grad():
+            logp_now_BL = torch.cat(
+                [
+                    _log_probs(model, batch.input_ids_BL[i : i + micro_batch_size], temperature=temperature)
+                    for i in range(0, num, micro_batch_size)
+                ]
+            )
+    token_batch = with_current_as_prox(
+        TokenBatch(
+            logp_BT=logp_now_BL,
+            logp_behav_BT=batch.behavior_logp_BL,
+            mask_BT=mask_BL,
+            versions_BT=batch.versions_BL,
+            adv_BT=adv_BL,
+            policy_version=policy_version,
+        )
+    )
+    corr = policy.correct(token_batch)
+    clip = {"clip_low": clip_low, "clip_high": clip_high} if corr.use_clip else NO_CLIP
     total_loss = 0.0
     clipped = 0.0
-    num = batch.input_ids_BL.shape[0]
     for start in range(0, num, micro_batch_size):
         sl = slice(start, start + micro_batch_size)
-        mask_BL = batch.completion_mask_BL[sl]
-        logp_BL = causal_lm_logprobs(model, batch.input_ids_BL[sl], temperature=temperature).logp
+        if not single:
+            logp_BL = _log_probs(model, batch.input_ids_BL[sl], temperature=temperature)
         loss, stats = clipped_surrogate(
             logp_BL,
-            batch.behavior_logp_BL[sl],
-            token_advantages(adv_B[sl], mask_BL),
-            mask_BL,
-            clip_low=clip_low,
-            clip_high=clip_high,
+            corr.logp_anchor_BT[sl],
+            adv_BL[sl],
+            corr.mask_BT[sl],
+            corr.weight_BT[sl],
             mode="token-mean",
             num_tokens_global=num_tokens,
+            **clip,
         )
         loss.backward()
         total_loss += float(loss.detach())
@@ -140,4 +185,6 @@ def accumulate_gradients(
         num_tokens=num_tokens,
         max_staleness=int(stale_B.max()),
         mean_staleness=float(stale_B.float().mean()),
+        lr_scale=corr.lr_scale,
+        policy_stats={k: float(v) for k, v in corr.stats._asdict().items() if math.isfinite(float(v))},
     )

@@ -45,7 +45,8 @@ def build_default_checkpoint(
 
     from asyncrl.models.sft import sft
     from asyncrl.models.tiny import build_model, build_tokenizer
-    from asyncrl.tasks.arithmetic import demonstrations
+    from asyncrl.config import TaskConfig
+    from asyncrl.tasks.arithmetic import AdditionTask, demonstrations
 
     torch.manual_seed(settings.seed)
     tokenizer = build_tokenizer()
@@ -56,11 +57,17 @@ def build_default_checkpoint(
         num_heads=settings.num_heads,
         seed=settings.seed,
     )
+    # Never demonstrate the default job's held-out evaluation prompts.
+    defaults = TaskConfig()
+    held_out = AdditionTask(
+        seed=defaults.seed, eval_seed=defaults.eval_seed, num_eval=defaults.num_eval, max_operand=settings.max_operand
+    ).held_out
     pairs = demonstrations(
         settings.num_demonstrations,
         seed=settings.seed,
         max_operand=settings.max_operand,
         forget_carry_prob=settings.forget_carry_prob,
+        exclude=held_out,
     )
     start = time.perf_counter()
     result = sft(

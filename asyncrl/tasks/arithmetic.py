@@ -57,13 +57,13 @@ class AdditionTask:
             held.setdefault(p.prompt, p)
             i += 1
         self.eval_problems = list(held.values())
-        self._held = set(held)
+        self.held_out = frozenset(held)
 
     def train_problem(self, index: int) -> Problem:
         attempt = 0
         while True:
             p = make_problem(index, seed=self.seed * 1_000_003 + attempt, max_operand=self.max_operand)
-            if p.prompt not in self._held:
+            if p.prompt not in self.held_out:
                 return Problem(index=index, prompt=p.prompt, answer=p.answer)
             attempt += 1
 
@@ -90,13 +90,18 @@ def forgetful_sum(a: int, b: int) -> int:
     return int("".join(str((x + y) % 10) for x, y in zip(reversed(da), reversed(db), strict=True)))
 
 
-def demonstrations(count: int, *, seed: int, max_operand: int, forget_carry_prob: float) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs from the forgetful demonstrator, for warm-start SFT."""
+def demonstrations(
+    count: int, *, seed: int, max_operand: int, forget_carry_prob: float, exclude: frozenset[str] = frozenset()
+) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs from the forgetful demonstrator, for warm-start SFT.
+    Prompts in `exclude` (the held-out evaluation set) are never demonstrated."""
     rng = random.Random(f"demo:{seed}")
     pairs = []
-    for _ in range(count):
+    while len(pairs) < count:
         a = rng.randint(0, max_operand)
         b = rng.randint(0, max_operand)
+        if f"{a}+{b}=" in exclude:
+            continue
         if needs_carry(a, b) and rng.random() < forget_carry_prob:
             answer = forgetful_sum(a, b)
         else:
