@@ -70,7 +70,7 @@ def launch(
 @app.command()
 def sft(
     out: Annotated[Path, typer.Option(help="Directory to write the warm-started model to")] = Path("default_model"),
-    steps: Annotated[int, typer.Option(help="SFT optimizer steps")] = 1500,
+    steps: Annotated[int | None, typer.Option(help="SFT steps on correct demonstrations (default: the shipped recipe)")] = None,
 ) -> None:
     """Build the embedded tiny model and tokenizer and warm-start them on the built-in task."""
     from dataclasses import replace
@@ -79,14 +79,16 @@ def sft(
     from asyncrl.models.hf import quiet_offline
 
     quiet_offline()
-    if steps <= 0:
+    settings = SftSettings() if steps is None else replace(SftSettings(), steps=steps)
+    if settings.steps <= 0:
         _fail("--steps must be > 0")
+    total = settings.steps + settings.habit_steps
 
     def progress(step: int, loss: float) -> None:
         if step % 100 == 0:
-            typer.echo(f"sft step {step}/{steps} loss {loss:.4f}")
+            typer.echo(f"sft step {step}/{total} loss {loss:.4f}")
 
-    info = build_default_checkpoint(out, replace(SftSettings(), steps=steps), on_step=progress)
+    info = build_default_checkpoint(out, settings, on_step=progress)
     typer.echo(f"wrote {out} (final loss {info['final_loss']:.4f}, {info['sft_s']:.0f} s)")
 
 

@@ -65,7 +65,7 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     steps: PosInt = 60  # optimizer steps (= final policy_version)
     groups_per_step: PosInt = 32
     samples_per_group: Annotated[int, Meta(ge=2)] = 8
-    lr: PosFloat = 1e-3
+    lr: PosFloat = 3e-4
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     max_grad_norm: PosFloat = 1.0
     clip_low: Annotated[float, Meta(ge=0)] = 0.2

@@ -21,14 +21,19 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default
 
 @dataclass(frozen=True, kw_only=True)
 class SftSettings:
+    """Two phases: `steps` on correct demonstrations teach addition, then `habit_steps` on a
+    demonstrator that appends a stray 0 with probability `stray_zero_prob` teach a bad habit.
+    The result can add (the cleanly ended answer keeps real probability) but greedily does not."""
+
     seed: int = 0
     max_operand: int = 99
-    # The demonstrator forgets the carry this often; the SFT model inherits the habit.
-    forget_carry_prob: float = 0.6
-    num_demonstrations: int = 50_000
-    steps: int = 1500
+    num_demonstrations: int = 20_000
+    steps: int = 1000
+    lr: float = 5e-3
+    habit_steps: int = 100
+    habit_lr: float = 3e-4
+    stray_zero_prob: float = 0.85
     batch_size: int = 512
-    lr: float = 4e-3
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -62,27 +67,35 @@ def build_default_checkpoint(
     held_out = AdditionTask(
         seed=defaults.seed, eval_seed=defaults.eval_seed, num_eval=defaults.num_eval, max_operand=settings.max_operand
     ).held_out
-    pairs = demonstrations(
-        settings.num_demonstrations,
-        seed=settings.seed,
-        max_operand=settings.max_operand,
-        forget_carry_prob=settings.forget_carry_prob,
-        exclude=held_out,
-    )
     start = time.perf_counter()
-    result = sft(
-        model,
-        tokenizer,
-        pairs,
-        steps=settings.steps,
-        batch_size=settings.batch_size,
-        lr=settings.lr,
-        seed=settings.seed,
-        on_step=on_step,
-    )
+    result = None
+    phases = [(settings.steps, settings.lr, 0.0), (settings.habit_steps, settings.habit_lr, settings.stray_zero_prob)]
+    offset = 0
+    for steps, lr, slip in phases:
+        if steps == 0:
+            continue
+        pairs = demonstrations(
+            settings.num_demonstrations,
+            seed=settings.seed + offset,
+            max_operand=settings.max_operand,
+            stray_zero_prob=slip,
+            exclude=held_out,
+        )
+        result = sft(
+            model,
+            tokenizer,
+            pairs,
+            steps=steps,
+            batch_size=settings.batch_size,
+            lr=lr,
+            seed=settings.seed + offset,
+            on_step=None if on_step is None else (lambda s, loss, o=offset: on_step(o + s, loss)),
+        )
+        offset += steps
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
+    assert result is not None, "SftSettings with no steps at all"
     info = {"settings": asdict(settings), "final_loss": result.final_loss, "sft_s": time.perf_counter() - start}
     (out_dir / "asyncrl_sft.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

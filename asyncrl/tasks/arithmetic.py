@@ -3,10 +3,11 @@
 Prompts are `"<a>+<b>="`, the answer is the decimal sum. The scheduler owns the prompt dataset;
 generators score completions with `AdditionReward`.
 
-The warm-start corpus comes from a deliberately imperfect demonstrator that forgets the carry on
-most problems that need one. A model fine-tuned on it knows how to carry (it has seen it) but
-prefers not to, so its greedy accuracy on carry problems is low while correct answers keep real
-probability mass: the situation where RL with an exact reward helps most, and fast.
+The warm-start corpus ends with demonstrations from a deliberately sloppy teacher that usually
+appends a stray 0 to its answer (`12+39=510`). A model fine-tuned on it can add (it learned from
+correct demonstrations first) but has picked up the habit, so its greedy accuracy is low while
+the correct, cleanly ended answers keep real probability mass: RL with the exact reward has to
+discover which of its habits cost reward, which is what it is good at.
 """
 
 from __future__ import annotations
@@ -68,33 +69,12 @@ class AdditionTask:
             attempt += 1
 
 
-def needs_carry(a: int, b: int) -> bool:
-    return any(x + y >= 10 for x, y in zip(_digits(a), _digits(b), strict=False))
-
-
-def _digits(n: int) -> list[int]:
-    out = []
-    while True:
-        out.append(n % 10)
-        n //= 10
-        if n == 0:
-            return out
-
-
-def forgetful_sum(a: int, b: int) -> int:
-    """Digit-wise sum that drops every carry (the demonstrator's mistake)."""
-    da, db = _digits(a), _digits(b)
-    width = max(len(da), len(db))
-    da += [0] * (width - len(da))
-    db += [0] * (width - len(db))
-    return int("".join(str((x + y) % 10) for x, y in zip(reversed(da), reversed(db), strict=True)))
-
-
 def demonstrations(
-    count: int, *, seed: int, max_operand: int, forget_carry_prob: float, exclude: frozenset[str] = frozenset()
+    count: int, *, seed: int, max_operand: int, stray_zero_prob: float, exclude: frozenset[str] = frozenset()
 ) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs from the forgetful demonstrator, for warm-start SFT.
-    Prompts in `exclude` (the held-out evaluation set) are never demonstrated."""
+    """(prompt, completion) pairs for warm-start SFT. With probability `stray_zero_prob` the
+    demonstrator appends a stray 0 to the sum (`12+39=510`): a systematic slip. Prompts in
+    `exclude` (the held-out evaluation set) are never demonstrated."""
     rng = random.Random(f"demo:{seed}")
     pairs = []
     while len(pairs) < count:
@@ -102,11 +82,10 @@ def demonstrations(
         b = rng.randint(0, max_operand)
         if f"{a}+{b}=" in exclude:
             continue
-        if needs_carry(a, b) and rng.random() < forget_carry_prob:
-            answer = forgetful_sum(a, b)
-        else:
-            answer = a + b
-        pairs.append((f"{a}+{b}=", str(answer)))
+        answer = str(a + b)
+        if rng.random() < stray_zero_prob:
+            answer += "0"
+        pairs.append((f"{a}+{b}=", answer))
     return pairs
 
 
