@@ -28,9 +28,15 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def launch(
-    config: Annotated[Path | None, typer.Argument(help="TOML config file (default: the embedded job)")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")] = None,
-    no_tui: Annotated[bool, typer.Option("--no-tui", help="Plain log lines instead of the live view")] = False,
+    config: Annotated[
+        Path | None, typer.Argument(help="TOML config file (default: the embedded job)")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")
+    ] = None,
+    no_tui: Annotated[
+        bool, typer.Option("--no-tui", help="Plain log lines instead of the live view")
+    ] = False,
 ) -> None:
     """Train: spawn the learner and generators, stream until done, write the run directory."""
     from asyncrl.config import ConfigError, load_config
@@ -60,7 +66,17 @@ def launch(
         _fail(f"run failed: {exc}", code=1)
     except ValueError as exc:
         _fail(str(exc))
-    keys = ("mode", "status", "policy_versions", "eval_before", "eval_after", "wall_s", "samples_per_s", "max_staleness", "trajectories_lost")
+    keys = (
+        "mode",
+        "status",
+        "policy_versions",
+        "eval_before",
+        "eval_after",
+        "wall_s",
+        "samples_per_s",
+        "max_staleness",
+        "trajectories_lost",
+    )
     typer.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
     typer.echo(f"run directory: {summary['run_dir']}")
     if summary["status"] == "interrupted":
@@ -69,8 +85,12 @@ def launch(
 
 @app.command()
 def sft(
-    out: Annotated[Path, typer.Option(help="Directory to write the warm-started model to")] = Path("default_model"),
-    steps: Annotated[int | None, typer.Option(help="SFT steps on correct demonstrations (default: the shipped recipe)")] = None,
+    out: Annotated[Path, typer.Option(help="Directory to write the warm-started model to")] = Path(
+        "default_model"
+    ),
+    steps: Annotated[
+        int | None, typer.Option(help="SFT steps on correct demonstrations (default: the shipped recipe)")
+    ] = None,
 ) -> None:
     """Build the embedded tiny model and tokenizer and warm-start them on the built-in task."""
     from dataclasses import replace

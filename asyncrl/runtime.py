@@ -78,7 +78,9 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-def run_child(role: Role, main: Callable[[ChildContext], Awaitable[None]], argv: list[str] | None = None) -> None:
+def run_child(
+    role: Role, main: Callable[[ChildContext], Awaitable[None]], argv: list[str] | None = None
+) -> None:
     """Entry point of a child process: runs `main(ctx)` on uvloop until it returns or fails."""
     import uvloop
 
@@ -126,7 +128,14 @@ def run_child(role: Role, main: Callable[[ChildContext], Awaitable[None]], argv:
             log.error("%s failed:\n%s", args.peer_id, tb)
             try:
                 await asyncio.wait_for(
-                    ctrl.send(Fatal(role=role, peer_id=args.peer_id, error=f"{type(exc).__name__}: {exc}", traceback=tb)),
+                    ctrl.send(
+                        Fatal(
+                            role=role,
+                            peer_id=args.peer_id,
+                            error=f"{type(exc).__name__}: {exc}",
+                            traceback=tb,
+                        )
+                    ),
                     timeout=2.0,
                 )
             except TimeoutError:

@@ -68,17 +68,35 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = [
-            run_policy(p, max_staleness=args.max_staleness, steps=args.steps, extra=args.extra, out_dir=Path(tmp))
+            run_policy(
+                p, max_staleness=args.max_staleness, steps=args.steps, extra=args.extra, out_dir=Path(tmp)
+            )
             for p in args.policies
         ]
     if args.json:
         print(json.dumps({"max_staleness": args.max_staleness, "steps": args.steps, "rows": rows}, indent=2))
         return
-    cols = ["policy", "eval_before", "eval_after", "reward_last_half", "reward_last_half_std", "reward_peak_minus_final", "max_grad_norm", "masked_or_clipped", "max_staleness_seen", "wall_s"]
+    cols = [
+        "policy",
+        "eval_before",
+        "eval_after",
+        "reward_last_half",
+        "reward_last_half_std",
+        "reward_peak_minus_final",
+        "max_grad_norm",
+        "masked_or_clipped",
+        "max_staleness_seen",
+        "wall_s",
+    ]
     print(f"staleness bound {args.max_staleness}, {args.steps} steps")
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(f"{r.get(c, ''):.3f}" if isinstance(r.get(c), float) else str(r.get(c, r.get("status"))) for c in cols))
+        print(
+            " | ".join(
+                f"{r.get(c, ''):.3f}" if isinstance(r.get(c), float) else str(r.get(c, r.get("status")))
+                for c in cols
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -17,4 +17,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from asyncrl.models.tiny import create_base
 
     quiet_offline()
-    return create_base(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    return create_base(
+        tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0
+    )

@@ -89,7 +89,9 @@ def resolve_generator(kind: str) -> type:
         names = available_generators()
         if kind not in names:
             valid = ", ".join(sorted(names)) or "(none installed)"
-            raise ValueError(f"unknown generator {kind!r} (generators.kind); valid names: {valid}, or a 'pkg.module:Class' path")
+            raise ValueError(
+                f"unknown generator {kind!r} (generators.kind); valid names: {valid}, or a 'pkg.module:Class' path"
+            )
         target = names[kind]
     module_name, _, attr = target.partition(":")
     try:

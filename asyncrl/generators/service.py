@@ -103,7 +103,11 @@ class GeneratorService:
                 case Shutdown():
                     self.stopping = True
                 case _:
-                    log.error("%s: unexpected %s on the control socket; ignored", self.ctx.peer_id, type(msg).__name__)
+                    log.error(
+                        "%s: unexpected %s on the control socket; ignored",
+                        self.ctx.peer_id,
+                        type(msg).__name__,
+                    )
             self.wake.set()
 
     async def maybe_load_weights(self) -> None:
@@ -113,7 +117,9 @@ class GeneratorService:
         start = time.perf_counter()
         await self.gen.load_weights(w.version, w.location)
         load_s = time.perf_counter() - start
-        await self.ctx.ctrl.send(WeightsLoaded(generator_id=self.ctx.peer_id, version=w.version, load_s=load_s))
+        await self.ctx.ctrl.send(
+            WeightsLoaded(generator_id=self.ctx.peer_id, version=w.version, load_s=load_s)
+        )
 
     async def work_loop(self) -> None:
         max_groups = self.ctx.config.generators.max_batch_groups
@@ -134,7 +140,9 @@ class GeneratorService:
         by_task: dict[int, list[Rollout]] = {t.task_id: [] for t in batch}
         for r in rollouts:
             if r.task_id not in by_task:
-                raise ValueError(f"generator returned a rollout for task {r.task_id}, which was not in the batch")
+                raise ValueError(
+                    f"generator returned a rollout for task {r.task_id}, which was not in the batch"
+                )
             by_task[r.task_id].append(r)
         for task in batch:
             group = by_task[task.task_id]

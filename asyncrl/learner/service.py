@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 512 * 1024 * 1024
 
 
+# Longer sequences than this are not from any generator of ours (a guard against garbage).
+MAX_SEQUENCE_TOKENS = 1 << 20
+
+
 class StalenessViolation(AssertionError):
     """A trajectory older than the configured bound reached the learner (an admission bug)."""
 
@@ -69,6 +73,7 @@ class LearnerService:
         self.windows: dict[int, list[TrainSample]] = {}
         self.seen: set[int] = set()
         self.num_duplicates = 0
+        self.num_invalid = 0
         self.version = 0
         self.window_ready = asyncio.Event()
         self.stopping = False
@@ -86,10 +91,20 @@ class LearnerService:
                 log.error("learner: duplicate trajectory %d dropped", msg.traj_id)
                 continue
             if msg.step < self.version:
-                log.error("learner: trajectory %d for past step %d dropped (now at %d)", msg.traj_id, msg.step, self.version)
+                log.error(
+                    "learner: trajectory %d for past step %d dropped (now at %d)",
+                    msg.traj_id,
+                    msg.step,
+                    self.version,
+                )
+                continue
+            ids, logps, versions = tensors
+            problem = _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps)
+            if problem:
+                self.num_invalid += 1
+                log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
                 continue
             self.seen.add(msg.traj_id)
-            ids, logps, versions = tensors
             self.windows.setdefault(msg.step, []).append(
                 TrainSample(
                     traj_id=msg.traj_id,
@@ -112,7 +127,8 @@ class LearnerService:
                 case WeightsLoaded():
                     if msg.version > 0:
                         self.retention.ack(msg.generator_id, msg.version)
-                        await asyncio.to_thread(prune, self.weights_dir, self.retention)
+                        # On the loop thread: the retention state is only ever touched here.
+                        prune(self.weights_dir, self.retention)
                 case Shutdown():
                     self.stopping = True
                     self.window_ready.set()
@@ -120,16 +136,16 @@ class LearnerService:
                 case _:
                     log.error("learner: unexpected %s on the control socket; ignored", type(msg).__name__)
 
-    def train_window(self, samples: list[TrainSample]) -> tuple[StepDone, WeightsPublished]:
+    def train_window(self, step: int, samples: list[TrainSample]) -> tuple[StepDone, WeightsPublished]:
+        """Runs in a worker thread; touches only the model, the optimizer and the weights dir."""
         start = time.perf_counter()
-        step = self.version
         batch = pack(samples, pad_token_id=self.tokenizer.pad_token_id)
         self.optimizer.zero_grad(set_to_none=True)
         stats = accumulate_gradients(
             self.model,
             batch,
             policy=self.policy,
-            policy_version=self.version,
+            policy_version=step,
             temperature=max(self.ctx.config.sampling.temperature, 1e-6),
             clip_low=self.cfg.clip_low,
             clip_high=self.cfg.clip_high,
@@ -143,22 +159,21 @@ class LearnerService:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * stats.lr_scale  # VCPO scales this step only
         self.optimizer.step()
-        self.version += 1
+        version = step + 1
         train_s = time.perf_counter() - start
         pub_start = time.perf_counter()
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
         manifest = write_shards(
             state,
             self.weights_dir,
-            self.version,
+            version,
             max_shard_bytes=MAX_SHARD_BYTES,
             extra_files=self.extra_files,
             num_threads=1,
             fsync=False,
         )
-        self.retention.publish(self.version)
         published = WeightsPublished(
-            version=self.version,
+            version=version,
             transport="safetensors",
             location=str(self.weights_dir),
             num_bytes=manifest.total_size_bytes,
@@ -166,7 +181,7 @@ class LearnerService:
         )
         done = StepDone(
             step=step,
-            version=self.version,
+            version=version,
             num_trajectories=len(samples),
             num_tokens=stats.num_tokens,
             loss=stats.loss,
@@ -194,7 +209,9 @@ class LearnerService:
             self.idle_s += idle
             samples = self.windows.pop(step)
             busy_start = time.perf_counter()
-            done, published = await asyncio.to_thread(self.train_window, samples)
+            done, published = await asyncio.to_thread(self.train_window, step, samples)
+            self.version = done.version
+            self.retention.publish(done.version)
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
@@ -208,6 +225,7 @@ class LearnerService:
                     values={
                         "learner/idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.busy_s),
                         "learner/duplicates": float(self.num_duplicates),
+                        "learner/invalid_trajectories": float(self.num_invalid),
                         "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
                         "learner/publish_s": published.publish_s,
                     },
@@ -229,6 +247,23 @@ class LearnerService:
             for t in loops:
                 t.cancel()
         self.data.close()
+
+
+def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:
+    """Why a trajectory cannot be trained on ("" if it can); checked before it is buffered."""
+    if not (ids.ndim == logps.ndim == versions.ndim == 1):
+        return "tensors must be 1-D"
+    if not (len(ids) == len(logps) == len(versions) >= 1):
+        return f"{len(ids)} tokens, {len(logps)} log-probs, {len(versions)} versions"
+    if ids.dtype != torch.int64 or versions.dtype != torch.int64 or not logps.is_floating_point():
+        return "wrong tensor dtypes"
+    if not 0 <= msg.sample_index < msg.num_samples or not 0 <= msg.step < num_steps:
+        return f"sample {msg.sample_index}/{msg.num_samples} for step {msg.step} is out of range"
+    if not bool(torch.isfinite(logps).all()) or bool((logps > 0).any()):
+        return "behavior log-probs must be finite and <= 0"
+    if not msg.prompt_ids or len(msg.prompt_ids) + len(ids) > MAX_SEQUENCE_TOKENS:
+        return "empty prompt or sequence too long"
+    return ""
 
 
 async def main(ctx: ChildContext) -> None:

@@ -48,9 +48,9 @@ def build_default_checkpoint(
     """Create the tiny model and tokenizer, warm-start them with SFT, save to `out_dir`."""
     import torch
 
+    from asyncrl.config import TaskConfig
     from asyncrl.models.sft import sft
     from asyncrl.models.tiny import build_model, build_tokenizer
-    from asyncrl.config import TaskConfig
     from asyncrl.tasks.arithmetic import AdditionTask, demonstrations
 
     torch.manual_seed(settings.seed)
@@ -65,11 +65,17 @@ def build_default_checkpoint(
     # Never demonstrate the default job's held-out evaluation prompts.
     defaults = TaskConfig()
     held_out = AdditionTask(
-        seed=defaults.seed, eval_seed=defaults.eval_seed, num_eval=defaults.num_eval, max_operand=settings.max_operand
+        seed=defaults.seed,
+        eval_seed=defaults.eval_seed,
+        num_eval=defaults.num_eval,
+        max_operand=settings.max_operand,
     ).held_out
     start = time.perf_counter()
     result = None
-    phases = [(settings.steps, settings.lr, 0.0), (settings.habit_steps, settings.habit_lr, settings.stray_zero_prob)]
+    phases = [
+        (settings.steps, settings.lr, 0.0),
+        (settings.habit_steps, settings.habit_lr, settings.stray_zero_prob),
+    ]
     offset = 0
     for steps, lr, slip in phases:
         if steps == 0:
@@ -96,6 +102,10 @@ def build_default_checkpoint(
     tokenizer.save_pretrained(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     assert result is not None, "SftSettings with no steps at all"
-    info = {"settings": asdict(settings), "final_loss": result.final_loss, "sft_s": time.perf_counter() - start}
+    info = {
+        "settings": asdict(settings),
+        "final_loss": result.final_loss,
+        "sft_s": time.perf_counter() - start,
+    }
     (out_dir / "asyncrl_sft.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

@@ -22,7 +22,9 @@ class SftResult(NamedTuple):
     final_loss: float
 
 
-def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_pairs(
+    tokenizer, pairs: Sequence[tuple[str, str]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask and a bool mask of the completion(+eos) positions."""
     rows, loss_rows = [], []
     for prompt, completion in pairs:

@@ -60,7 +60,9 @@ class LiveReporter:
         self.console = console or Console()
         self.state = None
         self.events: list[str] = []
-        self.live = Live(console=self.console, refresh_per_second=refresh_per_second, get_renderable=self._renderable)
+        self.live = Live(
+            console=self.console, refresh_per_second=refresh_per_second, get_renderable=self._renderable
+        )
 
     def _renderable(self):
         if self.state is None:

@@ -11,7 +11,9 @@ weights. K = 0 is strictly on-policy (sync): step s's groups wait for version s.
 from __future__ import annotations
 
 
-def admission_limit(*, loaded_version: int, groups_per_step: int, max_staleness: int, total_groups: int) -> int:
+def admission_limit(
+    *, loaded_version: int, groups_per_step: int, max_staleness: int, total_groups: int
+) -> int:
     """How many groups (counting from group 0) may have been admitted in total."""
     if loaded_version < 0 or groups_per_step <= 0 or max_staleness < 0:
         raise ValueError("loaded_version and max_staleness must be >= 0 and groups_per_step > 0")

@@ -93,7 +93,9 @@ def run_job(config: Config, reporter: Reporter) -> dict:
         "trajectories_generated": state.trajectories_generated,
         "trajectories_trained": state.trajectories_trained,
         # Admitted samples that were neither trained nor still legitimately pending at the end.
-        "trajectories_lost": (expected - state.trajectories_trained) if failure is None and not launcher.interrupted else None,
+        "trajectories_lost": (expected - state.trajectories_trained)
+        if failure is None and not launcher.interrupted
+        else None,
         "eval_before": eval_before,
         "eval_after": eval_after,
         "eval_problems": len(launcher.task.eval_problems),

@@ -114,7 +114,9 @@ class Launcher:
         self.run_dir = run_dir
         self.model_path = model_path
         self.reporter = reporter
-        self.state = RunState(total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness)
+        self.state = RunState(
+            total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness
+        )
         self.task = AdditionTask(
             seed=config.task.seed,
             eval_seed=config.task.eval_seed,
@@ -141,7 +143,17 @@ class Launcher:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         log_path = logs / f"{peer_id}.log"
-        cmd = [sys.executable, "-m", module, "--ctrl", ctrl_address, "--peer-id", peer_id, "--run-dir", str(self.run_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "--ctrl",
+            ctrl_address,
+            "--peer-id",
+            peer_id,
+            "--run-dir",
+            str(self.run_dir),
+        ]
         for k, v in extra.items():
             cmd += ["--extra", f"{k}={v}"]
         with open(log_path, "ab") as out:
@@ -296,7 +308,9 @@ class Launcher:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 slow = [p for p in peers if not self.children[p].ready]
-                self.fail(f"{', '.join(slow)} did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.run_dir / 'logs'}")
+                self.fail(
+                    f"{', '.join(slow)} did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.run_dir / 'logs'}"
+                )
                 return
             await recv(remaining)
 
@@ -319,7 +333,9 @@ class Launcher:
         async def recv_one(timeout_s: float) -> None:
             getter = asyncio.ensure_future(inbox.get())
             stop = asyncio.ensure_future(self.finished.wait())
-            done, _ = await asyncio.wait({getter, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {getter, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
             stop.cancel()
             if getter in done:
                 sender, msg, _ = getter.result()
@@ -333,13 +349,25 @@ class Launcher:
             self.state.phase = "starting learner"
             self.reporter.update(self.state)
             common = {"model": str(self.model_path)}
-            self.spawn("learner", "learner", "asyncrl.learner.service", address, {**common, "generators": ",".join(self.generator_ids)})
+            self.spawn(
+                "learner",
+                "learner",
+                "asyncrl.learner.service",
+                address,
+                {**common, "generators": ",".join(self.generator_ids)},
+            )
             await self.wait_ready(["learner"], recv_one)
             if not self.finished.is_set():
                 self.state.phase = "starting generators"
                 self.reporter.update(self.state)
                 for i, g in enumerate(self.generator_ids):
-                    self.spawn(g, "generator", "asyncrl.generators.service", address, {**common, "data": self.learner_endpoint, "index": str(i)})
+                    self.spawn(
+                        g,
+                        "generator",
+                        "asyncrl.generators.service",
+                        address,
+                        {**common, "data": self.learner_endpoint, "index": str(i)},
+                    )
                 await self.wait_ready(self.generator_ids, recv_one)
             if not self.finished.is_set():
                 self.state.phase = "training"

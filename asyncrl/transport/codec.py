@@ -82,7 +82,9 @@ def decode(frames: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
         raise MalformedFrame(f"undecodable header: {exc}") from None
     refs = [getattr(msg, f) for f in msg.__struct_fields__ if isinstance(getattr(msg, f), TensorRef)]
     if len(refs) != len(frames) - 1:
-        raise MalformedFrame(f"{type(msg).__name__} names {len(refs)} tensor frames but {len(frames) - 1} came")
+        raise MalformedFrame(
+            f"{type(msg).__name__} names {len(refs)} tensor frames but {len(frames) - 1} came"
+        )
     tensors: list[torch.Tensor] = [torch.empty(0)] * len(refs)
     seen = set()
     for ref in refs:
@@ -108,7 +110,9 @@ def _tensor_from(ref: TensorRef, frame: Any) -> torch.Tensor:
     buf = _as_buffer(frame)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(buf) != numel * itemsize:
-        raise MalformedFrame(f"tensor frame has {len(buf)} bytes, {ref.dtype}{list(ref.shape)} needs {numel * itemsize}")
+        raise MalformedFrame(
+            f"tensor frame has {len(buf)} bytes, {ref.dtype}{list(ref.shape)} needs {numel * itemsize}"
+        )
     if numel == 0:
         return torch.empty(ref.shape, dtype=dtype)
     with warnings.catch_warnings():

@@ -80,7 +80,12 @@ class Endpoint:
         key = reason.split(":")[0][:80]
         self.rejected[key] += 1
         if sum(self.rejected.values()) <= 10 or sum(self.rejected.values()) % 1000 == 0:
-            log.error("%s: rejected malformed message (%s); %d rejected so far", self.name, reason, sum(self.rejected.values()))
+            log.error(
+                "%s: rejected malformed message (%s); %d rejected so far",
+                self.name,
+                reason,
+                sum(self.rejected.values()),
+            )
 
     @property
     def num_rejected(self) -> int:

@@ -29,7 +29,18 @@ SUMMARY_KEYS = {
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_default_job_shortened(tmp_path, mode):
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "launch", "--set", "learner.steps=4", "--set", "task.num_eval=64", "--set", f"mode={mode}"],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "launch",
+            "--set",
+            "learner.steps=4",
+            "--set",
+            "task.num_eval=64",
+            "--set",
+            f"mode={mode}",
+        ],
         capture_output=True,
         text=True,
         timeout=280,

@@ -49,7 +49,17 @@ def test_generator_failure_is_reported_and_everything_stops(tiny_model_dir, tmp_
 
 def test_unknown_generator_fails_before_any_process_starts(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "launch", "--no-tui", "--set", 'generators.kind="tourch"', "--set", f'run.out_dir="{tmp_path}"'],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "launch",
+            "--no-tui",
+            "--set",
+            'generators.kind="tourch"',
+            "--set",
+            f'run.out_dir="{tmp_path}"',
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -47,7 +47,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(240)
 def test_two_generators_run_to_completion_with_nothing_lost(tiny_model_dir, tmp_path):
     proc = subprocess.run(
-        _job_args(tiny_model_dir, tmp_path, "learner.steps=3", "generators.num_generators=2", "staleness.max_staleness=1"),
+        _job_args(
+            tiny_model_dir,
+            tmp_path,
+            "learner.steps=3",
+            "generators.num_generators=2",
+            "staleness.max_staleness=1",
+        ),
         capture_output=True,
         text=True,
         timeout=220,

@@ -30,7 +30,9 @@ def simulate(ops: list[int], *, groups_per_step: int, max_staleness: int, steps:
 
     def admit():
         new = adm.admit(loaded)
-        extra = range(adm.num_admitted, min(adm.total_groups, adm.num_admitted + slack)) if slack else range(0)
+        extra = (
+            range(adm.num_admitted, min(adm.total_groups, adm.num_admitted + slack)) if slack else range(0)
+        )
         adm.num_admitted += len(extra)
         pending.extend(list(new) + list(extra))
 
@@ -55,7 +57,9 @@ def simulate(ops: list[int], *, groups_per_step: int, max_staleness: int, steps:
     max_staleness=st.integers(0, 3),
 )
 def test_bound_holds_for_every_interleaving(ops, groups_per_step, max_staleness):
-    assert simulate(ops, groups_per_step=groups_per_step, max_staleness=max_staleness, steps=50) <= max_staleness
+    assert (
+        simulate(ops, groups_per_step=groups_per_step, max_staleness=max_staleness, steps=50) <= max_staleness
+    )
 
 
 def test_off_by_one_formula_is_caught():

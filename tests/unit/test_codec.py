@@ -39,7 +39,9 @@ def test_round_trip_with_tensors():
     msg = _trajectory(ids, logps, versions)
     out, tensors = decode(_to_bytes(encode(msg, [ids, logps, versions])))
     assert out == msg
-    assert torch.equal(tensors[0], ids) and torch.equal(tensors[1], logps) and torch.equal(tensors[2], versions)
+    assert (
+        torch.equal(tensors[0], ids) and torch.equal(tensors[1], logps) and torch.equal(tensors[2], versions)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.uint8])
@@ -47,7 +49,12 @@ def test_tensor_dtypes_round_trip_bitwise(dtype):
     src = (torch.randn(3, 5) * 10).to(dtype)
     ref = TensorRef(frame=0, dtype=str(dtype).removeprefix("torch."), shape=(3, 5))
     msg = _trajectory(torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.zeros(0, dtype=torch.int64))
-    msg = msgspec.structs.replace(msg, completion_ids=ref, behavior_logprobs=TensorRef(frame=1, dtype="float32", shape=(0,)), token_versions=TensorRef(frame=2, dtype="int64", shape=(0,)))
+    msg = msgspec.structs.replace(
+        msg,
+        completion_ids=ref,
+        behavior_logprobs=TensorRef(frame=1, dtype="float32", shape=(0,)),
+        token_versions=TensorRef(frame=2, dtype="int64", shape=(0,)),
+    )
     _, tensors = decode(_to_bytes(encode(msg, [src, torch.zeros(0), torch.zeros(0, dtype=torch.int64)])))
     assert tensors[0].dtype == dtype
     assert torch.equal(tensors[0].view(torch.uint8), src.view(torch.uint8))
@@ -56,7 +63,16 @@ def test_tensor_dtypes_round_trip_bitwise(dtype):
 def test_plain_messages_round_trip():
     for msg in (
         WeightsLoaded(generator_id="g", version=3, load_s=0.5),
-        PromptTask(task_id=1, group_id=1, prompt_ids=[1], num_samples=2, sampling=SamplingParams(), dataset_index=1, step=0, answer="3"),
+        PromptTask(
+            task_id=1,
+            group_id=1,
+            prompt_ids=[1],
+            num_samples=2,
+            sampling=SamplingParams(),
+            dataset_index=1,
+            step=0,
+            answer="3",
+        ),
     ):
         out, tensors = decode(encode(msg))
         assert out == msg and tensors == []

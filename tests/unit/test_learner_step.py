@@ -9,7 +9,9 @@ from asyncrl.config import LEARNER_PROVIDES
 from asyncrl.learner.step import TrainSample, accumulate_gradients, pack, staleness_B
 from asyncrl.staleness.registry import POLICIES, make_policy
 
-SELECTABLE = sorted(n for n, cls in POLICIES.items() if all(x in LEARNER_PROVIDES for x in make_policy(n).needs))
+SELECTABLE = sorted(
+    n for n, cls in POLICIES.items() if all(x in LEARNER_PROVIDES for x in make_policy(n).needs)
+)
 
 
 def _model(tiny_model_dir):
@@ -44,7 +46,14 @@ def _samples(num_groups=3, group_size=4, seed=0):
 def _grads(model, batch, policy, micro):
     model.zero_grad(set_to_none=True)
     stats = accumulate_gradients(
-        model, batch, policy=policy, policy_version=6, temperature=1.0, clip_low=0.2, clip_high=0.28, micro_batch_size=micro
+        model,
+        batch,
+        policy=policy,
+        policy_version=6,
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.28,
+        micro_batch_size=micro,
     )
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats
 
@@ -74,6 +83,27 @@ def test_pack_and_staleness():
     for b, s in enumerate(samples):
         row = batch.input_ids_BL[b][batch.completion_mask_BL[b]]
         assert torch.equal(row, s.completion_ids)
-    assert torch.equal(staleness_B(batch, 6), torch.tensor([6 - int(s.token_versions.min()) for s in samples]))
+    assert torch.equal(
+        staleness_B(batch, 6), torch.tensor([6 - int(s.token_versions.min()) for s in samples])
+    )
     with pytest.raises(ValueError, match="incomplete groups"):
         pack(samples[:3], pad_token_id=0)
+
+
+def test_learner_rejects_malformed_trajectories():
+    from asyncrl.learner.service import _invalid
+    from asyncrl.messages import Trajectory
+    from asyncrl.transport.codec import tensor_ref
+
+    ids, logps, versions = torch.tensor([5, 2]), torch.tensor([-0.1, -0.2]), torch.tensor([0, 0])
+    msg = Trajectory(
+        traj_id=0, group_id=0, task_id=0, sample_index=1, step=0, num_samples=2, prompt_ids=[1, 4],
+        completion_ids=tensor_ref(0, ids), behavior_logprobs=tensor_ref(1, logps), token_versions=tensor_ref(2, versions),
+        reward=1.0, finish_reason="stop", generator_id="g",
+    )  # fmt: skip
+    assert _invalid(msg, ids, logps, versions, num_steps=3) == ""
+    assert "log-probs" in _invalid(msg, ids, logps[:1], versions, num_steps=3)
+    assert "finite" in _invalid(msg, ids, torch.tensor([float("nan"), -0.2]), versions, num_steps=3)
+    assert "finite" in _invalid(msg, ids, torch.tensor([0.5, -0.2]), versions, num_steps=3)
+    assert "out of range" in _invalid(msg, ids, logps, versions, num_steps=0)
+    assert "dtypes" in _invalid(msg, ids.float(), logps, versions, num_steps=3)

@@ -38,7 +38,9 @@ def test_behavior_logprobs_match_fresh_forward(tiny_model_dir, temperature, top_
         rng=torch.Generator().manual_seed(0),
         current_version=lambda: 4,
     )
-    for prompt, ids, logps, versions in zip(prompts, out.completion_ids, out.logprobs, out.versions, strict=True):
+    for prompt, ids, logps, versions in zip(
+        prompts, out.completion_ids, out.logprobs, out.versions, strict=True
+    ):
         assert len(ids) == len(logps) == len(versions) >= 1
         assert versions == [4] * len(ids)
         fresh = _fresh_logprobs(model, prompt, ids, temperature=temperature, top_p=top_p)
@@ -50,7 +52,15 @@ def test_finish_reasons_and_eos(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    out = generate(model, [[1, 5]] * 8, max_new_tokens=3, temperature=1.0, eos_token_id=2, pad_token_id=0, rng=torch.Generator().manual_seed(1))
+    out = generate(
+        model,
+        [[1, 5]] * 8,
+        max_new_tokens=3,
+        temperature=1.0,
+        eos_token_id=2,
+        pad_token_id=0,
+        rng=torch.Generator().manual_seed(1),
+    )
     for ids, reason in zip(out.completion_ids, out.finish_reasons, strict=True):
         assert (reason == "stop") == (ids[-1] == 2)
         assert 2 not in ids[:-1]
