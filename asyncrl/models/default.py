@@ -28,7 +28,7 @@ class SftSettings:
     seed: int = 0
     max_operand: int = 99
     num_demonstrations: int = 20_000
-    steps: int = 1000
+    steps: int = 2000
     lr: float = 5e-3
     habit_steps: int = 100
     habit_lr: float = 3e-4
