@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -396,7 +395,3 @@ class Launcher:
             self.interrupted = True
             self.event("interrupted: stopping every process")
         self.finished.set()
-
-
-def spawn_env() -> dict[str, str]:
-    return dict(os.environ)
