@@ -32,16 +32,27 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import msgspec
 import torch
 
-from asyncrl.messages import TensorMeta
+from asyncrl.transport.manifest import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    SAFETENSORS_CODES,
+    CorruptFn,
+    ManifestFile,
+    ManifestTensor,
+    ShardManifest,
+    WeightsCorruptError,
+    check_file_name,
+    dtype_from_name,
+    dtype_name,
+    safetensors_code,
+)
 from asyncrl.transport.retention import (
-    TMP_PREFIX,
     latest_version,
     list_versions,
     remove_incomplete,
@@ -69,116 +80,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
-INDEX_NAME = "model.safetensors.index.json"
-MANIFEST_SCHEMA = 1
 # Hashing and writing go chunk by chunk so that a chunk is still in cache for the second pass.
 _CHUNK_BYTES = 4 << 20
 # The safetensors header is padded so that tensor data starts 8-byte aligned.
 _HEADER_ALIGN_BYTES = 8
 # Files in a model directory that `collect_config_files` never copies (weights and our own outputs).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-
-# torch dtype -> safetensors dtype code (the safetensors format specification's names).
-_SAFETENSORS_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
-
-
-class WeightsCorruptError(ValueError):
-    """A published weights version is missing a file or a file does not match its manifest."""
-
-
-_CorruptFn = Callable[[str], WeightsCorruptError]
-
-
-class ManifestTensor(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: str
-    dtype: str  # torch dtype name without "torch.", as in TensorMeta and SGLang's `dtypes`
-    shape: tuple[int, ...]
-    file: str
-
-
-class ManifestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: str
-    size_bytes: int
-    sha256: str  # hex digest of the whole file, as `sha256sum` prints it
-
-
-class ShardManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything a reader needs to verify one published version (written as `manifest.json`)."""
-
-    schema: int = MANIFEST_SCHEMA
-    version: int
-    total_size_bytes: int  # sum of tensor bytes; equals the index's metadata.total_size
-    tensors: tuple[ManifestTensor, ...]  # in state-dict order
-    files: tuple[ManifestFile, ...]  # shard files, in shard order
-    extra_files: tuple[ManifestFile, ...] = ()
-
-    def to_json(self) -> bytes:
-        return msgspec.json.format(msgspec.json.encode(self), indent=1)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> ShardManifest:
-        """Decode and check a manifest; raises ValueError (msgspec.DecodeError) if malformed."""
-        manifest = msgspec.json.decode(data, type=cls)
-        if manifest.schema != MANIFEST_SCHEMA:
-            raise ValueError(
-                f"manifest schema {manifest.schema} is not supported (expected {MANIFEST_SCHEMA})"
-            )
-        for record in (*manifest.files, *manifest.extra_files):
-            _check_file_name(record.name)  # a tampered manifest must not point outside its directory
-        file_names = {f.name for f in manifest.files}
-        for t in manifest.tensors:
-            dtype_from_name(t.dtype)
-            if t.file not in file_names:
-                raise ValueError(f"manifest tensor {t.name!r} refers to unknown file {t.file!r}")
-        return manifest
-
-    def metas(self) -> list[TensorMeta]:
-        """The tensors as wire metadata, in state-dict order (e.g. for a broadcast announcement)."""
-        return [TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape) for t in self.tensors]
-
-
-# ---------------------------------------------------------------------------------------------- dtypes
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> "bfloat16" (the name used by TensorMeta and SGLang)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Name -> dtype ("bfloat16" -> `torch.bfloat16`); ValueError for anything that is not a torch dtype."""
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype name {name!r}")
-    return dtype
-
-
-def _safetensors_code(dtype: torch.dtype, name: str) -> str:
-    code = _SAFETENSORS_CODES.get(dtype)
-    if code is None:
-        supported = ", ".join(sorted(dtype_name(d) for d in _SAFETENSORS_CODES))
-        raise ValueError(
-            f"tensor {name!r} has dtype {dtype_name(dtype)}, not storable in safetensors ({supported})"
-        )
-    return code
-
 
 # ---------------------------------------------------------------------------------------------- config files
 
@@ -246,7 +153,7 @@ def _header_bytes(entries: list[tuple[str, torch.Tensor]]) -> bytes:
     for name, t in entries:
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _safetensors_code(t.dtype, name),
+            "dtype": safetensors_code(t.dtype, name),
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -308,13 +215,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _check_file_name(name: str) -> None:
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(TMP_PREFIX):
-        raise ValueError(f"file name {name!r} must be a plain file name")
-
-
 def _check_extra_name(name: str) -> None:
-    _check_file_name(name)
+    check_file_name(name)
     if name in (MANIFEST_NAME, INDEX_NAME) or name.endswith(".safetensors"):
         raise ValueError(f"extra file name {name!r} clashes with the weights files")
 
@@ -355,7 +257,7 @@ def write_shards(
         t = state_dict[name]
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        _safetensors_code(t.dtype, name)
+        safetensors_code(t.dtype, name)
     extra = dict(extra_files or {})
     for name in extra:
         _check_extra_name(name)
@@ -451,7 +353,7 @@ def read_manifest(root: Path, version: int) -> ShardManifest:
     return manifest
 
 
-def _read_exact(fd: int, view: memoryview, hasher: hashlib._Hash | None, corrupt: _CorruptFn) -> None:
+def _read_exact(fd: int, view: memoryview, hasher: hashlib._Hash | None, corrupt: CorruptFn) -> None:
     """Fill `view` from `fd`, hashing each chunk right after it is read (while it is in cache)."""
     pos = 0
     while pos < len(view):
@@ -464,7 +366,7 @@ def _read_exact(fd: int, view: memoryview, hasher: hashlib._Hash | None, corrupt
 
 
 def _read_header(
-    fd: int, hasher: hashlib._Hash | None, corrupt: _CorruptFn, size_bytes: int
+    fd: int, hasher: hashlib._Hash | None, corrupt: CorruptFn, size_bytes: int
 ) -> tuple[dict, int]:
     """The parsed safetensors header (without `__metadata__`) and the offset where data starts."""
     if size_bytes < 8:
@@ -487,7 +389,7 @@ def _read_header(
 
 
 def _check_entries(
-    header: dict, expected: list[ManifestTensor], corrupt: _CorruptFn, data_bytes: int
+    header: dict, expected: list[ManifestTensor], corrupt: CorruptFn, data_bytes: int
 ) -> list[tuple[ManifestTensor, int, int]]:
     """(tensor, begin, end) in file order; the header must agree with the manifest and tile the data."""
     if set(header) != {t.name for t in expected}:
@@ -502,7 +404,7 @@ def _check_entries(
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
             raise corrupt(f"has malformed data offsets for {t.name!r}")
         dtype = dtype_from_name(t.dtype)
-        if code != _SAFETENSORS_CODES.get(dtype) or shape != t.shape:
+        if code != SAFETENSORS_CODES.get(dtype) or shape != t.shape:
             raise corrupt(
                 f"stores {t.name!r} as {code}{list(shape)}, the manifest says {t.dtype}{list(t.shape)}"
             )
