@@ -90,6 +90,8 @@ class WeightsConfig(_Section, frozen=True, kw_only=True):
 class MonitorConfig(_Section, frozen=True, kw_only=True):
     tui: bool = True  # live rich view when stdout is a terminal
     heartbeat_s: PosFloat = 1.0
+    # A child silent for this long (no heartbeat, no message) is hung: the run stops with an error.
+    heartbeat_timeout_s: PosFloat = 60.0
 
 
 class Config(_Section, frozen=True, kw_only=True):

@@ -97,6 +97,7 @@ class Child:
     ready: bool = False
     outstanding: int = 0
     stopping: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -163,7 +164,8 @@ class Launcher:
         return child
 
     async def supervise(self) -> None:
-        """Any child that exits before the run is over fails the run, with its reason."""
+        """Any child that exits, or falls silent, before the run is over fails the run."""
+        timeout_s = self.cfg.monitor.heartbeat_timeout_s
         while not self.finished.is_set():
             for child in self.children.values():
                 code = child.proc.poll()
@@ -171,6 +173,13 @@ class Launcher:
                     self.fail(
                         f"{child.role} {child.peer_id} (pid {child.proc.pid}) exited with code {code}.\n"
                         f"Last lines of {child.log_path}:\n{child.tail()}"
+                    )
+                    return
+                silent_s = time.monotonic() - child.last_seen
+                if child.ready and silent_s > timeout_s:
+                    self.fail(
+                        f"{child.role} {child.peer_id} (pid {child.proc.pid}) sent nothing for {silent_s:.0f} s "
+                        f"(monitor.heartbeat_timeout_s = {timeout_s:g}): it is hung; see {child.log_path}"
                     )
                     return
             await asyncio.sleep(POLL_S)  # polling child exit status; no message to wait for
@@ -248,6 +257,7 @@ class Launcher:
         if child is None:
             log.error("message from unknown peer %r dropped", peer)
             return
+        child.last_seen = time.monotonic()
         match msg:
             case Hello():
                 child.ready = True

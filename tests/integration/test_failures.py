@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,42 @@ def test_generator_failure_is_reported_and_everything_stops(tiny_model_dir, tmp_
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "reward server unreachable" in summary["error"]
+
+
+HANGING_PLUGIN = textwrap.dedent(
+    """
+    import threading
+
+    from asyncrl.generators.torch_gen import TorchGenerator
+
+    class HangingGenerator(TorchGenerator):
+        async def generate(self, tasks):
+            threading.Event().wait()  # blocks the event loop for good: no more heartbeats
+    """
+)
+
+
+@pytest.mark.timeout(200)
+def test_hung_generator_is_detected_and_the_run_stops(tiny_model_dir, tmp_path, pid_alive):
+    (tmp_path / "hanging_plugin.py").write_text(HANGING_PLUGIN)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
+    for s in (
+        f'model.path="{tiny_model_dir}"',
+        f'run.out_dir="{tmp_path}"',
+        'run.name="t"',
+        'generators.kind="hanging_plugin:HangingGenerator"',
+        "monitor.heartbeat_timeout_s=3",
+        "learner.groups_per_step=2",
+        "learner.samples_per_group=2",
+        "task.num_eval=0",
+    ):
+        args += ["--set", s]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "generator gen-0" in proc.stderr and "it is hung" in proc.stderr
+    pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", proc.stdout)]
+    assert len(pids) == 2 and not [p for p in pids if pid_alive(p)]
 
 
 def test_unknown_generator_fails_before_any_process_starts(tmp_path):

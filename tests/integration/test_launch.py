@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -30,18 +29,6 @@ def _job_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
     for s in sets:
         args += ["--set", s]
     return args
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purposes once its parent reaped it.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(240)
@@ -78,7 +65,7 @@ def test_two_generators_run_to_completion_with_nothing_lost(tiny_model_dir, tmp_
 
 
 @pytest.mark.timeout(240)
-def test_ctrl_c_leaves_no_process_behind(tiny_model_dir, tmp_path):
+def test_ctrl_c_leaves_no_process_behind(tiny_model_dir, tmp_path, pid_alive):
     proc = subprocess.Popen(
         _job_args(tiny_model_dir, tmp_path, "learner.steps=1000", "generators.num_generators=2"),
         stdout=subprocess.PIPE,
@@ -94,7 +81,7 @@ def test_ctrl_c_leaves_no_process_behind(tiny_model_dir, tmp_path):
             if line.startswith("step 1/"):
                 break
         assert len(pids) == 3, pids
-        assert all(_alive(p) for p in pids)
+        assert all(pid_alive(p) for p in pids)
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
     finally:
@@ -102,6 +89,6 @@ def test_ctrl_c_leaves_no_process_behind(tiny_model_dir, tmp_path):
             proc.kill()
     assert proc.returncode == 130, rest
     assert "interrupted" in rest
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
