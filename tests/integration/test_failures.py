@@ -24,22 +24,31 @@ PLUGIN = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(200)
-def test_generator_failure_is_reported_and_everything_stops(tiny_model_dir, tmp_path):
-    (tmp_path / "exploding_plugin.py").write_text(PLUGIN)
+def launch_with_plugin(
+    model_dir, tmp_path, source: str, target: str, *extra: str
+) -> subprocess.CompletedProcess:
+    """Run a short job whose generator is the plugin `target` ("module:Class") defined by `source`."""
+    module = target.split(":")[0]
+    (tmp_path / f"{module}.py").write_text(source)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
     for s in (
-        f'model.path="{tiny_model_dir}"',
+        f'model.path="{model_dir}"',
         f'run.out_dir="{tmp_path}"',
         'run.name="t"',
-        'generators.kind="exploding_plugin:ExplodingGenerator"',
+        f'generators.kind="{target}"',
         "learner.groups_per_step=2",
         "learner.samples_per_group=2",
         "task.num_eval=0",
+        *extra,
     ):
         args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+
+
+@pytest.mark.timeout(200)
+def test_generator_failure_is_reported_and_everything_stops(tiny_model_dir, tmp_path):
+    proc = launch_with_plugin(tiny_model_dir, tmp_path, PLUGIN, "exploding_plugin:ExplodingGenerator")
     assert proc.returncode == 1
     assert "generator gen-0 failed: RuntimeError: reward server unreachable" in proc.stderr
     assert "Traceback" not in proc.stdout
@@ -63,21 +72,13 @@ HANGING_PLUGIN = textwrap.dedent(
 
 @pytest.mark.timeout(200)
 def test_hung_generator_is_detected_and_the_run_stops(tiny_model_dir, tmp_path, pid_alive):
-    (tmp_path / "hanging_plugin.py").write_text(HANGING_PLUGIN)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
-    for s in (
-        f'model.path="{tiny_model_dir}"',
-        f'run.out_dir="{tmp_path}"',
-        'run.name="t"',
-        'generators.kind="hanging_plugin:HangingGenerator"',
+    proc = launch_with_plugin(
+        tiny_model_dir,
+        tmp_path,
+        HANGING_PLUGIN,
+        "hanging_plugin:HangingGenerator",
         "monitor.heartbeat_timeout_s=3",
-        "learner.groups_per_step=2",
-        "learner.samples_per_group=2",
-        "task.num_eval=0",
-    ):
-        args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "generator gen-0" in proc.stderr and "it is hung" in proc.stderr
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", proc.stdout)]
