@@ -121,6 +121,15 @@ def generators() -> None:
         typer.echo(f"{name}\t{target}")
 
 
+def _add_bench() -> None:
+    from asyncrl.benchmarks.cli import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
+_add_bench()
+
+
 def main() -> None:
     app()
 

@@ -1,9 +1,12 @@
-"""Shared fixtures: a tiny untrained model directory (built once per session, no download) and a
-pid liveness check for tests that must leave no process behind."""
+"""Shared fixtures: a tiny untrained model directory (built once per session, no download), a
+pid liveness check for tests that must leave no process behind, and short launched jobs."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +41,47 @@ def _pid_alive(pid: int) -> bool:
 @pytest.fixture
 def pid_alive():
     return _pid_alive
+
+
+def short_job_args(model_dir: Path, out_dir: Path, *extra: str, name: str = "t") -> list[str]:
+    """`asyncrl launch` arguments for a short job on the tiny model (later `--set`s win)."""
+    sets = [
+        f'model.path="{model_dir}"',
+        f'run.out_dir="{out_dir}"',
+        f'run.name="{name}"',
+        "learner.steps=3",
+        "learner.groups_per_step=2",
+        "learner.samples_per_group=4",
+        "sampling.max_new_tokens=4",
+        "task.num_eval=0",
+        *extra,
+    ]
+    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def read_records(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """The run's metrics.jsonl records (of one `type` if given)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines if x.strip()]
+    return [r for r in records if kind is None or r["type"] == kind]
+
+
+@pytest.fixture
+def run_short_job(tiny_model_dir, tmp_path):
+    """Runs a short job to completion: `run_short_job(*sets) -> (CompletedProcess, run_dir)`."""
+
+    def run(*extra: str, timeout: float = 180, name: str = "t", check: bool = True):
+        proc = subprocess.run(
+            short_job_args(tiny_model_dir, tmp_path, *extra, name=name),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc, tmp_path / name
+
+    return run

@@ -26,15 +26,11 @@ from asyncrl.config import check_staleness_policy
 from asyncrl.learner.step import TrainSample, accumulate_gradients, pack
 from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded, WeightsPublished
 from asyncrl.runtime import ChildContext, run_child
-from asyncrl.transport.retention import VersionRetention, prune
-from asyncrl.transport.shards import collect_config_files, write_shards
+from asyncrl.transport.publisher import ShardPublisher
+from asyncrl.transport.shards import collect_config_files
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
-
-# Shards of at most this size: small enough to load in parallel, large enough to stream well.
-MAX_SHARD_BYTES = 512 * 1024 * 1024
-
 
 # Longer sequences than this are not from any generator of ours (a guard against garbage).
 MAX_SEQUENCE_TOKENS = 1 << 20
@@ -60,11 +56,12 @@ class LearnerService:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
         )
-        self.extra_files = collect_config_files(model_path)
-        self.weights_dir = Path(cfg.weights.dir) if cfg.weights.dir else ctx.run_dir / "weights"
-        self.retention = VersionRetention(cfg.weights.keep_last)
-        for gid in filter(None, ctx.extra.get("generators", "").split(",")):
-            self.retention.register(gid)
+        self.publisher = ShardPublisher(
+            Path(cfg.weights.dir) if cfg.weights.dir else ctx.run_dir / "weights",
+            extra_files=collect_config_files(model_path),
+            keep_last=cfg.weights.keep_last,
+            generator_ids=filter(None, ctx.extra.get("generators", "").split(",")),
+        )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
         self.max_staleness = cfg.effective_max_staleness
@@ -125,10 +122,7 @@ class LearnerService:
             _, msg, _ = await self.ctx.ctrl.recv()
             match msg:
                 case WeightsLoaded():
-                    if msg.version > 0:
-                        self.retention.ack(msg.generator_id, msg.version)
-                        # On the loop thread: the retention state is only ever touched here.
-                        prune(self.weights_dir, self.retention)
+                    self.publisher.on_loaded(msg.generator_id, msg.version)
                 case Shutdown():
                     self.stopping = True
                     self.window_ready.set()
@@ -161,24 +155,8 @@ class LearnerService:
         self.optimizer.step()
         version = step + 1
         train_s = time.perf_counter() - start
-        pub_start = time.perf_counter()
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        manifest = write_shards(
-            state,
-            self.weights_dir,
-            version,
-            max_shard_bytes=MAX_SHARD_BYTES,
-            extra_files=self.extra_files,
-            num_threads=1,
-            fsync=False,
-        )
-        published = WeightsPublished(
-            version=version,
-            transport="safetensors",
-            location=str(self.weights_dir),
-            num_bytes=manifest.total_size_bytes,
-            publish_s=time.perf_counter() - pub_start,
-        )
+        published = self.publisher.publish(state, version)
         done = StepDone(
             step=step,
             version=version,
@@ -211,7 +189,7 @@ class LearnerService:
             busy_start = time.perf_counter()
             done, published = await asyncio.to_thread(self.train_window, step, samples)
             self.version = done.version
-            self.retention.publish(done.version)
+            self.publisher.published(done.version)
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)

@@ -1,0 +1,17 @@
+"""The `asyncrl bench` sub-command group: one command per module in `asyncrl.benchmarks`."""
+
+from __future__ import annotations
+
+import typer
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Throughput benchmarks, measured side by side in one run (medians, ratios).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each benchmark module registers itself here, one line each:
+#   from asyncrl.benchmarks import weights
+#   bench_app.command("weights")(weights.command)
