@@ -24,10 +24,9 @@ import zmq
 
 from asyncrl.config import check_staleness_policy
 from asyncrl.learner.step import TrainSample, accumulate_gradients, pack
-from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded, WeightsPublished
+from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
-from asyncrl.transport.publisher import ShardPublisher
-from asyncrl.transport.shards import collect_config_files
+from asyncrl.transport.publisher import make_publisher
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -56,10 +55,10 @@ class LearnerService:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
         )
-        self.publisher = ShardPublisher(
-            Path(cfg.weights.dir) if cfg.weights.dir else ctx.run_dir / "weights",
-            extra_files=collect_config_files(model_path),
-            keep_last=cfg.weights.keep_last,
+        self.publisher = make_publisher(
+            cfg,
+            run_dir=ctx.run_dir,
+            model_dir=model_path,
             generator_ids=filter(None, ctx.extra.get("generators", "").split(",")),
         )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
@@ -130,7 +129,7 @@ class LearnerService:
                 case _:
                     log.error("learner: unexpected %s on the control socket; ignored", type(msg).__name__)
 
-    def train_window(self, step: int, samples: list[TrainSample]) -> tuple[StepDone, WeightsPublished]:
+    def train_window(self, step: int, samples: list[TrainSample]) -> StepDone:
         """Runs in a worker thread; touches only the model, the optimizer and the weights dir."""
         start = time.perf_counter()
         batch = pack(samples, pad_token_id=self.tokenizer.pad_token_id)
@@ -155,8 +154,6 @@ class LearnerService:
         self.optimizer.step()
         version = step + 1
         train_s = time.perf_counter() - start
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        published = self.publisher.publish(state, version)
         done = StepDone(
             step=step,
             version=version,
@@ -173,7 +170,7 @@ class LearnerService:
             lr_scale=stats.lr_scale,
             stats=stats.policy_stats,
         )
-        return done, published
+        return done
 
     async def train_loop(self) -> None:
         for step in range(self.cfg.steps):
@@ -187,14 +184,14 @@ class LearnerService:
             self.idle_s += idle
             samples = self.windows.pop(step)
             busy_start = time.perf_counter()
-            done, published = await asyncio.to_thread(self.train_window, step, samples)
+            done = await asyncio.to_thread(self.train_window, step, samples)
             self.version = done.version
-            self.publisher.published(done.version)
+            state = {k: v.detach() for k, v in self.model.state_dict().items()}
+            published = await self.publisher.publish(state, done.version, self.ctx.ctrl.send)
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
             self.busy_s += time.perf_counter() - busy_start
-            await self.ctx.ctrl.send(published)
             await self.ctx.ctrl.send(msgspec.structs.replace(done, idle_s=idle))
             await self.ctx.ctrl.send(
                 Metrics(

@@ -1,15 +1,20 @@
 """The learner's side of weight sync, behind one seam: publish a version, take acknowledgements.
 
-Place in the data flow: after each optimizer step the learner (rank 0) calls `publish` in its
-worker thread with the detached state dict; the returned `WeightsPublished` goes to the launcher,
-which forwards it to every generator. Each generator's `WeightsLoaded` comes back to the learner's
-event-loop thread as `on_loaded`. Retention (which versions may be deleted) lives here too.
+Place in the data flow: after each optimizer step the learner (rank 0) awaits `publish` on its
+event loop with the detached state dict and an async `announce` callable that sends a message to
+the launcher (which forwards `WeightsPublished` to every generator). A transport announces when it
+suits it (shards: after the atomic rename; a broadcast group: before the bytes move, so receivers
+join) and returns the announcement it sent. Each generator's `WeightsLoaded` comes back on the
+same loop as `on_loaded`. Retention (which versions may be deleted) lives here too.
+
+Implementations: `ShardPublisher`; `make_publisher` picks one from the config.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -17,6 +22,8 @@ import torch
 from asyncrl.messages import WeightsPublished
 from asyncrl.transport.retention import VersionRetention, prune
 from asyncrl.transport.shards import write_shards
+
+Announce = Callable[[WeightsPublished], Awaitable[None]]
 
 # Shards of at most this size: small enough to load in parallel, large enough to stream well.
 MAX_SHARD_BYTES = 512 * 1024 * 1024
@@ -41,9 +48,15 @@ class ShardPublisher:
         for gid in generator_ids:
             self.retention.register(gid)
 
-    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> WeightsPublished:
-        """Worker thread: write and announce one version (the retention bookkeeping waits for
-        `published`, on the loop thread)."""
+    async def publish(
+        self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
+    ) -> WeightsPublished:
+        msg = await asyncio.to_thread(self._write, state, version)
+        self.retention.publish(version)
+        await announce(msg)
+        return msg
+
+    def _write(self, state: Mapping[str, torch.Tensor], version: int) -> WeightsPublished:
         start = time.perf_counter()
         manifest = write_shards(
             state,
@@ -62,10 +75,6 @@ class ShardPublisher:
             publish_s=time.perf_counter() - start,
         )
 
-    def published(self, version: int) -> None:
-        """Loop thread, after `publish` returned."""
-        self.retention.publish(version)
-
     def on_loaded(self, generator_id: str, version: int) -> None:
         """Loop thread: a generator holds `version`; delete what nobody can still need."""
         if version > 0:
@@ -74,3 +83,16 @@ class ShardPublisher:
 
     def close(self) -> None:
         pass
+
+
+def make_publisher(config, *, run_dir: Path, model_dir: Path, generator_ids: Iterable[str]) -> ShardPublisher:
+    """The publisher for `config.weights.transport`."""
+    from asyncrl.transport.shards import collect_config_files
+
+    w = config.weights
+    return ShardPublisher(
+        Path(w.dir) if w.dir else run_dir / "weights",
+        extra_files=collect_config_files(model_dir),
+        keep_last=w.keep_last,
+        generator_ids=generator_ids,
+    )
