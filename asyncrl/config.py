@@ -59,6 +59,9 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     num_generators: PosInt = 1
     max_batch_groups: PosInt = 16  # groups sampled together in one batched generate call
     threads: PosInt = 1  # torch intra-op threads per generator process
+    # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
+    # and its in-flight tasks re-queued); one more failure past this ends the run.
+    max_restarts: NonNegInt = 3
 
 
 class LearnerConfig(_Section, frozen=True, kw_only=True):
@@ -68,11 +71,34 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     lr: PosFloat = 3e-4
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     max_grad_norm: PosFloat = 1.0
-    clip_low: Annotated[float, Meta(ge=0)] = 0.2
-    clip_high: Annotated[float, Meta(ge=0)] = 0.2
-    advantage: Literal["grpo"] = "grpo"
+    # The objective (docs/algorithms.md): advantage estimator, policy loss, aggregation, KL.
+    advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = "grpo"
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    norm_constant: PosFloat | None = None  # seq-mean-token-sum-norm's Z; None = sampling.max_new_tokens
+    # Clip range of the ratio; None = the loss's own default (ppo 0.2/0.2, gspo 3e-4/4e-4, cispo 1/0.28).
+    clip_low: Annotated[float, Meta(ge=0)] | None = None
+    clip_high: Annotated[float, Meta(ge=0)] | None = None
+    dual_clip: Annotated[float, Meta(gt=1)] | None = None  # ppo only: bound on -A r for A < 0
+    drop_degenerate_groups: bool = False  # DAPO dynamic sampling: groups with equal rewards leave the batch
+    kl_coef: Annotated[float, Meta(ge=0)] = 0.0  # KL to the initial model; 0 = off
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = "k3"
+    kl_placement: Literal["loss", "reward"] = "loss"  # "reward" takes k1 only (the unbiased choice)
+    # Gradient streaming: "auto" streams per trajectory where exact and falls back otherwise.
+    streaming: Literal["auto", "off"] = "auto"
+    max_open_groups: PosInt = 64  # streamed groups holding S0/S1 buffers at once
+    world_size: PosInt = 1  # data-parallel learner ranks; only 1 is wired into the service today
     micro_batch_size: PosInt = 256  # sequences per forward/backward
     threads: PosInt = 1
+
+    def clip_range(self) -> tuple[float, float]:
+        defaults = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}[self.loss]
+        return (
+            defaults[0] if self.clip_low is None else self.clip_low,
+            defaults[1] if self.clip_high is None else self.clip_high,
+        )
 
 
 class StalenessConfig(_Section, frozen=True, kw_only=True):
@@ -82,16 +108,43 @@ class StalenessConfig(_Section, frozen=True, kw_only=True):
 
 
 class WeightsConfig(_Section, frozen=True, kw_only=True):
-    transport: Literal["safetensors"] = "safetensors"
+    """Weight sync learner -> generators (docs/weights.md)."""
+
+    # "shards": versioned safetensors directories; "broadcast": a torch.distributed group (gloo on
+    # CPU, NCCL on GPU) from learner rank 0 to every generator. "safetensors" is an alias of "shards".
+    transport: Literal["shards", "broadcast", "safetensors"] = "shards"
     dir: str = ""  # empty = <run_dir>/weights (use /dev/shm/... for speed on one host)
     keep_last: PosInt = 2
+    max_shard_bytes: PosInt = 512 << 20  # shards: tensor bytes per safetensors file
+    bucket_bytes: PosInt = 4 << 20  # broadcast: flat bucket size (gloo: a few MiB; NCCL: hundreds)
+    # broadcast: also write shards after each broadcast, so a generator that joins late catches up.
+    catchup_shards: bool = True
+    group_timeout_s: PosFloat = 300.0  # broadcast: rendezvous and collective timeout
+    # Weights that land mid-generation: keep (continue on the KV cache), retract (recompute the
+    # prefix under the new weights, then continue), abort (restart unfinished samples).
+    inflight: Literal["keep", "retract", "abort"] = "keep"
+    # A generator that cannot load a version retries (and takes any newer one); after this long
+    # without a loadable version it fails the run with the reason instead of stalling admission.
+    load_retry_timeout_s: PosFloat = 300.0
+
+    @property
+    def kind(self) -> str:
+        """The transport with aliases resolved: "shards" or "broadcast"."""
+        return "shards" if self.transport == "safetensors" else self.transport
 
 
 class MonitorConfig(_Section, frozen=True, kw_only=True):
     tui: bool = True  # live rich view when stdout is a terminal
     heartbeat_s: PosFloat = 1.0
-    # A child silent for this long (no heartbeat, no message) is hung: the run stops with an error.
+    # A child silent for this long (no heartbeat, no message) is hung: a generator is killed and
+    # restarted (generators.max_restarts), a hung learner ends the run with an error.
     heartbeat_timeout_s: PosFloat = 60.0
+    # Publish every metrics record on a loopback PUB socket (address in <run>/monitor.json) so
+    # `asyncrl monitor` can attach; the records are in metrics.jsonl either way.
+    stream: bool = True
+    sinks: list[Literal["tensorboard", "wandb"]] = []  # extra sinks (wandb runs offline)
+    snapshot_s: PosFloat = 0.5  # at most this often, a `launcher` record (admission, in-flight)
+    refresh_per_second: PosFloat = 4.0  # dashboard redraws; records are folded in as they come
 
 
 class Config(_Section, frozen=True, kw_only=True):
@@ -107,8 +160,27 @@ class Config(_Section, frozen=True, kw_only=True):
     monitor: MonitorConfig = MonitorConfig()
 
     def __post_init__(self) -> None:
-        if self.learner.clip_low >= 1.0:
+        lrn = self.learner
+        clip_low, _ = lrn.clip_range()
+        if clip_low > 1.0 or (clip_low == 1.0 and lrn.loss != "cispo"):
             raise ValueError("learner.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if lrn.dual_clip is not None and lrn.loss != "ppo":
+            raise ValueError(f"learner.dual_clip applies to loss 'ppo' only, not {lrn.loss!r}; remove it")
+        if lrn.kl_placement == "reward" and lrn.kl_estimator != "k1":
+            raise ValueError(
+                "learner.kl_placement = 'reward' takes kl_estimator = 'k1' (the unbiased choice); "
+                "use kl_placement = 'loss' for the others"
+            )
+        if lrn.world_size != 1:
+            raise ValueError(
+                "learner.world_size > 1 (the data-parallel learner service) is not available yet; "
+                "the streaming math supports it (asyncrl.learner.streaming), the process wiring does not"
+            )
+        if lrn.advantage == "mc_grpo" and lrn.samples_per_group % 2 == 0:
+            raise ValueError(
+                "learner.advantage = 'mc_grpo' needs an odd learner.samples_per_group (G + 1 rollouts, "
+                f"one is the median pivot); got {lrn.samples_per_group}"
+            )
 
     @property
     def effective_max_staleness(self) -> int:

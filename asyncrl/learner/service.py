@@ -1,12 +1,14 @@
-"""Learner process: receives trajectories, trains one optimizer step per admission window,
-publishes every new policy_version as versioned safetensors shards.
+"""Learner process: receives trajectories, streams their gradients into one optimizer step per
+admission window (`trainer.py`), and publishes every new policy_version (`transport.publisher`).
 
 Sockets: PULL (bound, loopback) for Trajectory messages from generators; DEALER to the launcher
 for Hello / StepDone / WeightsPublished / Metrics out and WeightsLoaded / Shutdown in. Torch work
 runs in a worker thread so heartbeats and receives stay responsive.
 
-Window s (the groups admitted for step s) is trained at policy_version s. Admission guarantees
-that every token in it came from a version >= s - max_staleness; the learner asserts it again.
+Window s (the groups admitted for step s) is trained at policy_version s: its trajectories wait
+in the inbox until step s - 1 is done, then each is trained as soon as the trainer can take it,
+so the update follows the window's last reward by about one trajectory's backward. Admission
+guarantees that every token came from a version >= s - max_staleness; the trainer asserts it.
 
 Run as `python -m asyncrl.learner.service --ctrl ADDR --peer-id learner --run-dir DIR --extra model=PATH`.
 """
@@ -18,12 +20,13 @@ import logging
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 import zmq
 
 from asyncrl.config import check_staleness_policy
-from asyncrl.learner.step import TrainSample, accumulate_gradients, pack
+from asyncrl.learner.objective import Objective
+from asyncrl.learner.step import TrainSample
+from asyncrl.learner.trainer import StepResult, Trainer
 from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.publisher import make_publisher
@@ -33,10 +36,6 @@ log = logging.getLogger(__name__)
 
 # Longer sequences than this are not from any generator of ours (a guard against garbage).
 MAX_SEQUENCE_TOKENS = 1 << 20
-
-
-class StalenessViolation(AssertionError):
-    """A trajectory older than the configured bound reached the learner (an admission bug)."""
 
 
 class LearnerService:
@@ -52,9 +51,24 @@ class LearnerService:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, betas=(0.9, 0.99)
+        self.trainer = Trainer(
+            self.model,
+            Objective.from_config(cfg),
+            check_staleness_policy(cfg.staleness),
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            max_grad_norm=self.cfg.max_grad_norm,
+            temperature=cfg.sampling.temperature,
+            pad_token_id=self.tokenizer.pad_token_id,
+            group_size=self.cfg.samples_per_group,
+            micro_batch_size=self.cfg.micro_batch_size,
+            max_open_groups=self.cfg.max_open_groups,
+            max_staleness=cfg.effective_max_staleness,
         )
+        if self.trainer.fallback:
+            log.info("learner: whole-batch steps (no gradient streaming): %s", self.trainer.fallback)
+        else:
+            log.info("learner: streaming per-trajectory gradients")
         self.publisher = make_publisher(
             cfg,
             run_dir=ctx.run_dir,
@@ -63,15 +77,15 @@ class LearnerService:
         )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
-        self.max_staleness = cfg.effective_max_staleness
-        self.policy = check_staleness_policy(cfg.staleness)
         self.window_size = self.cfg.groups_per_step * self.cfg.samples_per_group
-        self.windows: dict[int, list[TrainSample]] = {}
+        self.inbox: dict[int, list[TrainSample]] = {}
+        self.received: dict[int, int] = {}  # trajectories received per step
+        self.last_arrival: dict[int, float] = {}  # when each step's last trajectory arrived
         self.seen: set[int] = set()
         self.num_duplicates = 0
         self.num_invalid = 0
         self.version = 0
-        self.window_ready = asyncio.Event()
+        self.arrived = asyncio.Event()
         self.stopping = False
         self.idle_s = 0.0
         self.busy_s = 0.0
@@ -101,7 +115,7 @@ class LearnerService:
                 log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
                 continue
             self.seen.add(msg.traj_id)
-            self.windows.setdefault(msg.step, []).append(
+            self.inbox.setdefault(msg.step, []).append(
                 TrainSample(
                     traj_id=msg.traj_id,
                     group_id=msg.group_id,
@@ -113,8 +127,10 @@ class LearnerService:
                     reward=msg.reward,
                 )
             )
-            if len(self.windows.get(self.version, ())) >= self.window_size:
-                self.window_ready.set()
+            self.received[msg.step] = self.received.get(msg.step, 0) + 1
+            if self.received[msg.step] == self.window_size:
+                self.last_arrival[msg.step] = time.perf_counter()
+            self.arrived.set()
 
     async def ctrl_loop(self) -> None:
         while True:
@@ -124,81 +140,101 @@ class LearnerService:
                     self.publisher.on_loaded(msg.generator_id, msg.version)
                 case Shutdown():
                     self.stopping = True
-                    self.window_ready.set()
+                    self.arrived.set()
                     return
                 case _:
                     log.error("learner: unexpected %s on the control socket; ignored", type(msg).__name__)
 
-    def train_window(self, step: int, samples: list[TrainSample]) -> StepDone:
-        """Runs in a worker thread; touches only the model, the optimizer and the weights dir."""
+    async def wait_for_data(self) -> None:
         start = time.perf_counter()
-        batch = pack(samples, pad_token_id=self.tokenizer.pad_token_id)
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = accumulate_gradients(
-            self.model,
-            batch,
-            policy=self.policy,
-            policy_version=step,
-            temperature=max(self.ctx.config.sampling.temperature, 1e-6),
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            micro_batch_size=self.cfg.micro_batch_size,
-        )
-        if stats.max_staleness > self.max_staleness:
-            raise StalenessViolation(
-                f"step {step}: a trajectory is {stats.max_staleness} versions stale, above the bound {self.max_staleness}"
-            )
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr * stats.lr_scale  # VCPO scales this step only
-        self.optimizer.step()
-        version = step + 1
-        train_s = time.perf_counter() - start
-        done = StepDone(
-            step=step,
-            version=version,
-            num_trajectories=len(samples),
-            num_tokens=stats.num_tokens,
-            loss=stats.loss,
-            mean_reward=stats.mean_reward,
-            max_staleness=stats.max_staleness,
-            mean_staleness=stats.mean_staleness,
-            clip_fraction=stats.clip_fraction,
-            grad_norm=grad_norm,
-            step_s=train_s,
-            idle_s=0.0,
-            lr_scale=stats.lr_scale,
-            stats=stats.policy_stats,
-        )
-        return done
+        self.arrived.clear()
+        await self.arrived.wait()
+        self.idle_s += time.perf_counter() - start
+
+    async def busy(self, fn, *args):
+        start = time.perf_counter()
+        out = await asyncio.to_thread(fn, *args)
+        self.busy_s += time.perf_counter() - start
+        return out
+
+    async def run_step(self, step: int) -> StepResult | None:
+        """Train step `step`: stream trajectories as they arrive (or take the whole window when
+        the objective cannot stream), then one optimizer step. None when shutting down."""
+        trainer = self.trainer
+        trainer.begin_step(step)
+        offered = 0
+        while not self.stopping:
+            fresh = self.inbox.pop(step, [])
+            if trainer.fallback:
+                if fresh:
+                    self.inbox[step] = fresh
+                if len(fresh) == self.window_size:
+                    await self.busy(trainer.batch_backward, fresh)
+                    offered = len(fresh)
+                    break
+            else:
+                for sample in fresh:
+                    trainer.offer(sample)
+                offered += len(fresh)
+                if trainer.has_work():
+                    await self.busy(trainer.work)
+                    continue
+                if offered == self.window_size:
+                    break
+            await self.wait_for_data()
+        if self.stopping:
+            return None
+        return await self.busy(trainer.finish_step)
 
     async def train_loop(self) -> None:
         for step in range(self.cfg.steps):
-            wait_start = time.perf_counter()
-            while len(self.windows.get(step, ())) < self.window_size and not self.stopping:
-                self.window_ready.clear()
-                await self.window_ready.wait()
-            if self.stopping:
+            begin = time.perf_counter()
+            idle_before = self.idle_s
+            result = await self.run_step(step)
+            if result is None:
                 return
-            idle = time.perf_counter() - wait_start
-            self.idle_s += idle
-            samples = self.windows.pop(step)
-            busy_start = time.perf_counter()
-            done = await asyncio.to_thread(self.train_window, step, samples)
-            self.version = done.version
+            end = time.perf_counter()
+            # From the step's last reward (or the step's start, if that came earlier) to its update.
+            tail_s = end - max(self.last_arrival.pop(step, begin), begin)
+            self.received.pop(step, None)
+            self.version = step + 1
             state = {k: v.detach() for k, v in self.model.state_dict().items()}
-            published = await self.publisher.publish(state, done.version, self.ctx.ctrl.send)
+            published = await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
-            self.busy_s += time.perf_counter() - busy_start
-            await self.ctx.ctrl.send(msgspec.structs.replace(done, idle_s=idle))
+            step_idle = self.idle_s - idle_before
+            await self.ctx.ctrl.send(
+                StepDone(
+                    step=step,
+                    version=self.version,
+                    num_trajectories=result.num_trajectories,
+                    num_tokens=result.num_tokens,
+                    loss=result.loss,
+                    mean_reward=result.mean_reward,
+                    max_staleness=result.max_staleness,
+                    mean_staleness=result.mean_staleness,
+                    clip_fraction=result.clip_fraction,
+                    grad_norm=result.grad_norm,
+                    step_s=end - begin - step_idle,
+                    idle_s=step_idle,
+                    lr_scale=result.lr_scale,
+                    stats=result.policy_stats,
+                )
+            )
             await self.ctx.ctrl.send(
                 Metrics(
                     source="learner",
                     time_s=time.time(),
                     values={
                         "learner/idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.busy_s),
+                        "learner/busy_s": self.busy_s,
+                        "learner/idle_s": self.idle_s,
+                        "learner/tail_s": tail_s,
+                        "learner/streaming": 0.0 if result.fallback else 1.0,
+                        "learner/streamed": float(result.streamed),
+                        "learner/deferred": float(result.deferred),
+                        "learner/stream_peak_bytes": float(result.peak_stream_bytes),
                         "learner/duplicates": float(self.num_duplicates),
                         "learner/invalid_trajectories": float(self.num_invalid),
                         "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),

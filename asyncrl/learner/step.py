@@ -1,7 +1,6 @@
-"""One learner step over a batch of trajectories: pack, advantages, loss, gradients (no sockets).
+"""Trajectories in the learner's terms, packed into padded batches (no sockets, no model).
 
-The service (`service.py`) collects the trajectories of an admission window and calls
-`accumulate_gradients`; the optimizer step, weight publishing and messages stay there.
+`trainer.py` packs what it trains on with `pack`; `staleness_B` gives each sequence's staleness.
 
 Legend: B sequences, L packed length (prompt + completion, right-padded), G groups, N samples
 per group. Log-probs are aligned with input positions: position t holds log pi(x_t | x_<t).
@@ -9,17 +8,11 @@ per group. Log-probs are aligned with input positions: position t holds log pi(x
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-
-from asyncrl.learner.advantages import group_rewards, grpo_advantages, sequence_advantages, token_advantages
-from asyncrl.learner.logprobs import causal_lm_logprobs
-from asyncrl.learner.losses import clipped_surrogate
-from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +52,9 @@ class StepStats(NamedTuple):
     policy_stats: dict[str, float]  # the staleness policy's diagnostics (finite ones)
 
 
-def pack(samples: Sequence[TrainSample], *, pad_token_id: int) -> PackedBatch:
+def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete: bool = True) -> PackedBatch:
+    """Right-padded prompt + completion rows. With `require_complete`, every group present must
+    have the same number of samples (a whole step); without it, any members may be packed."""
     if not samples:
         raise ValueError("cannot pack an empty batch")
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
@@ -85,7 +80,7 @@ def pack(samples: Sequence[TrainSample], *, pad_token_id: int) -> PackedBatch:
         slot_B[b] = s.sample_index
         sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
     group_size = max(sizes.values())
-    if any(n != group_size for n in sizes.values()):
+    if require_complete and any(n != group_size for n in sizes.values()):
         raise ValueError(f"incomplete groups in batch: sizes {sorted(set(sizes.values()))}")
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return PackedBatch(ids, mask, behav, versions, rewards, group_B, slot_B, len(group_index), group_size)
@@ -96,95 +91,3 @@ def staleness_B(batch: PackedBatch, policy_version: int) -> torch.Tensor:
     big = torch.iinfo(torch.long).max
     oldest_B = torch.where(batch.completion_mask_BL, batch.versions_BL, big).min(dim=1).values
     return policy_version - oldest_B
-
-
-def _log_probs(model: torch.nn.Module, input_ids_BL: torch.Tensor, *, temperature: float) -> torch.Tensor:
-    return causal_lm_logprobs(model, input_ids_BL, temperature=temperature).logp
-
-
-# Clip bounds that never bind: ratios live in (0, e^MAX_LOG_RATIO], so clip_low=1 and an infinite
-# clip_high leave the surrogate unclipped (M2PO and VCPO use their mask or weights instead).
-NO_CLIP = {"clip_low": 1.0, "clip_high": float("inf")}
-
-
-def accumulate_gradients(
-    model: torch.nn.Module,
-    batch: PackedBatch,
-    *,
-    policy: StalenessPolicy,
-    policy_version: int,
-    temperature: float,
-    clip_low: float,
-    clip_high: float,
-    micro_batch_size: int,
-) -> StepStats:
-    """GRPO: group-normalised advantages; the staleness policy's anchor, weights and mask; clipped
-    surrogate; token-mean over the whole batch. Gradients accumulate into `.grad` micro-batch by
-    micro-batch with the global token count as denominator, so the split changes nothing.
-
-    The correction is computed over the whole batch (policies such as M2PO use batch-global
-    statistics): with one micro-batch from the same forward, otherwise from one extra no-grad
-    forward at the same parameters. One optimizer step per batch makes the current log-probs the
-    proximal ones, so `prox` needs no other forward."""
-    rewards_GN = group_rewards(
-        batch.reward_B, batch.group_B, batch.slot_B, num_groups=batch.num_groups, group_size=batch.group_size
-    )
-    adv_B = sequence_advantages(grpo_advantages(rewards_GN), batch.group_B, batch.slot_B)
-    mask_BL = batch.completion_mask_BL
-    adv_BL = token_advantages(adv_B, mask_BL)
-    num_tokens = int(mask_BL.sum())
-    num = batch.input_ids_BL.shape[0]
-    single = num <= micro_batch_size
-    if single:
-        logp_BL = _log_probs(model, batch.input_ids_BL, temperature=temperature)
-        logp_now_BL = logp_BL.detach()
-    else:
-        with torch.no_grad():
-            logp_now_BL = torch.cat(
-                [
-                    _log_probs(model, batch.input_ids_BL[i : i + micro_batch_size], temperature=temperature)
-                    for i in range(0, num, micro_batch_size)
-                ]
-            )
-    token_batch = with_current_as_prox(
-        TokenBatch(
-            logp_BT=logp_now_BL,
-            logp_behav_BT=batch.behavior_logp_BL,
-            mask_BT=mask_BL,
-            versions_BT=batch.versions_BL,
-            adv_BT=adv_BL,
-            policy_version=policy_version,
-        )
-    )
-    corr = policy.correct(token_batch)
-    clip = {"clip_low": clip_low, "clip_high": clip_high} if corr.use_clip else NO_CLIP
-    total_loss = 0.0
-    clipped = 0.0
-    for start in range(0, num, micro_batch_size):
-        sl = slice(start, start + micro_batch_size)
-        if not single:
-            logp_BL = _log_probs(model, batch.input_ids_BL[sl], temperature=temperature)
-        loss, stats = clipped_surrogate(
-            logp_BL,
-            corr.logp_anchor_BT[sl],
-            adv_BL[sl],
-            corr.mask_BT[sl],
-            corr.weight_BT[sl],
-            mode="token-mean",
-            num_tokens_global=num_tokens,
-            **clip,
-        )
-        loss.backward()
-        total_loss += float(loss.detach())
-        clipped += float(stats.clip_fraction) * float(stats.num_tokens)
-    stale_B = staleness_B(batch, policy_version)
-    return StepStats(
-        loss=total_loss,
-        clip_fraction=clipped / max(1, num_tokens),
-        mean_reward=float(batch.reward_B.mean()),
-        num_tokens=num_tokens,
-        max_staleness=int(stale_B.max()),
-        mean_staleness=float(stale_B.float().mean()),
-        lr_scale=corr.lr_scale,
-        policy_stats={k: float(v) for k, v in corr.stats._asdict().items() if math.isfinite(float(v))},
-    )

@@ -289,6 +289,50 @@ class StreamingAccumulator:
             return self._fold(group_id)
         return None
 
+    def close_with_known(
+        self,
+        group_id: Hashable,
+        rewards: Sequence[float],
+        *,
+        num_tokens: int,
+    ) -> GroupFold:
+        """Close a group with its last members, whose advantages the caller computes from the
+        group's complete rewards (the streamed members' plus `rewards`).
+
+        The caller adds sum_{these members} A_i h_i, from one batched backward over any number of
+        closing groups, with `add_contribution`; `num_tokens` counts these members' completion
+        tokens. The group's streamed members (if any) fold as usual. This is how the learner takes
+        members that arrive together with their group's last reward, or that could not stream on
+        their own, without a backward per trajectory.
+        """
+        if self.estimator == "opd":
+            raise ValueError("estimator 'opd' has no groups")
+        if group_id in self._closed:
+            raise ValueError(f"group {group_id!r} already closed this step")
+        group = self._open.get(group_id)
+        if group is None:
+            if not rewards:
+                raise ValueError(f"group {group_id!r}: no rewards")
+            group = self._open[group_id] = _OpenGroup(pivot=float(rewards[0]))
+        if len(group.rewards) + len(rewards) != self.group_size:
+            raise ValueError(
+                f"group {group_id!r}: {len(group.rewards)} streamed + {len(rewards)} known members, "
+                f"expected {self.group_size}"
+            )
+        if not all(math.isfinite(r) for r in rewards):
+            raise ValueError(f"rewards must be finite (group {group_id!r})")
+        group.rewards.extend(float(r) for r in rewards)
+        group.num_tokens += num_tokens
+        self._num_trajectories += len(rewards)
+        return self._fold(group_id)
+
+    def add_contribution(self, contribution_P: torch.Tensor) -> None:
+        """Add sum_i A_i h_i of trajectories trained with known advantages (`close_with_known`);
+        members of dropped (degenerate) groups have A_i = 0 and add nothing."""
+        if contribution_P.shape != (self.num_params,):
+            raise ValueError(f"contribution must be flat with {self.num_params} elements")
+        self._step_sum().add_(contribution_P.to(self.dtype))
+
     def _mean_baseline_scale(self) -> float:
         # RLOO: r_i - mean of the others = N/(N-1) (r_i - mu). A group of one is degenerate (A = 0).
         if self.estimator == "rloo" and self.group_size is not None and self.group_size > 1:
@@ -311,8 +355,7 @@ class StreamingAccumulator:
             self._num_groups_dropped += 1
         # Degenerate: every shift was 0, so S1 was never allocated and (for mean-only baselines)
         # nothing reached the step sum; A = 0 exactly, as in the batch estimators.
-        if not degenerate:
-            assert group.s0_P is not None
+        if not degenerate and group.s0_P is not None:  # None: no member was streamed
             acc_P = self._step_sum()
             if self.estimator == "grpo":
                 scale = 1.0 / (std + self.eps)

@@ -1,0 +1,419 @@
+"""The learner's optimizer-step engine (no sockets): streamed or whole-batch gradients, one update.
+
+Place in the data flow: the learner service (`service.py`, and every data-parallel rank in
+`ranks.py`) hands each received trajectory of the current step to `Trainer.offer`, calls
+`Trainer.work` while there is work, and `Trainer.finish_step` once every trajectory of the step
+is in. The model, optimizer and reference model live here.
+
+Streaming (ALGORITHMS.md 5; `objective.py` says when it applies). A step holds three kinds of
+trajectory: streamed (one forward and backward on arrival, folded into the group's S0/S1 sums of
+`StreamingAccumulator`), waiting (not yet processed) and deferred (its gradient depends on
+sign(A): it waits for its group). `work` does one unit, preferring groups whose rewards are all
+in: their waiting members train in one batched backward with known advantages, and their streamed
+members fold. Otherwise it streams one waiting trajectory of an open group. So the last reward of
+a step costs about one trajectory's (or one group's) backward before the optimizer steps.
+
+Whole-batch fallback: `batch_backward` trains the complete step at once (batch-global
+corrections need every trajectory). Both paths produce the *sum* of per-trajectory loss
+gradients; `finish_step` all-reduces it with the unit count (one collective per step), divides by
+the global Z, clips, scales the learning rate (VCPO) and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.learner.advantages import group_rewards
+from asyncrl.learner.logprobs import causal_lm_logprobs
+from asyncrl.learner.objective import STREAM_ESTIMATOR, Objective
+from asyncrl.learner.step import PackedBatch, TrainSample, pack, staleness_B
+from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
+from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
+
+
+class StalenessViolation(AssertionError):
+    """A trajectory older than the configured bound reached the learner (an admission bug)."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    num_trajectories: int
+    num_tokens: int
+    loss: float
+    mean_reward: float
+    max_staleness: int
+    mean_staleness: float
+    clip_fraction: float
+    grad_norm: float
+    lr_scale: float
+    policy_stats: dict[str, float]
+    streamed: int  # trajectories streamed on arrival (S0/S1)
+    deferred: int  # trajectories whose clip made them wait for their group
+    peak_stream_bytes: int
+    fallback: str  # "" when streaming, else why the step trained as one batch
+
+
+@dataclass
+class _Totals:
+    """Per-step sums; the first six are all-reduced across ranks."""
+
+    units: float = 0.0
+    loss: float = 0.0
+    clipped_tokens: float = 0.0
+    tokens: float = 0.0
+    reward: float = 0.0
+    seqs: float = 0.0
+    staleness_sum: float = 0.0
+    max_staleness: int = 0
+    stats_tokens: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+    lr_scale: float = 1.0
+    streamed: int = 0
+    deferred: int = 0
+
+    def add_samples(self, samples: Sequence[TrainSample], stale_B: torch.Tensor) -> None:
+        self.reward += sum(s.reward for s in samples)
+        self.seqs += len(samples)
+        self.staleness_sum += float(stale_B.sum())
+        self.max_staleness = max(self.max_staleness, int(stale_B.max()))
+
+    def add_stats(self, stats: dict[str, float], tokens: float) -> None:
+        for k, v in stats.items():
+            if math.isfinite(v):
+                self.stats[k] = self.stats.get(k, 0.0) + v * tokens
+        self.stats_tokens += tokens
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        objective: Objective,
+        policy: StalenessPolicy,
+        *,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        temperature: float,
+        pad_token_id: int,
+        group_size: int,
+        micro_batch_size: int,
+        max_open_groups: int,
+        max_staleness: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.objective = objective
+        self.policy = policy
+        self.lr = lr
+        self.max_grad_norm = max_grad_norm
+        self.temperature = max(temperature, 1e-6)
+        self.pad_token_id = pad_token_id
+        self.group_size = group_size
+        self.micro_batch_size = micro_batch_size
+        self.max_open_groups = max_open_groups
+        self.max_staleness = max_staleness
+        self.process_group = process_group
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.reference = None
+        if objective.uses_reference:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.fallback = objective.fallback_reason(policy) or ""
+        self.dtype = self.params[0].dtype
+        self.step = -1
+
+    # ------------------------------------------------------------------ step state
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.totals = _Totals()
+        self.members: dict[int, list[TrainSample]] = defaultdict(list)
+        self.waiting: dict[int, list[TrainSample]] = defaultdict(list)
+        self.deferred: set[int] = set()  # traj ids that tried to stream and could not
+        self.streamed_loss: dict[int, list[tuple[int, float]]] = defaultdict(list)  # gid -> (slot, l(+1))
+        self.acc = None
+        if not self.fallback:
+            self.acc = StreamingAccumulator(
+                self.params,
+                estimator=STREAM_ESTIMATOR[self.objective.advantage],
+                agg=self.objective.agg,
+                group_size=self.group_size,
+                drop_degenerate_groups=self.objective.drop_degenerate_groups,
+                max_open_groups=self.max_open_groups,
+                norm_constant=1.0,
+                dtype=self.dtype,
+            )
+        for p in self.params:
+            p.grad = None
+
+    def offer(self, sample: TrainSample) -> None:
+        self.members[sample.group_id].append(sample)
+        self.waiting[sample.group_id].append(sample)
+
+    def has_work(self) -> bool:
+        if self.acc is None:
+            return False
+        return any(self._streamable_now(gid) for gid in self.waiting) or bool(self._closable())
+
+    def _closable(self) -> list[int]:
+        return [g for g, w in self.waiting.items() if w and len(self.members[g]) == self.group_size]
+
+    def _streamable_now(self, gid: int) -> bool:
+        return any(s.traj_id not in self.deferred for s in self.waiting[gid])
+
+    # ------------------------------------------------------------------ streaming
+    def work(self) -> bool:
+        """One unit of streaming work; False if there is nothing to do until more data arrives."""
+        assert self.acc is not None, "work() is for streaming steps; use batch_backward"
+        closable = self._closable()
+        if closable:
+            self._close_groups(closable)
+            return True
+        for gid, waiting in self.waiting.items():
+            for sample in waiting:
+                if sample.traj_id in self.deferred:
+                    continue
+                if not self.acc.is_open(gid) and self.acc.free_group_slots == 0:
+                    continue  # back-pressure: it waits for its group like a deferred one
+                if self._stream_one(sample):
+                    waiting.remove(sample)
+                else:
+                    self.deferred.add(sample.traj_id)
+                    self.totals.deferred += 1
+                return True
+        return False
+
+    def _stream_one(self, sample: TrainSample) -> bool:
+        batch = pack([sample], pad_token_id=self.pad_token_id)
+        for p in self.params:
+            p.grad = None
+        logp_1L = causal_lm_logprobs(self.model, batch.input_ids_BL, temperature=self.temperature).logp
+        corr = self._correct(batch, logp_1L.detach(), torch.ones(1, dtype=self.dtype))
+        found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
+        if found is None:
+            return False
+        loss_pos, stats = found
+        loss_pos.backward()
+        h_P = flatten_grads(self.params, dtype=self.dtype).neg_()
+        for p in self.params:
+            p.grad = None
+        self.acc.add_trajectory(
+            h_P, num_tokens=len(sample.completion_ids), group_id=sample.group_id, reward=sample.reward
+        )
+        self.streamed_loss[sample.group_id].append((sample.sample_index, float(loss_pos.detach())))
+        self._account(
+            batch,
+            [sample],
+            _stats_dict(corr),
+            tokens=float(stats.num_tokens),
+            clipped=float(stats.clip_fraction) * float(stats.num_tokens),
+        )
+        self.totals.streamed += 1
+        return True
+
+    def _close_groups(self, gids: list[int]) -> None:
+        """Train the waiting members of complete groups with known advantages, then fold."""
+        chunk = [s for g in gids for s in self.waiting[g]]
+        adv_of = {}
+        keep_of = {}
+        for g in gids:
+            members = sorted(self.members[g], key=lambda s: s.sample_index)
+            rewards_1N = torch.tensor([[s.reward for s in members]], dtype=torch.float64)
+            adv_1N, keep_1N = self.objective.group_advantages(rewards_1N)
+            for k, s in enumerate(members):
+                adv_of[s.traj_id] = float(adv_1N[0, k])
+                keep_of[s.traj_id] = bool(keep_1N[0, k])
+            # Streamed members' loss value: A_i * l_i(+1), their gradient folds from S0/S1.
+            for slot, loss_pos in self.streamed_loss.pop(g, []):
+                k = [s.sample_index for s in members].index(slot)
+                self.totals.loss += float(adv_1N[0, k]) * loss_pos
+        for p in self.params:
+            p.grad = None
+        for start in range(0, len(chunk), self.micro_batch_size):
+            part = chunk[start : start + self.micro_batch_size]
+            self._backward_chunk(
+                part,
+                torch.tensor([adv_of[s.traj_id] for s in part], dtype=self.dtype),
+                torch.tensor([keep_of[s.traj_id] for s in part]),
+            )
+        contribution_P = flatten_grads(self.params, dtype=self.dtype).neg_()
+        for p in self.params:
+            p.grad = None
+        for g in gids:
+            known = self.waiting.pop(g)
+            self.acc.close_with_known(
+                g,
+                [s.reward for s in known],
+                num_tokens=sum(len(s.completion_ids) for s in known),
+            )
+        self.acc.add_contribution(contribution_P)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _correct(self, batch: PackedBatch, logp_now_BL: torch.Tensor, adv_B: torch.Tensor):
+        mask = batch.completion_mask_BL
+        token_batch = with_current_as_prox(
+            TokenBatch(
+                logp_BT=logp_now_BL,
+                logp_behav_BT=batch.behavior_logp_BL.to(self.dtype),
+                mask_BT=mask,
+                versions_BT=batch.versions_BL,
+                adv_BT=torch.where(mask, adv_B.to(self.dtype)[:, None], 0.0),
+                policy_version=self.step,
+            )
+        )
+        return self.policy.correct(token_batch)
+
+    def _account(
+        self, batch: PackedBatch, samples, stats: dict[str, float], *, tokens: float, clipped: float
+    ) -> None:
+        stale_B = staleness_B(batch, self.step)
+        if int(stale_B.max()) > self.max_staleness:
+            raise StalenessViolation(
+                f"step {self.step}: a trajectory is {int(stale_B.max())} versions stale, above the bound "
+                f"{self.max_staleness}"
+            )
+        self.totals.add_samples(samples, stale_B)
+        self.totals.tokens += tokens
+        self.totals.clipped_tokens += clipped
+        self.totals.add_stats(stats, tokens)
+
+    def _logp(self, model, ids_BL: torch.Tensor) -> torch.Tensor:
+        return causal_lm_logprobs(model, ids_BL, temperature=self.temperature).logp
+
+    def _backward_chunk(
+        self, samples: Sequence[TrainSample], adv_B: torch.Tensor, keep_B: torch.Tensor
+    ) -> None:
+        """Loss over complete-group members with known advantages (local policies only):
+        gradients accumulate into `.grad`."""
+        batch = pack(samples, pad_token_id=self.pad_token_id, require_complete=False)
+        mask = batch.completion_mask_BL & keep_B[:, None]
+        logp_BL = self._logp(self.model, batch.input_ids_BL)
+        corr = self._correct(batch, logp_BL.detach(), adv_B)
+        adv_BL = torch.where(mask, adv_B[:, None], 0.0)
+        loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
+        loss.backward()
+        self.totals.loss += float(loss.detach())
+        tokens = float(stats.num_tokens)
+        self._account(
+            batch, samples, _stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
+        )
+
+    # ------------------------------------------------------------------ whole batch
+    def batch_backward(self, samples: Sequence[TrainSample]) -> None:
+        """The whole step at once (the fallback): corrections see every trajectory of this rank."""
+        batch = pack(samples, pad_token_id=self.pad_token_id)
+        ids = batch.input_ids_BL
+        num = ids.shape[0]
+        mb = self.micro_batch_size
+        single = num <= mb and self.reference is None
+        with torch.no_grad():
+            logp_ref_BL = None
+            if self.reference is not None:
+                logp_ref_BL = torch.cat(
+                    [self._logp(self.reference, ids[i : i + mb]) for i in range(0, num, mb)]
+                )
+        if single:
+            logp_BL = self._logp(self.model, ids)
+            logp_now_BL = logp_BL.detach()
+        else:
+            with torch.no_grad():
+                logp_now_BL = torch.cat([self._logp(self.model, ids[i : i + mb]) for i in range(0, num, mb)])
+        valid = batch.completion_mask_BL
+        rewards_B = batch.reward_B.double()
+        if logp_ref_BL is not None:
+            rewards_B = rewards_B + self.objective.kl_reward_penalty(logp_now_BL, logp_ref_BL, valid)
+        rewards_GN = group_rewards(
+            rewards_B, batch.group_B, batch.slot_B, num_groups=batch.num_groups, group_size=batch.group_size
+        )
+        adv_GN, keep_GN = self.objective.group_advantages(rewards_GN)
+        adv_B = adv_GN[batch.group_B, batch.slot_B].to(self.dtype)
+        mask = valid & keep_GN[batch.group_B, batch.slot_B][:, None]
+        corr = self._correct(batch, logp_now_BL, adv_B)
+        adv_BL = torch.where(mask, adv_B[:, None], 0.0)
+        kl_values = []
+        clipped = 0.0
+        for start in range(0, num, mb):
+            sl = slice(start, start + mb)
+            if not single:
+                logp_BL = self._logp(self.model, ids[sl])
+            part = corr._replace(
+                logp_anchor_BT=corr.logp_anchor_BT[sl], weight_BT=corr.weight_BT[sl], mask_BT=corr.mask_BT[sl]
+            )
+            loss, stats = self.objective.policy_loss(logp_BL, part, adv_BL[sl], mask[sl])
+            if logp_ref_BL is not None:
+                kl, kl_value = self.objective.kl_term(
+                    logp_BL, logp_ref_BL[sl], mask[sl], part.weight_BT * part.mask_BT
+                )
+                loss = loss + kl
+                kl_values.append(kl_value)
+            loss.backward()
+            self.totals.loss += float(loss.detach())
+            clipped += float(stats.clip_fraction) * float(stats.num_tokens)
+        self.totals.units += self.objective.units(mask)
+        self.totals.lr_scale = corr.lr_scale
+        stats = _stats_dict(corr)
+        if kl_values:
+            stats["kl"] = sum(kl_values) / len(kl_values)
+        self._account(batch, samples, stats, tokens=float(mask.sum()), clipped=clipped)
+
+    # ------------------------------------------------------------------ the update
+    def finish_step(self) -> StepResult:
+        t = self.totals
+        if self.acc is not None:
+            if self.waiting and any(self.waiting.values()):
+                raise RuntimeError(f"step {self.step}: trajectories still waiting at the step boundary")
+            units_local = float(self.acc.num_units)
+            grad_P, stream_stats = self.acc.finish(1.0)  # the summed loss gradient
+            peak = stream_stats.peak_memory_bytes
+        else:
+            units_local = t.units
+            grad_P = flatten_grads(self.params, dtype=self.dtype)
+            peak = 0
+        summed = torch.tensor(
+            [units_local, t.loss, t.clipped_tokens, t.tokens, t.reward, t.seqs, t.staleness_sum],
+            dtype=torch.float64,
+        )
+        if self.process_group is not None:
+            flat = torch.cat([grad_P.to(torch.float64), summed])
+            dist.all_reduce(flat, group=self.process_group)  # the step's one collective
+            grad_P, summed = flat[: grad_P.numel()].to(self.dtype), flat[grad_P.numel() :]
+        units, loss, clipped, tokens, reward, seqs, stale_sum = summed.tolist()
+        denominator = self.objective.denominator(units)
+        scale = 1.0 / denominator if denominator > 0 else 0.0
+        write_flat_grad(self.params, grad_P * scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * t.lr_scale
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
+        return StepResult(
+            step=self.step,
+            num_trajectories=int(seqs),
+            num_tokens=int(tokens),
+            loss=loss * scale,
+            mean_reward=reward / max(seqs, 1.0),
+            max_staleness=t.max_staleness,
+            mean_staleness=stale_sum / max(seqs, 1.0),
+            clip_fraction=clipped / max(tokens, 1.0),
+            grad_norm=grad_norm,
+            lr_scale=t.lr_scale,
+            policy_stats=stats,
+            streamed=t.streamed,
+            deferred=t.deferred,
+            peak_stream_bytes=peak,
+            fallback=self.fallback,
+        )
+
+
+def _stats_dict(corr) -> dict[str, float]:
+    return {k: float(v) for k, v in corr.stats._asdict().items()}

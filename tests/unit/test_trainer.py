@@ -1,0 +1,220 @@
+"""The learner's step engine: a streamed step equals the whole-batch step (float64, same
+parameters after one optimizer step) for every streamable objective, under random arrival
+orders, degenerate groups and stale trajectories; every non-streamable configuration falls back
+and still equals it; micro-batching changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from asyncrl.config import check_staleness_policy, load_config
+from asyncrl.learner.objective import Objective
+from asyncrl.learner.step import TrainSample
+from asyncrl.learner.trainer import StalenessViolation, Trainer
+
+STEP = 6  # the trainer's policy_version in these tests
+
+
+def _rms_norm_float64(self, x):
+    # Hugging Face's Llama RMSNorm computes in float32 whatever the input dtype; a float64 check
+    # needs it in float64 (otherwise gradients agree only to float32 precision).
+    return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def _model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = _rms_norm_float64.__get__(module)
+    return model
+
+
+def _samples(model, *, num_groups=4, group_size=4, seed=0, stale=0.0, degenerate=(1,)):
+    """Groups of random completions. Behavior log-probs are the model's own (on-policy) and, for
+    a `stale` fraction of trajectories, shifted as an older policy's would be (versions < STEP)."""
+    from asyncrl.learner.logprobs import causal_lm_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for grp in range(num_groups):
+        prompt = [1] + torch.randint(4, 20, (3 + grp % 3,), generator=g).tolist()
+        for k in range(group_size):
+            n = 2 + int(torch.randint(0, 4, (1,), generator=g))
+            ids = torch.randint(4, 20, (n,), generator=g)
+            with torch.no_grad():
+                full = torch.tensor([prompt + ids.tolist()])
+                logp = causal_lm_logprobs(model, full).logp[0, len(prompt) :]
+            is_stale = float(torch.rand(1, generator=g)) < stale
+            if is_stale:
+                logp = logp - 0.4 * torch.rand(n, generator=g, dtype=torch.float64)
+            versions = torch.full((n,), STEP - 2 if is_stale else STEP, dtype=torch.int64)
+            reward = 1.0 if grp in degenerate else float(torch.randint(0, 2, (1,), generator=g))
+            out.append(
+                TrainSample(
+                    traj_id=grp * group_size + k,
+                    group_id=grp,
+                    sample_index=k,
+                    prompt_ids=prompt,
+                    completion_ids=ids,
+                    behavior_logprobs=logp.float(),
+                    token_versions=versions,
+                    reward=reward,
+                )
+            )
+    return out
+
+
+def _trainer(model, *sets, micro=256, group_size=4):
+    cfg = load_config(
+        overrides=[f"learner.samples_per_group={group_size}", "staleness.max_staleness=2", *sets]
+    )
+    return Trainer(
+        model,
+        Objective.from_config(cfg),
+        check_staleness_policy(cfg.staleness),
+        lr=1e-2,
+        weight_decay=0.0,
+        max_grad_norm=1e9,
+        temperature=1.0,
+        pad_token_id=0,
+        group_size=group_size,
+        micro_batch_size=micro,
+        max_open_groups=cfg.learner.max_open_groups,
+        max_staleness=2,
+    )
+
+
+def _batch_step(model, samples, *sets, micro=256, group_size=4):
+    t = _trainer(model, "learner.streaming=off", *sets, micro=micro, group_size=group_size)
+    t.begin_step(STEP)
+    t.batch_backward(samples)
+    return t.finish_step()
+
+
+def _stream_step(model, samples, *sets, seed=0, group_size=4):
+    """Arrivals in a random order, with a random amount of work between arrivals."""
+    t = _trainer(model, *sets, group_size=group_size)
+    rng = random.Random(seed)
+    order = list(samples)
+    rng.shuffle(order)
+    t.begin_step(STEP)
+    if t.fallback:
+        t.batch_backward(order)
+        return t, t.finish_step()
+    for s in order:
+        t.offer(s)
+        for _ in range(rng.randint(0, 2)):
+            t.work()
+    while t.work():
+        pass
+    return t, t.finish_step()
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+STREAMING = {
+    "grpo": [],
+    "dr_grpo": ["learner.advantage=dr_grpo", 'learner.agg="seq-mean-token-sum-norm"'],
+    "rloo": ["learner.advantage=rloo", 'learner.agg="seq-mean-token-mean"'],
+    "dapo": ["learner.clip_high=0.28", "learner.drop_degenerate_groups=true"],
+    "gspo": ["learner.loss=gspo", 'learner.agg="seq-mean-token-mean"'],
+    "cispo": ["learner.loss=cispo"],
+    "tis": ["staleness.policy=tis"],
+    "icepop": ["staleness.policy=icepop"],
+    "decoupled": ["staleness.policy=decoupled"],
+}
+
+
+@pytest.mark.parametrize("stale", [0.0, 0.5])
+@pytest.mark.parametrize("name", sorted(STREAMING))
+def test_streamed_step_equals_batch_step(tiny_model_dir, name, stale):
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=stale, seed=sorted(STREAMING).index(name))
+    ref = copy.deepcopy(base)
+    batch = _batch_step(ref, samples, *STREAMING[name])
+    for seed in range(3):
+        model = copy.deepcopy(base)
+        trainer, streamed = _stream_step(model, samples, *STREAMING[name], seed=seed)
+        assert trainer.fallback == ""
+        torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
+        assert streamed.num_trajectories == batch.num_trajectories == len(samples)
+        assert streamed.loss == pytest.approx(batch.loss, abs=1e-9)
+        if name != "dapo":  # streamed members of a group dropped later still count in its denominator
+            assert streamed.clip_fraction == pytest.approx(batch.clip_fraction, abs=1e-6)
+    assert streamed.streamed > 0  # some trajectories really streamed on arrival
+    if stale and name == "grpo":
+        assert streamed.deferred > 0  # the clip binds for stale ones: they waited for their group
+
+
+FALLBACK = {
+    "m2po": (["staleness.policy=m2po"], "batch-global"),
+    "vcpo": (["staleness.policy=vcpo"], "batch-global"),
+    "mis_self_normalized": (
+        ["staleness.policy=mis", "staleness.params.self_normalize=true"],
+        "batch-global",
+    ),
+    "kl_loss": (["learner.kl_coef=0.1", "learner.kl_estimator=k3"], "KL"),
+    "kl_reward": (["learner.kl_coef=0.1", "learner.kl_estimator=k1", "learner.kl_placement=reward"], "KL"),
+    "mc_grpo": (["learner.advantage=mc_grpo"], "median"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_non_streamable_configs_fall_back_and_equal_the_batch_update(tiny_model_dir, name):
+    sets, reason = FALLBACK[name]
+    group_size = 5 if name == "mc_grpo" else 4
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=0.5, group_size=group_size)
+    ref = copy.deepcopy(base)
+    _batch_step(ref, samples, *sets, group_size=group_size)
+    model = copy.deepcopy(base)
+    trainer, result = _stream_step(model, samples, *sets, group_size=group_size)
+    assert reason in trainer.fallback and result.fallback == trainer.fallback
+    torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
+    assert not torch.equal(_params(model), _params(base))  # it did train
+
+
+@pytest.mark.parametrize("name", ["grpo", "m2po", "kl_loss", "mc_grpo", "gspo"])
+def test_micro_batching_changes_nothing(tiny_model_dir, name):
+    sets = STREAMING[name] if name in STREAMING else FALLBACK[name][0]
+    group_size = 5 if name == "mc_grpo" else 4
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=0.5, group_size=group_size)
+    whole, split = copy.deepcopy(base), copy.deepcopy(base)
+    a = _batch_step(whole, samples, *sets, group_size=group_size)
+    b = _batch_step(split, samples, *sets, micro=3, group_size=group_size)
+    torch.testing.assert_close(_params(whole), _params(split), rtol=0, atol=1e-10)
+    assert a.loss == pytest.approx(b.loss, abs=1e-9)
+
+
+def test_a_too_stale_trajectory_is_an_error(tiny_model_dir):
+    model = _model(tiny_model_dir)
+    samples = _samples(model)
+    old = dataclasses.replace(samples[0], token_versions=torch.full_like(samples[0].token_versions, STEP - 3))
+    t = _trainer(model)
+    t.begin_step(STEP)
+    t.offer(old)
+    with pytest.raises(StalenessViolation, match="3 versions stale"):
+        while t.work():
+            pass
+
+
+def test_open_group_bound_defers_instead_of_allocating(tiny_model_dir):
+    model = _model(tiny_model_dir)
+    samples = [s for s in _samples(model, num_groups=3, degenerate=()) if s.sample_index < 3]
+    t = _trainer(model, "learner.max_open_groups=1")
+    t.begin_step(STEP)
+    for s in samples:
+        t.offer(s)
+    while t.work():
+        assert t.acc.num_open_groups <= 1
+    assert t.acc.num_open_groups == 1 and t.totals.streamed == 3  # one group streamed, two wait
