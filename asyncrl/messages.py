@@ -106,13 +106,27 @@ class TaskDone(_Msg, frozen=True, kw_only=True):
 
 
 class WeightsPublished(_Msg, frozen=True, kw_only=True):
-    """New weights exist for `version`; `location` says where (a directory for safetensors)."""
+    """New weights exist for `version`; `location` says where.
+
+    safetensors: `location` is the root directory holding `v{version:08d}/`. broadcast: `location`
+    is the group's store `host:port`; the bytes follow over the group right after this message,
+    laid out by `tensors` and `bucket_bytes`; `group_members[i]` is group rank i + 1 and may join
+    only on the announcement of `group_first_version` (later joiners catch up from shards).
+    """
 
     version: int
     transport: Literal["safetensors", "broadcast"]
     location: str
     num_bytes: int
     publish_s: float = 0.0
+    tensors: tuple[TensorMeta, ...] = ()  # broadcast: what is sent, in order
+    bucket_bytes: int = 0  # broadcast
+    group_name: str = ""  # broadcast
+    group_backend: str = ""  # broadcast: "gloo" or "nccl"
+    group_members: tuple[str, ...] = ()  # broadcast: generator ids, rank i + 1
+    group_first_version: int = 0  # broadcast: the version whose announcement founds the group
+    group_timeout_s: float = 300.0  # broadcast
+    catchup: bool = False  # safetensors copy of a broadcast version, for generators outside the group
 
 
 class WeightsLoaded(_Msg, frozen=True, kw_only=True):

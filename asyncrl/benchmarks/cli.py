@@ -15,3 +15,15 @@ bench_app = typer.Typer(
 # Each benchmark module registers itself here, one line each:
 #   from asyncrl.benchmarks import weights
 #   bench_app.command("weights")(weights.command)
+
+from asyncrl.benchmarks import monitor  # noqa: E402 - registration after bench_app exists
+
+bench_app.command("monitor")(monitor.command)
+
+from asyncrl.benchmarks import weights  # noqa: E402
+
+bench_app.command("weights")(weights.command)
+
+from asyncrl.benchmarks import buffer  # noqa: E402
+
+bench_app.command("buffer")(buffer.command)

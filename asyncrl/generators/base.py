@@ -12,7 +12,7 @@ Plugins are found by registry name (entry-point group `asyncrl.generators`) or b
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -45,6 +45,8 @@ class GeneratorContext:
     task: Any  # asyncrl.config.TaskConfig
     seed: int
     threads: int = 1
+    run_seed: int = 0  # run.seed: per-sample RNG seeds derive from (run_seed, group_id, sample_index)
+    inflight: str = "keep"  # weights.inflight: keep, retract or abort (for generators that can)
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,6 +73,23 @@ class Generator(Protocol):
         """Switch to the weights published for `version` (a safetensors directory)."""
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StagedWeights(Protocol):
+    """Optional: generators that take verified weights from the service and apply them at a safe
+    point of their own choosing (between decode steps, for in-flight updates). Needed for
+    `weights.transport = "broadcast"`; without it the service calls `load_weights` between batches.
+    """
+
+    def offer_weights(
+        self, version: int, state: Mapping[str, Any], on_applied: Callable[[int], None] | None = None
+    ) -> None:
+        """Thread-safe: hold `state` ({name: CPU tensor}, complete and verified) for `version`; a
+        newer offer replaces an older unapplied one; call `on_applied(version)` once applied."""
+
+    def apply_pending(self) -> bool:
+        """Apply an offered version now (called between batches, off the event loop)."""
 
 
 ENTRY_POINT_GROUP = "asyncrl.generators"

@@ -5,16 +5,34 @@ The log-prob recorded for each sampled token is taken from exactly the distribut
 sampled from: softmax(logits / temperature), renormalised over the top-p nucleus when top_p < 1.
 Greedy decoding (temperature 0) records log_softmax(logits).
 
+Randomness is per sample: row i draws one uniform per sampled token from its own generator, seeded
+by `sample_seed(run_seed, group_id, sample_index)`, and picks the token by inverse CDF, so a sample's
+completion does not depend on which other samples share its batch.
+
+In-flight weight updates: `poll_update` is called between decode steps (after a token is sampled,
+before the forward that reads it); when it swaps the model's weights and returns True, the batch
+goes on by the `inflight` mode:
+  keep     continue on the KV cache built so far; later forwards use the new weights
+  retract  recompute the KV cache of prompt + tokens so far under the new weights, then continue
+  abort    drop the unfinished samples' tokens and restart them from their prompts
+A token's version is the version of the weights whose forward produced the logits it was sampled
+from, and its log-prob is taken from exactly those logits, in every mode.
+
 Legend: B sequences, L prompt length (left-padded), V vocab.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
+
+InflightMode = Literal["keep", "retract", "abort"]
+INFLIGHT_MODES: tuple[str, ...] = ("keep", "retract", "abort")
 
 
 class SampleOutput(NamedTuple):
@@ -23,6 +41,24 @@ class SampleOutput(NamedTuple):
     versions: list[list[int]]  # policy_version that produced each completion token
     finish_reasons: list[str]  # "stop" (eos) or "length"
     num_decode_steps: int
+    num_weight_updates: int = 0  # updates applied mid-generation
+
+
+def sample_seed(run_seed: int, group_id: int, sample_index: int) -> int:
+    """The RNG seed of one sample: a hash of (run seed, group, index), so batching cannot change it."""
+    digest = hashlib.sha256(struct.pack("<qqq", run_seed, group_id, sample_index)).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def inverse_cdf_sample(logp_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """Token per row whose CDF interval holds `u_B` (uniforms in [0, 1)); never a zero-prob token."""
+    probs_BV = logp_BV.double().exp()
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    target_B1 = (u_B.double() * cdf_BV[:, -1]).unsqueeze(1)
+    tok_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    # Rounding can put the target at the very top: take the last token with mass then.
+    last_B = probs_BV.shape[1] - 1 - (probs_BV.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(tok_B, last_B)
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +103,35 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
+class _Decode:
+    """The KV-cached state of a batch: cache, attention mask, next positions, last logits."""
+
+    def __init__(self, model, seqs: Sequence[Sequence[int]], pad_token_id: int) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.cache_kw = _cache_keyword(model)
+        ids_BL, self.attn_BL = left_pad(seqs, pad_token_id)
+        pos_BL = (self.attn_BL.cumsum(dim=1) - 1).clamp(min=0)
+        out = model(input_ids=ids_BL, attention_mask=self.attn_BL, position_ids=pos_BL, use_cache=True)
+        self.cache = _cache_of(out)
+        self.logits_BV = out.logits[:, -1]
+        self.next_pos_B = pos_BL[:, -1] + 1
+
+    def step(self, tok_B: torch.Tensor) -> None:
+        ones_B1 = torch.ones((tok_B.shape[0], 1), dtype=self.attn_BL.dtype)
+        self.attn_BL = torch.cat([self.attn_BL, ones_B1], dim=1)
+        out = self.model(
+            input_ids=tok_B[:, None],
+            attention_mask=self.attn_BL,
+            position_ids=self.next_pos_B[:, None],
+            use_cache=True,
+            **{self.cache_kw: self.cache},
+        )
+        self.cache = _cache_of(out)
+        self.logits_BV = out.logits[:, -1]
+        self.next_pos_B = self.next_pos_B + 1
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -78,61 +143,77 @@ def generate(
     pad_token_id: int,
     top_p: float = 1.0,
     rng: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
     current_version: Callable[[], int] = lambda: 0,
+    poll_update: Callable[[], bool] | None = None,
+    inflight: InflightMode = "keep",
 ) -> SampleOutput:
     """Sample up to `max_new_tokens` per prompt. The eos token, when emitted, is part of the
     completion's log-probs (it was sampled too) but not of `completion_ids`' text; its position is
     the last entry of `logprobs[i]` and `versions[i]`, and `completion_ids[i]` then ends with it.
 
-    `current_version` is called before every decode step; a caller that swaps weights between
-    steps (in-flight update mode `keep`) gets the new version on the tokens that follow.
+    `seeds[i]` seeds row i's generator (see `sample_seed`); without `seeds`, row seeds are drawn
+    from `rng` (or torch's global generator). `current_version` names the weights the model holds
+    now; `poll_update` may swap them between decode steps (returns True when it did), handled by
+    `inflight` as the module docstring says.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids_BL, attn_BL = left_pad(prompt_ids, pad_token_id)
-    num_seqs = ids_BL.shape[0]
-    pos_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
-    cache_kw = _cache_keyword(model)
-    out = model(input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL, use_cache=True)
-    cache = _cache_of(out)
-    logits_BV = out.logits[:, -1]
-    next_pos_B = pos_BL[:, -1] + 1
-
+    if inflight not in INFLIGHT_MODES:
+        raise ValueError(f"inflight must be one of {', '.join(INFLIGHT_MODES)}, got {inflight!r}")
+    num_seqs = len(prompt_ids)
+    if seeds is None:
+        seeds = torch.randint(0, 1 << 62, (num_seqs,), generator=rng).tolist()
+    if len(seeds) != num_seqs:
+        raise ValueError(f"got {len(seeds)} seeds for {num_seqs} prompts; pass one per prompt")
+    rngs = [torch.Generator().manual_seed(int(s)) for s in seeds]
     completions: list[list[int]] = [[] for _ in range(num_seqs)]
     logprobs: list[list[float]] = [[] for _ in range(num_seqs)]
     versions: list[list[int]] = [[] for _ in range(num_seqs)]
-    done_B = torch.zeros(num_seqs, dtype=torch.bool)
+    done = [False] * num_seqs
+    logits_version = current_version()
+    state = _Decode(model, prompt_ids, pad_token_id)
     steps = 0
-    for steps in range(1, max_new_tokens + 1):
-        version = current_version()
-        logp_BV = next_token_logprobs(logits_BV, temperature=temperature, top_p=top_p)
+    num_updates = 0
+    while True:
+        steps += 1
+        active = [i for i in range(num_seqs) if not done[i]]
+        logp_BV = next_token_logprobs(state.logits_BV, temperature=temperature, top_p=top_p)
         if temperature > 0:
-            tok_B = torch.multinomial(logp_BV.exp(), num_samples=1, generator=rng).squeeze(1)
+            u_B = torch.zeros(num_seqs, dtype=torch.float64)
+            for i in active:  # one draw per sampled token, from the sample's own generator
+                u_B[i] = torch.rand((), generator=rngs[i], dtype=torch.float64)
+            tok_B = inverse_cdf_sample(logp_BV, u_B)
         else:
             tok_B = logp_BV.argmax(dim=-1)
         tok_logp_B = logp_BV.gather(1, tok_B[:, None]).squeeze(1)
-        for i in torch.nonzero(~done_B).flatten().tolist():
-            completions[i].append(int(tok_B[i]))
+        for i in active:
+            tok = int(tok_B[i])
+            completions[i].append(tok)
             logprobs[i].append(float(tok_logp_B[i]))
-            versions[i].append(version)
-        done_B |= tok_B == eos_token_id
-        if bool(done_B.all()) or steps == max_new_tokens:
+            versions[i].append(logits_version)
+            done[i] = tok == eos_token_id or len(completions[i]) >= max_new_tokens
+        if all(done):
             break
-        tok_B = torch.where(done_B, torch.full_like(tok_B, pad_token_id), tok_B)
-        attn_BL = torch.cat([attn_BL, torch.ones((num_seqs, 1), dtype=attn_BL.dtype)], dim=1)
-        out = model(
-            input_ids=tok_B[:, None],
-            attention_mask=attn_BL,
-            position_ids=next_pos_B[:, None],
-            use_cache=True,
-            **{cache_kw: cache},
-        )
-        cache = _cache_of(out)
-        logits_BV = out.logits[:, -1]
-        next_pos_B = next_pos_B + 1
+        if poll_update is not None and poll_update():
+            num_updates += 1
+            logits_version = current_version()
+            if inflight != "keep":
+                if inflight == "abort":
+                    for i in range(num_seqs):
+                        if not done[i]:
+                            completions[i].clear()
+                            logprobs[i].clear()
+                            versions[i].clear()
+                seqs = [list(p) + c for p, c in zip(prompt_ids, completions, strict=True)]
+                state = _Decode(model, seqs, pad_token_id)
+                continue
+        tok_B = torch.where(torch.tensor(done), torch.full_like(tok_B, pad_token_id), tok_B)
+        logits_version = current_version()
+        state.step(tok_B)
 
     finish = ["stop" if c and c[-1] == eos_token_id else "length" for c in completions]
-    return SampleOutput(completions, logprobs, versions, finish, steps)
+    return SampleOutput(completions, logprobs, versions, finish, steps, num_updates)
 
 
 def strip_eos(ids: Sequence[int], eos_token_id: int) -> list[int]:

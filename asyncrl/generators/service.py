@@ -2,8 +2,21 @@
 
 Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes one Trajectory per
 sample to the learner (PUSH, tensors as frames), and reports TaskDone / WeightsLoaded / Metrics
-back. New weights are loaded between batches, so every token of a batch carries the version it
-was sampled with (in-flight mode `keep` at batch granularity).
+back.
+
+Weights (docs/weights.md): the `gen-weights` task takes announcements in order and fetches each
+one it needs in a worker thread (`transport.receiver`: verified shards, or the broadcast group),
+concurrently with generation; the complete tensors are offered to the generator, which applies
+them at its next safe point (between decode steps, by `weights.inflight`, or between batches) and
+`gen-acks` then sends `WeightsLoaded`. A plugin without `offer_weights` gets `load_weights` between
+batches instead (shards only).
+
+A version that cannot be loaded (corrupt or missing shard) never reaches the model: the generator
+keeps serving the weights it has, logs the reason, counts `gen/weights_load_errors`, and never acks
+what it does not hold. It takes the next announcement as soon as one arrives and meanwhile retries
+the failed one with backoff (a shared directory may lag); if no version becomes loadable within
+`weights.load_retry_timeout_s` it fails with the reason, because admission waits for its ack and a
+silent stall would hang the run.
 
 Run as `python -m asyncrl.generators.service --ctrl ADDR --peer-id ID --run-dir DIR --extra data=ADDR`.
 """
@@ -18,7 +31,7 @@ from collections import deque
 import torch
 import zmq
 
-from asyncrl.generators.base import GeneratorContext, Rollout, resolve_generator
+from asyncrl.generators.base import GeneratorContext, Rollout, StagedWeights, resolve_generator
 from asyncrl.messages import (
     Metrics,
     PromptTask,
@@ -30,9 +43,19 @@ from asyncrl.messages import (
 )
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import tensor_ref
+from asyncrl.transport.manifest import WeightsCorruptError
+from asyncrl.transport.receiver import WeightsReceiver
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
+
+# Retrying a version that failed to load: first wait, doubling up to the cap (timers, not syncs).
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 10.0
+
+
+class WeightsUnavailable(RuntimeError):
+    """No announced version could be loaded for weights.load_retry_timeout_s."""
 
 
 def trajectory_frames(task: PromptTask, r: Rollout, generator_id: str, generate_s: float):
@@ -78,18 +101,37 @@ class GeneratorService:
                 task=cfg.task,
                 seed=cfg.run.seed * 1000 + int(ctx.extra.get("index", "0")),
                 threads=cfg.generators.threads,
+                run_seed=cfg.run.seed,
+                inflight=cfg.weights.inflight,
             )
         )
+        self.staged = isinstance(self.gen, StagedWeights)
+        if cfg.weights.kind == "broadcast" and not self.staged:
+            raise ValueError(
+                f"generator {cfg.generators.kind!r} has no offer_weights(), which "
+                "weights.transport=broadcast needs; use weights.transport=shards"
+            )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
         self.data.connect(ctx.extra["data"])
         self.pending: deque[PromptTask] = deque()
-        self.latest_weights: WeightsPublished | None = None
         self.wake = asyncio.Event()
         self.stopping = False
         self.num_samples = 0
         self.num_tokens = 0
         self.busy_s = 0.0
         self.started = time.perf_counter()
+        # weights
+        self.receiver = WeightsReceiver(ctx.peer_id)
+        self.announcements: deque[WeightsPublished] = deque()
+        self.announced = asyncio.Event()
+        self.announced_at: dict[int, float] = {}
+        self.fetched_version = 0  # newest version handed to the generator
+        self.applied: deque[int] = deque()
+        self.applied_event = asyncio.Event()
+        self.model_lock = asyncio.Lock()  # a plain plugin's load_weights never overlaps generate
+        self.num_load_errors = 0
+        self.last_load_s = 0.0
+        self.last_error = ""
 
     async def recv_loop(self) -> None:
         while not self.stopping:
@@ -98,10 +140,12 @@ class GeneratorService:
                 case PromptTask():
                     self.pending.append(msg)
                 case WeightsPublished():
-                    if self.latest_weights is None or msg.version > self.latest_weights.version:
-                        self.latest_weights = msg
+                    self.announcements.append(msg)
+                    self.announced_at.setdefault(msg.version, time.perf_counter())
+                    self.announced.set()
                 case Shutdown():
                     self.stopping = True
+                    self.announced.set()
                 case _:
                     log.error(
                         "%s: unexpected %s on the control socket; ignored",
@@ -110,27 +154,122 @@ class GeneratorService:
                     )
             self.wake.set()
 
-    async def maybe_load_weights(self) -> None:
-        w = self.latest_weights
-        if w is None or w.version <= self.gen.version:
-            return
-        start = time.perf_counter()
-        await self.gen.load_weights(w.version, w.location)
-        load_s = time.perf_counter() - start
-        await self.ctx.ctrl.send(
-            WeightsLoaded(generator_id=self.ctx.peer_id, version=w.version, load_s=load_s)
-        )
+    # ------------------------------------------------------------------ weights
+    def next_announcement(self) -> WeightsPublished | None:
+        """The next announcement to act on, in order; superseded shard versions are skipped."""
+        while self.announcements:
+            msg = self.announcements.popleft()
+            if not self.receiver.plan(msg):
+                continue
+            if self.receiver.must_fetch(msg):
+                return msg
+            newer = any(m.version > msg.version and m.transport == msg.transport for m in self.announcements)
+            if msg.version > self.fetched_version and not newer:
+                return msg
+        return None
+
+    async def weights_loop(self) -> None:
+        failing: WeightsPublished | None = None  # the newest version that failed to load
+        failing_since = 0.0
+        backoff_s = RETRY_FIRST_S
+        while not self.stopping:
+            msg = self.next_announcement()
+            if msg is None:
+                self.announced.clear()
+                if self.announcements:
+                    continue
+                if failing is None:
+                    await self.announced.wait()
+                    continue
+                try:  # a newer announcement ends the wait early; otherwise retry the failed one
+                    await asyncio.wait_for(self.announced.wait(), backoff_s)
+                    continue
+                except TimeoutError:
+                    msg = failing
+                    if msg.version <= self.fetched_version:
+                        failing = None
+                        continue
+            if await self.load(msg):
+                failing, backoff_s = None, RETRY_FIRST_S
+                continue
+            if failing is None:
+                failing_since = time.perf_counter()
+            retried = failing is not None and failing.version == msg.version
+            backoff_s = min(2 * backoff_s, RETRY_MAX_S) if retried else RETRY_FIRST_S
+            failing = msg
+            waited_s = time.perf_counter() - failing_since
+            timeout_s = self.ctx.config.weights.load_retry_timeout_s
+            if waited_s > timeout_s:
+                raise WeightsUnavailable(
+                    f"{self.ctx.peer_id} could not load any weights version for {waited_s:.0f} s "
+                    f"(weights.load_retry_timeout_s = {timeout_s:g}); last error: {self.last_error}"
+                )
+
+    async def load(self, msg: WeightsPublished) -> bool:
+        """Fetch and hand over one version; False (old weights kept) when it cannot be loaded."""
+        try:
+            if self.staged:
+                state = await asyncio.to_thread(self.receiver.fetch, msg)
+                self.gen.offer_weights(msg.version, state, self.on_applied_threadsafe)
+                self.fetched_version = msg.version
+                self.wake.set()  # an idle work loop applies it now
+            else:
+                async with self.model_lock:
+                    await self.gen.load_weights(msg.version, msg.location)
+                self.fetched_version = msg.version
+                self.on_applied(msg.version)
+            return True
+        except (WeightsCorruptError, FileNotFoundError) as exc:
+            if msg.transport == "broadcast":
+                raise
+            self.num_load_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "%s: weights version %d could not be loaded, still serving version %d: %s",
+                self.ctx.peer_id,
+                msg.version,
+                self.gen.version,
+                self.last_error,
+            )
+            await self.send_metrics()
+            return False
+
+    def on_applied_threadsafe(self, version: int) -> None:
+        """Called by the generator on the thread that applied the weights."""
+        self.loop.call_soon_threadsafe(self.on_applied, version)
+
+    def on_applied(self, version: int) -> None:
+        self.applied.append(version)
+        self.applied_event.set()
+
+    async def ack_loop(self) -> None:
+        while True:
+            await self.applied_event.wait()
+            self.applied_event.clear()
+            while self.applied:
+                version = self.applied.popleft()
+                self.last_load_s = time.perf_counter() - self.announced_at.pop(version, time.perf_counter())
+                for v in [v for v in self.announced_at if v < version]:
+                    del self.announced_at[v]
+                await self.ctx.ctrl.send(
+                    WeightsLoaded(generator_id=self.ctx.peer_id, version=version, load_s=self.last_load_s)
+                )
+
+    async def apply_between_batches(self) -> None:
+        if self.staged:
+            await asyncio.to_thread(self.gen.apply_pending)
 
     async def work_loop(self) -> None:
         max_groups = self.ctx.config.generators.max_batch_groups
         while not self.stopping:
             await self.wake.wait()
             self.wake.clear()
-            await self.maybe_load_weights()
+            await self.apply_between_batches()
             while self.pending and not self.stopping:
                 batch = [self.pending.popleft() for _ in range(min(max_groups, len(self.pending)))]
-                await self.run_batch(batch)
-                await self.maybe_load_weights()
+                async with self.model_lock:
+                    await self.run_batch(batch)
+                await self.apply_between_batches()
 
     async def run_batch(self, batch: list[PromptTask]) -> None:
         start = time.perf_counter()
@@ -168,6 +307,9 @@ class GeneratorService:
                     mean_reward=sum(r.reward for r in group) / len(group),
                 )
             )
+        await self.send_metrics()
+
+    async def send_metrics(self) -> None:
         wall = time.perf_counter() - self.started
         await self.ctx.ctrl.send(
             Metrics(
@@ -179,18 +321,30 @@ class GeneratorService:
                     "gen/busy_ratio": self.busy_s / wall if wall > 0 else 0.0,
                     "gen/version": float(self.gen.version),
                     "gen/rejected_frames": float(self.ctx.ctrl.num_rejected),
+                    "gen/weights_load_errors": float(self.num_load_errors),
+                    "gen/weights_load_s": self.last_load_s,
+                    "gen/inflight_updates": float(getattr(self.gen, "num_inflight_updates", 0)),
                 },
             )
         )
 
     async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
         await self.ctx.hello()
-        async with asyncio.TaskGroup() as tg:
-            recv = tg.create_task(self.recv_loop(), name="gen-recv")
-            await tg.create_task(self.work_loop(), name="gen-work")
-            recv.cancel()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                helpers = [
+                    tg.create_task(self.recv_loop(), name="gen-recv"),
+                    tg.create_task(self.weights_loop(), name="gen-weights"),
+                    tg.create_task(self.ack_loop(), name="gen-acks"),
+                ]
+                await tg.create_task(self.work_loop(), name="gen-work")
+                for h in helpers:
+                    h.cancel()
+        finally:
+            self.receiver.close()
+            self.data.close()
         await self.gen.close()
-        self.data.close()
 
 
 async def main(ctx: ChildContext) -> None:

@@ -2,14 +2,20 @@
 
 Loads the model from a local directory, samples every task's group in one batched, KV-cached
 call (off the event loop), scores completions with the task's exact verifier, and swaps in new
-weights from versioned safetensors shards between batches.
+weights whenever they are offered: between batches, or mid-generation between decode steps, where
+the in-flight mode (`keep`, `retract`, `abort`; see `sampling.py`) decides how the batch goes on.
+
+Weights arrive verified in fresh CPU tensors (`offer_weights`, from the service's fetcher, or
+`load_weights` from a shard directory) and are copied into the model's parameters only when
+complete, so a corrupt or missing shard never leaves the model half-updated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from asyncrl.generators.base import GeneratorContext, Rollout
@@ -34,6 +40,9 @@ class TorchGenerator:
         self._model = None
         self._tokenizer = None
         self._ctx: GeneratorContext | None = None
+        self._lock = threading.Lock()  # guards _pending (offered from the loop, applied by the sampler)
+        self._pending: tuple[int, Mapping, Callable[[int], None] | None] | None = None
+        self.num_inflight_updates = 0
 
     def setup(self, ctx: GeneratorContext) -> None:
         import torch
@@ -43,7 +52,8 @@ class TorchGenerator:
         self._ctx = ctx
         self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
         self._model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32).eval()
-        self._rng = torch.Generator().manual_seed(ctx.seed)
+        self._run_seed = ctx.run_seed
+        self._inflight = ctx.inflight
         self._reward = make_reward(ctx.task.kind)
 
     @property
@@ -59,7 +69,7 @@ class TorchGenerator:
         return self._tokenizer
 
     def generate_sync(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
-        from asyncrl.generators.sampling import generate
+        from asyncrl.generators.sampling import generate, sample_seed
 
         assert self._ctx is not None and self._tokenizer is not None, "setup() was not called"
         tok = self._tokenizer
@@ -77,9 +87,12 @@ class TorchGenerator:
             top_p=s.top_p,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            rng=self._rng,
+            seeds=[sample_seed(self._run_seed, task.group_id, k) for task, k in owners],
             current_version=lambda: self._version,
+            poll_update=self.apply_pending,
+            inflight=self._inflight,
         )
+        self.num_inflight_updates += out.num_weight_updates
         rollouts = []
         for (task, k), ids, logps, versions, finish in zip(
             owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True
@@ -108,23 +121,64 @@ class TorchGenerator:
             return out
         return await asyncio.to_thread(self.generate_sync, tasks)
 
-    def load_weights_sync(self, version: int, location: str) -> None:
-        from asyncrl.transport.shards import read_shards
-
+    # ------------------------------------------------------------------ weights
+    def _check_state(self, version: int, state: Mapping) -> None:
+        """Every parameter must be there with its shape and dtype, before anything is copied."""
         params = dict(self._model.named_parameters())
-        buffers = dict(self._model.named_buffers())
-        state = read_shards(Path(location), version, verify=True, num_threads=1)
         missing = [n for n in params if n not in state]
         if missing:
             raise ValueError(f"weights version {version} lacks parameters: {missing[:5]}")
+        for name, target in [*params.items(), *self._model.named_buffers()]:
+            t = state.get(name)
+            if t is not None and (t.shape != target.shape or t.dtype != target.dtype):
+                raise ValueError(
+                    f"weights version {version}: {name} is {t.dtype}{list(t.shape)}, "
+                    f"the model has {target.dtype}{list(target.shape)}"
+                )
+
+    def offer_weights(
+        self, version: int, state: Mapping, on_applied: Callable[[int], None] | None = None
+    ) -> None:
+        """Thread-safe: hold verified weights for `version` until the next safe point applies them.
+
+        A newer offer replaces an older one not yet applied; an offer not newer than what the
+        model holds is dropped. `on_applied(version)` runs in the thread that applies.
+        """
+        self._check_state(version, state)
+        with self._lock:
+            if version > self._version and (self._pending is None or version > self._pending[0]):
+                self._pending = (version, state, on_applied)
+
+    def apply_pending(self) -> bool:
+        """Copy offered weights into the model now, if any; True when the weights changed.
+
+        Called by the sampler between decode steps and by the service between batches; never
+        concurrently with a forward pass (both run on the thread that owns the model).
+        """
         import torch
 
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        version, state, on_applied = pending
+        targets = {**dict(self._model.named_buffers()), **dict(self._model.named_parameters())}
         with torch.no_grad():
             for name, tensor in state.items():
-                target = params.get(name, buffers.get(name))
+                target = targets.get(name)
                 if target is not None:
                     target.copy_(tensor)
         self._version = version
+        if on_applied is not None:
+            on_applied(version)
+        return True
+
+    def load_weights_sync(self, version: int, location: str) -> None:
+        from asyncrl.transport.shards import read_shards
+
+        state = read_shards(Path(location), version, verify=True)  # raises before the model is touched
+        self.offer_weights(version, state)
+        self.apply_pending()
 
     async def load_weights(self, version: int, location: str) -> None:
         await asyncio.to_thread(self.load_weights_sync, version, location)

@@ -158,6 +158,18 @@ def _no_split_from_default_group() -> Iterator[None]:
         default_pg.bound_device_id = bound
 
 
+def host_store(master_addr: str, *, world_size: int, timeout_s: float = 300.0) -> tuple[dist.TCPStore, int]:
+    """Rank 0's TCPStore on a free port of `master_addr` (returned), without waiting for the others.
+
+    Announce the port, then pass the store to `init_weight_update_group(..., store=store)`: the
+    receivers learn the address from the announcement, so no port is guessed or reserved.
+    """
+    store = dist.TCPStore(
+        master_addr, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return store, store.port
+
+
 def init_weight_update_group(
     *,
     master_addr: str,
@@ -167,6 +179,7 @@ def init_weight_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) a process group used only for weight updates; blocks until all ranks join.
 
@@ -174,12 +187,13 @@ def init_weight_update_group(
     `PrefixStore(group_name, ...)` before the group is created, which is what SGLang's server side
     does, so SGLang ranks can be ranks 1.. of this group. Group ranks are used as-is (`src` in
     `broadcast_tensors` is a rank of this group). The learner's default group, if any, is untouched.
+    Rank 0 may pass the `store` made by `host_store` instead (then `master_port` is not used).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if not 0 < master_port < 65536:
+    if store is None and not 0 < master_port < 65536:
         raise ValueError(f"master_port must be in 1..65535, got {master_port}")
     if not group_name:
         raise ValueError("group_name must be non-empty")
@@ -190,7 +204,8 @@ def init_weight_update_group(
     if group_name in c10d._world.pg_names.values():
         raise ValueError(f"a process group named {group_name!r} already exists in this process")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(group_name, store)
     with _no_split_from_default_group():
         pg, _ = c10d._new_process_group_helper(

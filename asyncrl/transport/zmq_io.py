@@ -3,7 +3,9 @@
 Delivery semantics: every socket sets linger and high-water marks explicitly. Control traffic
 (ROUTER/DEALER) is small and must not be dropped, so HWMs are generous and sends block rather
 than drop. Trajectories (PUSH/PULL) use the credit-bounded admission upstream, so queues stay
-short by construction. A malformed frame is logged, counted in `rejected`, and dropped.
+short by construction. A malformed frame is logged, counted in `rejected`, and dropped; so is a
+well-formed message of a type the socket does not carry (`accept`; a PULL socket carries only
+Trajectory), and whatever the owner rejects after decoding (`reject`, e.g. an unknown sender).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from asyncrl.messages import Trajectory
 from asyncrl.transport.codec import MalformedFrame, decode, encode
 
 log = logging.getLogger(__name__)
@@ -24,13 +27,26 @@ LOOPBACK = "tcp://127.0.0.1"
 LINGER_MS = 1000
 CONTROL_HWM = 100_000
 DATA_HWM = 100_000
+# Message types a socket of this kind carries when the owner does not say (`accept=`).
+DEFAULT_ACCEPT: dict[int, tuple[type, ...]] = {zmq.PULL: (Trajectory,)}
+_BY_KIND = object()
 
 
 class Endpoint:
     """One socket plus its codec and rejection counters. Owned by exactly one task for receiving."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int, *, name: str, identity: str | None = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        kind: int,
+        *,
+        name: str,
+        identity: str | None = None,
+        accept: tuple[type, ...] | None | object = _BY_KIND,
+    ):
         self.name = name
+        # Message types this socket carries (None: any); others are rejected and counted.
+        self.accept = DEFAULT_ACCEPT.get(kind) if accept is _BY_KIND else accept
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         hwm = DATA_HWM if kind in (zmq.PUSH, zmq.PULL) else CONTROL_HWM
@@ -66,17 +82,21 @@ class Endpoint:
             sender = None
             if self.sock.type == zmq.ROUTER:
                 if len(frames) < 2:
-                    self._reject("missing identity frame")
+                    self.reject("missing identity frame")
                     continue
                 sender, frames = frames[0].bytes, frames[1:]
             try:
                 msg, tensors = decode(frames)
             except MalformedFrame as exc:
-                self._reject(str(exc))
+                self.reject(str(exc))
+                continue
+            if self.accept is not None and not isinstance(msg, self.accept):
+                self.reject(f"unexpected message type: {type(msg).__name__} on {self.name}")
                 continue
             return sender, msg, tensors
 
-    def _reject(self, reason: str) -> None:
+    def reject(self, reason: str) -> None:
+        """Count (and log, throttled) one rejected message; `reason` up to its first ':' is the key."""
         key = reason.split(":")[0][:80]
         self.rejected[key] += 1
         if sum(self.rejected.values()) <= 10 or sum(self.rejected.values()) % 1000 == 0:

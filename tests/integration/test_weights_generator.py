@@ -1,0 +1,225 @@
+"""The generator service's side of weight sync, in-process on loopback sockets: the test plays the
+launcher (ROUTER) and the learner (PULL, and the shard writer) around one real GeneratorService
+with the torch generator on the tiny model.
+
+Pinned behaviour (docs/weights.md): a corrupt shard never reaches the model (the old version keeps
+serving, the error is counted in gen/weights_load_errors, no ack for it), the generator keeps
+taking tasks, takes the next good version, retries a failed one until it loads or the retry timeout
+fails the run; a generator that starts after versions were published loads the one it is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from asyncrl.config import load_config
+from asyncrl.messages import (
+    Hello,
+    Metrics,
+    PromptTask,
+    SamplingParams,
+    Shutdown,
+    TaskDone,
+    Trajectory,
+    WeightsLoaded,
+    WeightsPublished,
+)
+from asyncrl.transport.shards import version_dir, write_shards
+from asyncrl.transport.zmq_io import Endpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def state_of_version(model_dir: Path, version: int) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    return {n: (t + 0.01 * version if t.is_floating_point() else t).contiguous() for n, t in sd.items()}
+
+
+def publish(root: Path, model_dir: Path, version: int) -> WeightsPublished:
+    write_shards(state_of_version(model_dir, version), root, version, max_shard_bytes=16 << 10, fsync=False)
+    return WeightsPublished(version=version, transport="safetensors", location=str(root), num_bytes=0)
+
+
+def corrupt(root: Path, version: int) -> tuple[Path, bytes]:
+    """Flip the last byte of one shard; returns the file and its good bytes (to repair it)."""
+    path = sorted(version_dir(root, version).glob("*.safetensors"))[0]
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    return path, good
+
+
+def holds(service, expected: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, expected[n]) for n, p in service.gen.model.named_parameters())
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, model_dir: Path, *overrides: str) -> None:
+        from asyncrl.generators.service import GeneratorService
+        from asyncrl.runtime import ChildContext
+
+        self.zctx = zmq.asyncio.Context()
+        self.router = Endpoint(self.zctx, zmq.ROUTER, name="test.launcher")
+        address = self.router.bind_loopback()
+        self.pull = Endpoint(self.zctx, zmq.PULL, name="test.learner")
+        data_address = self.pull.bind_loopback()
+        dealer = Endpoint(self.zctx, zmq.DEALER, name="gen-0.ctrl", identity="gen-0")
+        dealer.connect(address)
+        config = load_config(overrides=[f'model.path="{model_dir}"', *overrides])
+        ctx = ChildContext(
+            "generator",
+            "gen-0",
+            config,
+            tmp_path,
+            self.zctx,
+            dealer,
+            {"model": str(model_dir), "data": data_address, "index": "0"},
+        )
+        self.service = GeneratorService(ctx)
+        self.dealer = dealer
+        self.seen: list = []
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.service.run())
+        assert isinstance(await self.next(), Hello)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if not self.task.done():
+            await self.send(Shutdown())
+            await asyncio.wait_for(self.task, 60)
+        self.dealer.close()
+        self.router.close()
+        self.pull.close()
+        self.zctx.term()
+
+    async def send(self, msg) -> None:
+        await self.router.send(msg, to=b"gen-0")
+
+    async def next(self):
+        _, msg, _ = await self.router.recv()
+        self.seen.append(msg)
+        return msg
+
+    async def expect(self, kind, pred=lambda m: True):
+        while True:
+            msg = await self.next()
+            if isinstance(msg, kind) and pred(msg):
+                return msg
+
+
+def prompt_task(model_dir: Path, task_id: int) -> PromptTask:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return PromptTask(
+        task_id=task_id,
+        group_id=task_id,
+        prompt_ids=tok("12+30=")["input_ids"],
+        num_samples=2,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3),
+        dataset_index=task_id,
+        step=0,
+        answer="42",
+    )
+
+
+def errors(msg) -> bool:
+    return isinstance(msg, Metrics) and msg.values.get("gen/weights_load_errors", 0) >= 1
+
+
+def test_corrupt_shard_keeps_old_weights_and_next_version_loads(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_corrupt_shard_keeps_old_weights_and_next_version_loads(tmp_path, tiny_model_dir))
+
+
+async def _corrupt_shard_keeps_old_weights_and_next_version_loads(tmp_path, tiny_model_dir) -> None:
+    root = tmp_path / "weights"
+    v0 = state_of_version(tiny_model_dir, 0)
+    async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
+        bad = publish(root, tiny_model_dir, 1)
+        corrupt(root, 1)
+        await h.send(bad)
+        await h.expect(Metrics, lambda m: errors(m))
+        assert h.service.gen.version == 0 and holds(h.service, v0)
+        # still serving: a task is sampled with version 0 (admission is not stalled by this generator)
+        await h.send(prompt_task(tiny_model_dir, 7))
+        done = await h.expect(TaskDone)
+        assert done.task_id == 7 and done.num_trajectories == 2
+        for _ in range(2):
+            _, traj, (ids, _, versions) = await h.pull.recv()
+            assert isinstance(traj, Trajectory) and versions.tolist() == [0] * len(ids)
+        await h.send(publish(root, tiny_model_dir, 2))
+        loaded = await h.expect(WeightsLoaded)
+        assert loaded.version == 2 and loaded.generator_id == "gen-0"
+        assert h.service.gen.version == 2 and holds(h.service, state_of_version(tiny_model_dir, 2))
+        assert not any(isinstance(m, WeightsLoaded) and m.version == 1 for m in h.seen)
+        assert h.service.num_load_errors >= 1
+
+
+def test_failed_version_is_retried_until_it_loads(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_failed_version_is_retried_until_it_loads(tmp_path, tiny_model_dir))
+
+
+async def _failed_version_is_retried_until_it_loads(tmp_path, tiny_model_dir) -> None:
+    """A shard that is repaired (a lagging shared directory) is taken without a new publish."""
+    root = tmp_path / "weights"
+    async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
+        msg = publish(root, tiny_model_dir, 1)
+        path, good = corrupt(root, 1)
+        await h.send(msg)
+        await h.expect(Metrics, lambda m: errors(m))
+        path.write_bytes(good)
+        loaded = await h.expect(WeightsLoaded)
+        assert loaded.version == 1 and holds(h.service, state_of_version(tiny_model_dir, 1))
+
+
+def test_unloadable_version_fails_after_the_retry_timeout(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_unloadable_version_fails_after_the_retry_timeout(tmp_path, tiny_model_dir))
+
+
+async def _unloadable_version_fails_after_the_retry_timeout(tmp_path, tiny_model_dir) -> None:
+    from asyncrl.generators.service import WeightsUnavailable
+
+    root = tmp_path / "weights"
+    async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=0.5") as h:
+        msg = publish(root, tiny_model_dir, 1)
+        corrupt(root, 1)
+        await h.send(msg)
+        with pytest.raises(ExceptionGroup) as info:
+            await asyncio.wait_for(h.task, 60)
+        assert info.group_contains(WeightsUnavailable, match="fails its sha256 check")
+        assert h.service.gen.version == 0
+
+
+def test_missing_version_is_an_error_not_a_crash(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_missing_version_is_an_error_not_a_crash(tmp_path, tiny_model_dir))
+
+
+async def _missing_version_is_an_error_not_a_crash(tmp_path, tiny_model_dir) -> None:
+    root = tmp_path / "weights"
+    async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
+        await h.send(WeightsPublished(version=4, transport="safetensors", location=str(root), num_bytes=0))
+        await h.expect(Metrics, lambda m: errors(m))
+        assert "not published" in h.service.last_error and h.service.gen.version == 0
+
+
+def test_late_joiner_loads_the_version_it_is_sent(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_late_joiner_loads_the_version_it_is_sent(tmp_path, tiny_model_dir))
+
+
+async def _late_joiner_loads_the_version_it_is_sent(tmp_path, tiny_model_dir) -> None:
+    """The launcher re-sends the latest WeightsPublished to a generator whose Hello comes after
+    publishes (scheduler/service.py); the generator loads it and acks it."""
+    root = tmp_path / "weights"
+    announcements = [publish(root, tiny_model_dir, v) for v in (1, 2, 3)]
+    async with Harness(tmp_path, tiny_model_dir) as h:
+        await h.send(announcements[-1])
+        loaded = await h.expect(WeightsLoaded)
+        assert loaded.version == 3 and holds(h.service, state_of_version(tiny_model_dir, 3))
