@@ -91,6 +91,9 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     max_open_groups: PosInt = 64  # streamed groups holding S0/S1 buffers at once
     world_size: PosInt = 1  # data-parallel learner ranks; only 1 is wired into the service today
     micro_batch_size: PosInt = 256  # sequences per forward/backward
+    # Benchmarks: record each window to <run>/trajectories.jsonl and train nothing (the
+    # generator-only run of `asyncrl bench pipeline`).
+    sink: bool = False
     threads: PosInt = 1
 
     def clip_range(self) -> tuple[float, float]:
@@ -99,6 +102,18 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
             defaults[0] if self.clip_low is None else self.clip_low,
             defaults[1] if self.clip_high is None else self.clip_high,
         )
+
+
+class OpdConfig(_Section, frozen=True, kw_only=True):
+    """On-policy distillation: a teacher scores the student's tokens (docs/algorithms.md)."""
+
+    enabled: bool = False  # train on the teacher's per-token signal instead of the task reward
+    teacher: str = ""  # local Hugging Face directory; empty = the shipped teacher checkpoint
+    # reverse_kl: A_t = log pi_T - sg(log pi) at the sampled token; forward_kl: token-level
+    # forward KL over the N cached tokens; mc_reverse_kl: multi-sample Monte Carlo reverse KL.
+    estimator: Literal["reverse_kl", "forward_kl", "mc_reverse_kl"] = "reverse_kl"
+    num_samples: PosInt = 1  # N tokens per position in the cache (>= 2 for forward_kl / mc_*)
+    clip_eps: PosFloat = 0.2  # AsyncOPD's pg_clip_eps on pi / mu
 
 
 class StalenessConfig(_Section, frozen=True, kw_only=True):
@@ -156,6 +171,7 @@ class Config(_Section, frozen=True, kw_only=True):
     generators: GeneratorConfig = GeneratorConfig()
     learner: LearnerConfig = LearnerConfig()
     staleness: StalenessConfig = StalenessConfig()
+    opd: OpdConfig = OpdConfig()
     weights: WeightsConfig = WeightsConfig()
     monitor: MonitorConfig = MonitorConfig()
 
@@ -170,6 +186,11 @@ class Config(_Section, frozen=True, kw_only=True):
             raise ValueError(
                 "learner.kl_placement = 'reward' takes kl_estimator = 'k1' (the unbiased choice); "
                 "use kl_placement = 'loss' for the others"
+            )
+        if self.opd.estimator != "reverse_kl" and self.opd.num_samples < 2:
+            raise ValueError(
+                f"opd.estimator = {self.opd.estimator!r} needs opd.num_samples >= 2 (tokens cached per "
+                "position); set e.g. --set opd.num_samples=4"
             )
         if lrn.world_size != 1:
             raise ValueError(

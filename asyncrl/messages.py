@@ -92,6 +92,12 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     finish_reason: Literal["stop", "length", "abort"]
     generator_id: str
     generate_s: float = 0.0
+    # On-policy distillation (config `opd`), frames 3-5 when present. Column 0 of each [T, N]
+    # array is the generated token; columns 1.. are N-1 more tokens drawn at the same position
+    # from the behavior student (the multi-sample Monte Carlo estimator's cache).
+    teacher_logprobs: TensorRef | None = None  # float32 [T, N]: teacher log-probs of opd_ids
+    opd_ids: TensorRef | None = None  # int64 [T, N]
+    opd_behavior_logprobs: TensorRef | None = None  # float32 [T, N]: behavior student log-probs
 
 
 class TaskDone(_Msg, frozen=True, kw_only=True):

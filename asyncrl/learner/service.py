@@ -16,6 +16,7 @@ Run as `python -m asyncrl.learner.service --ctrl ADDR --peer-id learner --run-di
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -165,7 +166,13 @@ class LearnerService:
         offered = 0
         while not self.stopping:
             fresh = self.inbox.pop(step, [])
-            if trainer.fallback:
+            if self.cfg.sink:
+                if fresh:
+                    self.inbox[step] = fresh
+                if len(fresh) == self.window_size:
+                    self.inbox.pop(step)
+                    return await asyncio.to_thread(self.sink_step, step, fresh)
+            elif trainer.fallback:
                 if fresh:
                     self.inbox[step] = fresh
                 if len(fresh) == self.window_size:
@@ -185,6 +192,30 @@ class LearnerService:
         if self.stopping:
             return None
         return await self.busy(trainer.finish_step)
+
+    def sink_step(self, step: int, samples: list[TrainSample]) -> StepResult:
+        """`learner.sink`: record the window to <run>/trajectories.jsonl and train nothing (the
+        benchmarks' stand-in for an infinitely fast learner; versions still advance as usual)."""
+        with open(self.ctx.run_dir / "trajectories.jsonl", "a") as out:
+            for s in samples:
+                out.write(json.dumps(sample_record(step, s)) + "\n")
+        return StepResult(
+            step=step,
+            num_trajectories=len(samples),
+            num_tokens=sum(len(s.completion_ids) for s in samples),
+            loss=0.0,
+            mean_reward=sum(s.reward for s in samples) / len(samples),
+            max_staleness=0,
+            mean_staleness=0.0,
+            clip_fraction=0.0,
+            grad_norm=0.0,
+            lr_scale=1.0,
+            policy_stats={},
+            streamed=0,
+            deferred=0,
+            peak_stream_bytes=0,
+            fallback="learner.sink",
+        )
 
     async def train_loop(self) -> None:
         for step in range(self.cfg.steps):
@@ -258,6 +289,20 @@ class LearnerService:
             for t in loops:
                 t.cancel()
         self.data.close()
+
+
+def sample_record(step: int, s: TrainSample) -> dict:
+    """One trajectory as a JSON-able dict (what `learner.sink` records for replay benchmarks)."""
+    return {
+        "step": step,
+        "group_id": s.group_id,
+        "sample_index": s.sample_index,
+        "prompt_ids": list(s.prompt_ids),
+        "completion_ids": s.completion_ids.tolist(),
+        "behavior_logprobs": s.behavior_logprobs.tolist(),
+        "token_versions": s.token_versions.tolist(),
+        "reward": s.reward,
+    }
 
 
 def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:
