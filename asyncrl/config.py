@@ -112,7 +112,7 @@ class OpdConfig(_Section, frozen=True, kw_only=True):
     # reverse_kl: A_t = log pi_T - sg(log pi) at the sampled token; forward_kl: token-level
     # forward KL over the N cached tokens; mc_reverse_kl: multi-sample Monte Carlo reverse KL.
     estimator: Literal["reverse_kl", "forward_kl", "mc_reverse_kl"] = "reverse_kl"
-    num_samples: PosInt = 1  # N tokens per position in the cache (>= 2 for forward_kl / mc_*)
+    num_samples: PosInt = 1  # N tokens per position in the cache (>= 2 for mc_reverse_kl)
     clip_eps: PosFloat = 0.2  # AsyncOPD's pg_clip_eps on pi / mu
 
 
@@ -187,9 +187,9 @@ class Config(_Section, frozen=True, kw_only=True):
                 "learner.kl_placement = 'reward' takes kl_estimator = 'k1' (the unbiased choice); "
                 "use kl_placement = 'loss' for the others"
             )
-        if self.opd.estimator != "reverse_kl" and self.opd.num_samples < 2:
+        if self.opd.estimator == "mc_reverse_kl" and self.opd.num_samples < 2:
             raise ValueError(
-                f"opd.estimator = {self.opd.estimator!r} needs opd.num_samples >= 2 (tokens cached per "
+                "opd.estimator = 'mc_reverse_kl' needs opd.num_samples >= 2 (tokens cached per "
                 "position); set e.g. --set opd.num_samples=4"
             )
         if lrn.world_size != 1:

@@ -33,7 +33,8 @@ from asyncrl.learner.advantages import (
     rloo_advantages,
 )
 from asyncrl.learner.kl import kl_loss
-from asyncrl.learner.losses import LossStats, cispo_loss, clipped_surrogate, gspo_loss
+from asyncrl.learner.losses import LossStats, aggregate, cispo_loss, clipped_surrogate, gspo_loss
+from asyncrl.learner.opd import multi_sample_reverse_kl, pg_kl_loss
 from asyncrl.staleness.base import Correction, StalenessPolicy
 
 # Clip bounds that never bind: ratios live in (0, e^MAX_LOG_RATIO], so clip_low=1 and an infinite
@@ -65,6 +66,8 @@ class Objective:
     kl_estimator: str
     kl_placement: str
     streaming: str
+    opd: str | None = None  # OPD estimator (config `opd`), None for RL
+    opd_clip_eps: float = 0.2
 
     @classmethod
     def from_config(cls, config) -> Objective:
@@ -83,6 +86,8 @@ class Objective:
             kl_estimator=lrn.kl_estimator,
             kl_placement=lrn.kl_placement,
             streaming=lrn.streaming,
+            opd=config.opd.estimator if config.opd.enabled else None,
+            opd_clip_eps=config.opd.clip_eps,
         )
 
     # -- advantages ----------------------------------------------------------------------------
@@ -197,6 +202,8 @@ class Objective:
         """Why this configuration trains whole batches instead of streaming (None: it streams)."""
         if self.streaming == "off":
             return "learner.streaming = 'off'"
+        if self.opd is not None:
+            return None  # per-token teacher advantages: every trajectory streams on its own
         if self.advantage not in STREAM_ESTIMATOR:
             return f"advantage {self.advantage!r} needs the whole group (median pivot)"
         if self.uses_reference:
@@ -223,3 +230,37 @@ class Objective:
         if float(neg_stats.clip_fraction) > 0:
             return None
         return pos, stats
+
+    def opd_loss(
+        self,
+        logp_BL: torch.Tensor,
+        logp_BLN: torch.Tensor,
+        teacher_BLN: torch.Tensor,
+        behav_BLN: torch.Tensor,
+        ids_BLN: torch.Tensor,
+        mask_BL: torch.Tensor,
+    ) -> tuple[torch.Tensor, float]:
+        """Unnormalised OPD loss and its KL estimate (asyncrl/learner/opd.py, ALGORITHMS.md 6.2).
+
+        reverse_kl: the clipped importance-weighted policy gradient at the sampled token, with the
+        advantage log pi_T - sg(log pi) recomputed under the current student. mc_reverse_kl: its
+        mean over the N cached tokens per position. forward_kl: sum over the *distinct* cached
+        tokens of p_T(y) (log p_T(y) - log pi(y)), the forward KL restricted to the cache."""
+        common = dict(mode=self.agg, num_tokens_global=1.0, num_seqs_global=1.0, norm_constant=1.0)
+        if self.opd == "reverse_kl":
+            loss, stats = pg_kl_loss(
+                logp_BL, behav_BLN[..., 0], teacher_BLN[..., 0], mask_BL, clip_eps=self.opd_clip_eps, **common
+            )
+        elif self.opd == "mc_reverse_kl":
+            loss, stats = multi_sample_reverse_kl(
+                logp_BLN, behav_BLN, teacher_BLN, mask_BL, clip_eps=self.opd_clip_eps, **common
+            )
+        else:
+            # Keep the first occurrence of each id at a position (later duplicates are masked).
+            same_BLNN = ids_BLN[..., :, None] == ids_BLN[..., None, :]
+            first_BLN = ~torch.tril(same_BLNN, diagonal=-1).any(dim=-1)
+            keep_BLN = first_BLN & mask_BL[..., None]
+            per_BLN = torch.where(keep_BLN, teacher_BLN.exp() * (teacher_BLN - logp_BLN), 0.0)
+            loss = aggregate(per_BLN.sum(-1), mask_BL, **common)
+            return loss, float(per_BLN.detach().sum() / mask_BL.sum().clamp(min=1))
+        return loss, float(stats.kl)

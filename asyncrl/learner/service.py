@@ -109,8 +109,10 @@ class LearnerService:
                     self.version,
                 )
                 continue
-            ids, logps, versions = tensors
-            problem = _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps)
+            ids, logps, versions, *opd = tensors
+            problem = _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps) or _invalid_opd(
+                ids, opd, self.ctx.config.opd
+            )
             if problem:
                 self.num_invalid += 1
                 log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
@@ -126,6 +128,7 @@ class LearnerService:
                     behavior_logprobs=logps.clone(),
                     token_versions=versions.clone(),
                     reward=msg.reward,
+                    **_opd_fields(opd),
                 )
             )
             self.received[msg.step] = self.received.get(msg.step, 0) + 1
@@ -289,6 +292,30 @@ class LearnerService:
             for t in loops:
                 t.cancel()
         self.data.close()
+
+
+def _opd_fields(opd: list) -> dict:
+    names = ("teacher_logprobs", "opd_ids", "opd_behavior_logprobs")
+    return {n: t.clone() for n, t in zip(names, opd, strict=True)} if opd else {}
+
+
+def _invalid_opd(ids, opd: list, cfg) -> str:
+    """Why a trajectory's OPD frames are unusable ("" if fine, or if OPD is off and none came)."""
+    if not cfg.enabled:
+        return "" if not opd else "teacher frames sent but opd.enabled is false"
+    if len(opd) != 3:
+        return "opd.enabled: expected teacher log-probs, cached ids and their behavior log-probs"
+    teacher, cached, behav = opd
+    shape = (len(ids), cfg.num_samples)
+    if not (teacher.shape == cached.shape == behav.shape == shape):
+        return f"OPD arrays must be [T, N] = {list(shape)}, got {[list(t.shape) for t in opd]}"
+    if cached.dtype != torch.int64 or not (teacher.is_floating_point() and behav.is_floating_point()):
+        return "wrong OPD tensor dtypes"
+    if not torch.equal(cached[:, 0], ids):
+        return "opd_ids[:, 0] must be the sampled tokens"
+    if not (bool(torch.isfinite(teacher).all()) and bool(torch.isfinite(behav).all())):
+        return "OPD log-probs must be finite"
+    return ""
 
 
 def sample_record(step: int, s: TrainSample) -> dict:

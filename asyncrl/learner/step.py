@@ -27,6 +27,11 @@ class TrainSample:
     behavior_logprobs: torch.Tensor  # float32 [T]
     token_versions: torch.Tensor  # int64 [T]
     reward: float
+    # On-policy distillation: [T, N] teacher log-probs, cached ids (column 0 = the sampled token)
+    # and their behavior log-probs; None for RL.
+    teacher_logprobs: torch.Tensor | None = None
+    opd_ids: torch.Tensor | None = None
+    opd_behavior_logprobs: torch.Tensor | None = None
 
 
 class PackedBatch(NamedTuple):
@@ -84,6 +89,20 @@ def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete:
         raise ValueError(f"incomplete groups in batch: sizes {sorted(set(sizes.values()))}")
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return PackedBatch(ids, mask, behav, versions, rewards, group_B, slot_B, len(group_index), group_size)
+
+
+def pack_opd(samples: Sequence[TrainSample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The OPD arrays of `samples` as [B, L, N] aligned with `pack`'s rows (zeros off-completion)."""
+    num = samples[0].opd_ids.shape[1]
+    teacher = torch.zeros((len(samples), width, num), dtype=torch.float32)
+    ids = torch.zeros((len(samples), width, num), dtype=torch.long)
+    behav = torch.zeros((len(samples), width, num), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        teacher[b, p : p + c] = s.teacher_logprobs
+        ids[b, p : p + c] = s.opd_ids
+        behav[b, p : p + c] = s.opd_behavior_logprobs
+    return teacher, ids, behav
 
 
 def staleness_B(batch: PackedBatch, policy_version: int) -> torch.Tensor:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.learner.advantages import group_rewards
-from asyncrl.learner.logprobs import causal_lm_logprobs
+from asyncrl.learner.logprobs import causal_lm_logprobs, causal_lm_position_logprobs
 from asyncrl.learner.objective import STREAM_ESTIMATOR, Objective
-from asyncrl.learner.step import PackedBatch, TrainSample, pack, staleness_B
+from asyncrl.learner.step import PackedBatch, TrainSample, pack, pack_opd, staleness_B
 from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
 from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
 
@@ -140,7 +140,7 @@ class Trainer:
         self.deferred: set[int] = set()  # traj ids that tried to stream and could not
         self.streamed_loss: dict[int, list[tuple[int, float]]] = defaultdict(list)  # gid -> (slot, l(+1))
         self.acc = None
-        if not self.fallback:
+        if not self.fallback and self.objective.opd is None:
             self.acc = StreamingAccumulator(
                 self.params,
                 estimator=STREAM_ESTIMATOR[self.objective.advantage],
@@ -159,6 +159,8 @@ class Trainer:
         self.waiting[sample.group_id].append(sample)
 
     def has_work(self) -> bool:
+        if self.objective.opd is not None and not self.fallback:
+            return any(self.waiting.values())
         if self.acc is None:
             return False
         return any(self._streamable_now(gid) for gid in self.waiting) or bool(self._closable())
@@ -172,6 +174,14 @@ class Trainer:
     # ------------------------------------------------------------------ streaming
     def work(self) -> bool:
         """One unit of streaming work; False if there is nothing to do until more data arrives."""
+        if self.objective.opd is not None and not self.fallback:
+            chunk = [s for w in self.waiting.values() for s in w][: self.micro_batch_size]
+            if not chunk:
+                return False
+            for s in chunk:
+                self.waiting[s.group_id].remove(s)
+            self._backward_opd(chunk)  # no groups: each trajectory's gradient is complete
+            return True
         assert self.acc is not None, "work() is for streaming steps; use batch_backward"
         closable = self._closable()
         if closable:
@@ -306,9 +316,33 @@ class Trainer:
             batch, samples, _stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
         )
 
+    def _backward_opd(self, samples: Sequence[TrainSample]) -> None:
+        """OPD loss of these trajectories; gradients accumulate into `.grad` (streams per chunk)."""
+        if any(s.teacher_logprobs is None for s in samples):
+            raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
+        batch = pack(samples, pad_token_id=self.pad_token_id, require_complete=False)
+        teacher, ids, behav = (
+            t.to(self.dtype) if t.is_floating_point() else t
+            for t in pack_opd(samples, batch.input_ids_BL.shape[1])
+        )
+        mask = batch.completion_mask_BL
+        logp_BLN = causal_lm_position_logprobs(
+            self.model, batch.input_ids_BL, ids, temperature=self.temperature
+        )
+        loss, kl = self.objective.opd_loss(logp_BLN[..., 0], logp_BLN, teacher, behav, ids, mask)
+        loss.backward()
+        tokens = float(mask.sum())
+        self.totals.loss += float(loss.detach())
+        self.totals.units += self.objective.units(mask)
+        self._account(batch, samples, {"opd_kl": kl}, tokens=tokens, clipped=0.0)
+
     # ------------------------------------------------------------------ whole batch
     def batch_backward(self, samples: Sequence[TrainSample]) -> None:
         """The whole step at once (the fallback): corrections see every trajectory of this rank."""
+        if self.objective.opd is not None:
+            for start in range(0, len(samples), self.micro_batch_size):
+                self._backward_opd(samples[start : start + self.micro_batch_size])
+            return
         batch = pack(samples, pad_token_id=self.pad_token_id)
         ids = batch.input_ids_BL
         num = ids.shape[0]
@@ -367,9 +401,9 @@ class Trainer:
     # ------------------------------------------------------------------ the update
     def finish_step(self) -> StepResult:
         t = self.totals
+        if self.waiting and any(self.waiting.values()):
+            raise RuntimeError(f"step {self.step}: trajectories still waiting at the step boundary")
         if self.acc is not None:
-            if self.waiting and any(self.waiting.values()):
-                raise RuntimeError(f"step {self.step}: trajectories still waiting at the step boundary")
             units_local = float(self.acc.num_units)
             grad_P, stream_stats = self.acc.finish(1.0)  # the summed loss gradient
             peak = stream_stats.peak_memory_bytes

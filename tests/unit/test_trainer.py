@@ -218,3 +218,52 @@ def test_open_group_bound_defers_instead_of_allocating(tiny_model_dir):
     while t.work():
         assert t.acc.num_open_groups <= 1
     assert t.acc.num_open_groups == 1 and t.totals.streamed == 3  # one group streamed, two wait
+
+
+def _with_opd(model, teacher, samples, num=3, seed=0):
+    """Attach OPD caches: column 0 the sampled token, the rest random ids; teacher and behavior
+    log-probs from the two models (the behavior student is the current one, shifted a little)."""
+    from asyncrl.learner.logprobs import causal_lm_position_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in samples:
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids = torch.cat([s.completion_ids[:, None], torch.randint(4, 20, (c, num - 1), generator=g)], dim=1)
+        full = torch.tensor([list(s.prompt_ids) + s.completion_ids.tolist()])
+        ids_1LN = torch.zeros((1, p + c, num), dtype=torch.long)
+        ids_1LN[0, p:] = ids
+        with torch.no_grad():
+            t = causal_lm_position_logprobs(teacher, full, ids_1LN)[0, p:]
+            b = causal_lm_position_logprobs(model, full, ids_1LN)[0, p:] - 0.1 * torch.rand(c, num, generator=g)
+        out.append(
+            dataclasses.replace(
+                s,
+                behavior_logprobs=b[:, 0].float(),
+                teacher_logprobs=t.float(),
+                opd_ids=ids,
+                opd_behavior_logprobs=b.float(),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["reverse_kl", "forward_kl", "mc_reverse_kl"])
+def test_opd_streams_and_equals_the_batch_update(tiny_model_dir, tmp_path, estimator):
+    from asyncrl.models.tiny import create_base
+
+    base = _model(tiny_model_dir)
+    teacher_dir = create_base(tmp_path / "teacher", hidden_size=32, num_layers=1, num_heads=2, seed=7)
+    teacher = _model(teacher_dir)
+    samples = _with_opd(base, teacher, _samples(base, stale=0.5))
+    sets = ["opd.enabled=true", f"opd.estimator={estimator}", "opd.num_samples=3"]
+    ref = copy.deepcopy(base)
+    batch = _batch_step(ref, samples, *sets)
+    for seed in range(2):
+        model = copy.deepcopy(base)
+        trainer, streamed = _stream_step(model, samples, *sets, seed=seed)
+        assert trainer.fallback == "" and trainer.acc is None  # no group buffers for OPD
+        torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
+        assert streamed.loss == pytest.approx(batch.loss, abs=1e-9)
+    assert not torch.equal(_params(ref), _params(base))
+    assert batch.policy_stats["opd_kl"] != 0
