@@ -62,6 +62,9 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
     # and its in-flight tasks re-queued); one more failure past this ends the run.
     max_restarts: NonNegInt = 3
+    # Keyword options for the plugin, handed to its setup() as GeneratorContext.options
+    # (e.g. `--set generators.options.replay_path=RUN/trajectories.jsonl` for the replay generator).
+    options: dict[str, str | int | float | bool] = {}
 
 
 class LearnerConfig(_Section, frozen=True, kw_only=True):
@@ -89,7 +92,7 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # Gradient streaming: "auto" streams per trajectory where exact and falls back otherwise.
     streaming: Literal["auto", "off"] = "auto"
     max_open_groups: PosInt = 64  # streamed groups holding S0/S1 buffers at once
-    world_size: PosInt = 1  # data-parallel learner ranks; only 1 is wired into the service today
+    world_size: PosInt = 1  # data-parallel learner ranks (gloo on CPU, NCCL on GPU); group j on rank j % R
     micro_batch_size: PosInt = 256  # sequences per forward/backward
     # Benchmarks: record each window to <run>/trajectories.jsonl and train nothing (the
     # generator-only run of `asyncrl bench pipeline`).
@@ -192,11 +195,8 @@ class Config(_Section, frozen=True, kw_only=True):
                 "opd.estimator = 'mc_reverse_kl' needs opd.num_samples >= 2 (tokens cached per "
                 "position); set e.g. --set opd.num_samples=4"
             )
-        if lrn.world_size != 1:
-            raise ValueError(
-                "learner.world_size > 1 (the data-parallel learner service) is not available yet; "
-                "the streaming math supports it (asyncrl.learner.streaming), the process wiring does not"
-            )
+        if lrn.world_size > 1 and lrn.sink:
+            raise ValueError("learner.sink trains nothing: use it with learner.world_size = 1")
         if lrn.advantage == "mc_grpo" and lrn.samples_per_group % 2 == 0:
             raise ValueError(
                 "learner.advantage = 'mc_grpo' needs an odd learner.samples_per_group (G + 1 rollouts, "
@@ -286,7 +286,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc)) from None
-    check_staleness_policy(config.staleness)
+    policy = check_staleness_policy(config.staleness)
+    if config.learner.world_size > 1 and not config.opd.enabled:
+        from asyncrl.learner.objective import Objective
+
+        reason = Objective.from_config(config).fallback_reason(policy) or ""
+        if "batch-global" in reason:
+            raise ConfigError(
+                f"config error at learner.world_size: {reason}, which needs the whole batch on one rank; "
+                "use learner.world_size = 1 with this policy"
+            )
     return config
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import zmq
 
-from asyncrl.config import check_staleness_policy
-from asyncrl.learner.objective import Objective
-from asyncrl.learner.step import TrainSample
-from asyncrl.learner.trainer import StepResult, Trainer
+from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, local_window_size, rank_of_group
+from asyncrl.learner.ranks import RankGroup
+from asyncrl.learner.step import TrainSample, sample_from_message
+from asyncrl.learner.trainer import StepResult
 from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.publisher import make_publisher
@@ -41,30 +41,16 @@ MAX_SEQUENCE_TOKENS = 1 << 20
 
 class LearnerService:
     def __init__(self, ctx: ChildContext) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.ctx = ctx
         cfg = ctx.config
         self.cfg = cfg.learner
-        torch.set_num_threads(self.cfg.threads)
-        torch.manual_seed(cfg.run.seed)
         model_path = Path(ctx.extra["model"])
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.train()
-        self.trainer = Trainer(
+        self.model, self.tokenizer = load_policy_model(model_path, self.cfg.threads, cfg.run.seed)
+        self.ranks = RankGroup(ctx, model_path) if self.cfg.world_size > 1 else None
+        self.trainer = build_trainer(
+            cfg,
             self.model,
-            Objective.from_config(cfg),
-            check_staleness_policy(cfg.staleness),
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            max_grad_norm=self.cfg.max_grad_norm,
-            temperature=cfg.sampling.temperature,
             pad_token_id=self.tokenizer.pad_token_id,
-            group_size=self.cfg.samples_per_group,
-            micro_batch_size=self.cfg.micro_batch_size,
-            max_open_groups=self.cfg.max_open_groups,
-            max_staleness=cfg.effective_max_staleness,
         )
         if self.trainer.fallback:
             log.info("learner: whole-batch steps (no gradient streaming): %s", self.trainer.fallback)
@@ -78,18 +64,21 @@ class LearnerService:
         )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
-        self.window_size = self.cfg.groups_per_step * self.cfg.samples_per_group
-        self.inbox: dict[int, list[TrainSample]] = {}
-        self.received: dict[int, int] = {}  # trajectories received per step
-        self.last_arrival: dict[int, float] = {}  # when each step's last trajectory arrived
+        self.loop = StepLoop(
+            self.trainer,
+            lambda step: local_window_size(
+                step,
+                rank=0,
+                world_size=self.cfg.world_size,
+                groups_per_step=self.cfg.groups_per_step,
+                group_size=self.cfg.samples_per_group,
+            ),
+            sink=self.sink_step if self.cfg.sink else None,
+        )
         self.seen: set[int] = set()
         self.num_duplicates = 0
         self.num_invalid = 0
         self.version = 0
-        self.arrived = asyncio.Event()
-        self.stopping = False
-        self.idle_s = 0.0
-        self.busy_s = 0.0
 
     async def data_loop(self) -> None:
         while True:
@@ -118,23 +107,11 @@ class LearnerService:
                 log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
                 continue
             self.seen.add(msg.traj_id)
-            self.inbox.setdefault(msg.step, []).append(
-                TrainSample(
-                    traj_id=msg.traj_id,
-                    group_id=msg.group_id,
-                    sample_index=msg.sample_index,
-                    prompt_ids=msg.prompt_ids,
-                    completion_ids=ids.clone(),
-                    behavior_logprobs=logps.clone(),
-                    token_versions=versions.clone(),
-                    reward=msg.reward,
-                    **_opd_fields(opd),
-                )
-            )
-            self.received[msg.step] = self.received.get(msg.step, 0) + 1
-            if self.received[msg.step] == self.window_size:
-                self.last_arrival[msg.step] = time.perf_counter()
-            self.arrived.set()
+            rank = rank_of_group(msg.group_id, self.cfg.world_size)
+            if rank != 0:
+                await self.ranks.forward(rank, msg, tensors)
+                continue
+            self.loop.add(msg.step, sample_from_message(msg, tensors))
 
     async def ctrl_loop(self) -> None:
         while True:
@@ -143,58 +120,10 @@ class LearnerService:
                 case WeightsLoaded():
                     self.publisher.on_loaded(msg.generator_id, msg.version)
                 case Shutdown():
-                    self.stopping = True
-                    self.arrived.set()
+                    self.loop.stop()
                     return
                 case _:
                     log.error("learner: unexpected %s on the control socket; ignored", type(msg).__name__)
-
-    async def wait_for_data(self) -> None:
-        start = time.perf_counter()
-        self.arrived.clear()
-        await self.arrived.wait()
-        self.idle_s += time.perf_counter() - start
-
-    async def busy(self, fn, *args):
-        start = time.perf_counter()
-        out = await asyncio.to_thread(fn, *args)
-        self.busy_s += time.perf_counter() - start
-        return out
-
-    async def run_step(self, step: int) -> StepResult | None:
-        """Train step `step`: stream trajectories as they arrive (or take the whole window when
-        the objective cannot stream), then one optimizer step. None when shutting down."""
-        trainer = self.trainer
-        trainer.begin_step(step)
-        offered = 0
-        while not self.stopping:
-            fresh = self.inbox.pop(step, [])
-            if self.cfg.sink:
-                if fresh:
-                    self.inbox[step] = fresh
-                if len(fresh) == self.window_size:
-                    self.inbox.pop(step)
-                    return await asyncio.to_thread(self.sink_step, step, fresh)
-            elif trainer.fallback:
-                if fresh:
-                    self.inbox[step] = fresh
-                if len(fresh) == self.window_size:
-                    await self.busy(trainer.batch_backward, fresh)
-                    offered = len(fresh)
-                    break
-            else:
-                for sample in fresh:
-                    trainer.offer(sample)
-                offered += len(fresh)
-                if trainer.has_work():
-                    await self.busy(trainer.work)
-                    continue
-                if offered == self.window_size:
-                    break
-            await self.wait_for_data()
-        if self.stopping:
-            return None
-        return await self.busy(trainer.finish_step)
 
     def sink_step(self, step: int, samples: list[TrainSample]) -> StepResult:
         """`learner.sink`: record the window to <run>/trajectories.jsonl and train nothing (the
@@ -221,23 +150,22 @@ class LearnerService:
         )
 
     async def train_loop(self) -> None:
+        loop = self.loop
         for step in range(self.cfg.steps):
             begin = time.perf_counter()
-            idle_before = self.idle_s
-            result = await self.run_step(step)
+            idle_before = loop.idle_s
+            result = await loop.run_step(step)
             if result is None:
                 return
             end = time.perf_counter()
-            # From the step's last reward (or the step's start, if that came earlier) to its update.
-            tail_s = end - max(self.last_arrival.pop(step, begin), begin)
-            self.received.pop(step, None)
+            tail_s = loop.tail_s(step, begin, end)
             self.version = step + 1
             state = {k: v.detach() for k, v in self.model.state_dict().items()}
             published = await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
-            step_idle = self.idle_s - idle_before
+            step_idle = loop.idle_s - idle_before
             await self.ctx.ctrl.send(
                 StepDone(
                     step=step,
@@ -261,9 +189,9 @@ class LearnerService:
                     source="learner",
                     time_s=time.time(),
                     values={
-                        "learner/idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.busy_s),
-                        "learner/busy_s": self.busy_s,
-                        "learner/idle_s": self.idle_s,
+                        "learner/idle_ratio": loop.idle_s / max(1e-9, loop.idle_s + loop.busy_s),
+                        "learner/busy_s": loop.busy_s,
+                        "learner/idle_s": loop.idle_s,
                         "learner/tail_s": tail_s,
                         "learner/streaming": 0.0 if result.fallback else 1.0,
                         "learner/streamed": float(result.streamed),
@@ -283,20 +211,24 @@ class LearnerService:
         self.tokenizer.save_pretrained(out)
 
     async def run(self) -> None:
-        await self.ctx.hello(endpoint=self.data.address)
-        async with asyncio.TaskGroup() as tg:
-            loops = [tg.create_task(self.data_loop(), name="learner-data")]
-            ctrl = tg.create_task(self.ctrl_loop(), name="learner-ctrl")
-            await tg.create_task(self.train_loop(), name="learner-train")
-            await ctrl  # finished training: wait for the launcher's Shutdown
-            for t in loops:
-                t.cancel()
-        self.data.close()
-
-
-def _opd_fields(opd: list) -> dict:
-    names = ("teacher_logprobs", "opd_ids", "opd_behavior_logprobs")
-    return {n: t.clone() for n, t in zip(names, opd, strict=True)} if opd else {}
+        if self.ranks is not None:
+            await self.ranks.start()
+            self.trainer.process_group = self.ranks.process_group
+        try:
+            await self.ctx.hello(endpoint=self.data.address)
+            async with asyncio.TaskGroup() as tg:
+                loops = [tg.create_task(self.data_loop(), name="learner-data")]
+                if self.ranks is not None:
+                    loops.append(tg.create_task(self.ranks.supervise(), name="learner-ranks"))
+                ctrl = tg.create_task(self.ctrl_loop(), name="learner-ctrl")
+                await tg.create_task(self.train_loop(), name="learner-train")
+                await ctrl  # finished training: wait for the launcher's Shutdown
+                for t in loops:
+                    t.cancel()
+        finally:
+            if self.ranks is not None:
+                await self.ranks.stop()
+            self.data.close()
 
 
 def _invalid_opd(ids, opd: list, cfg) -> str:

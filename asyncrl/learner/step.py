@@ -57,6 +57,24 @@ class StepStats(NamedTuple):
     policy_stats: dict[str, float]  # the staleness policy's diagnostics (finite ones)
 
 
+def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
+    """A received `Trajectory` and its tensor frames (3, or 6 with OPD), copied out of the frames."""
+    ids, logps, versions, *opd = tensors
+    names = ("teacher_logprobs", "opd_ids", "opd_behavior_logprobs")
+    extra = {n: t.clone() for n, t in zip(names, opd, strict=True)} if opd else {}
+    return TrainSample(
+        traj_id=msg.traj_id,
+        group_id=msg.group_id,
+        sample_index=msg.sample_index,
+        prompt_ids=msg.prompt_ids,
+        completion_ids=ids.clone(),
+        behavior_logprobs=logps.clone(),
+        token_versions=versions.clone(),
+        reward=msg.reward,
+        **extra,
+    )
+
+
 def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete: bool = True) -> PackedBatch:
     """Right-padded prompt + completion rows. With `require_complete`, every group present must
     have the same number of samples (a whole step); without it, any members may be packed."""

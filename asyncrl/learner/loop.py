@@ -1,0 +1,147 @@
+"""The per-step data flow shared by every learner rank: an inbox per step and the loop that feeds
+a `Trainer` as trajectories arrive.
+
+Place in the data flow: the learner service (rank 0, `service.py`) and the data-parallel rank
+workers (`ranks.py`) each receive trajectories on their own socket and `add` them here; their
+train loops await `run_step(step)` for every step. Window s (the groups admitted for step s) is
+trained at policy_version s: its trajectories wait in the inbox until step s - 1 is done, then
+each is trained as soon as the trainer can take it (streaming), or, when the objective cannot
+stream, all at once when the rank's share of the window is complete.
+
+Data parallelism: group j belongs to rank j % world_size (all of its samples, so S0/S1 never
+cross ranks); `local_window_size` counts a rank's trajectories of one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from asyncrl.learner.step import TrainSample
+from asyncrl.learner.trainer import StepResult, Trainer
+
+
+def rank_of_group(group_id: int, world_size: int) -> int:
+    return group_id % world_size
+
+
+def local_window_size(step: int, *, rank: int, world_size: int, groups_per_step: int, group_size: int) -> int:
+    """Trajectories of step `step` that rank `rank` trains (its groups times the group size)."""
+    first = step * groups_per_step
+    return group_size * sum(1 for j in range(first, first + groups_per_step) if j % world_size == rank)
+
+
+def load_policy_model(path: Path, threads: int, seed: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    return model, tokenizer
+
+
+def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Trainer:
+    from asyncrl.config import check_staleness_policy
+    from asyncrl.learner.objective import Objective
+
+    lrn = config.learner
+    return Trainer(
+        model,
+        Objective.from_config(config),
+        check_staleness_policy(config.staleness),
+        lr=lrn.lr,
+        weight_decay=lrn.weight_decay,
+        max_grad_norm=lrn.max_grad_norm,
+        temperature=config.sampling.temperature,
+        pad_token_id=pad_token_id,
+        group_size=lrn.samples_per_group,
+        micro_batch_size=lrn.micro_batch_size,
+        max_open_groups=lrn.max_open_groups,
+        max_staleness=config.effective_max_staleness,
+        process_group=process_group,
+    )
+
+
+class StepLoop:
+    def __init__(
+        self,
+        trainer: Trainer,
+        window_size: Callable[[int], int],
+        *,
+        sink: Callable[[int, list[TrainSample]], StepResult] | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.window_size = window_size
+        self.sink = sink
+        self.inbox: dict[int, list[TrainSample]] = {}
+        self.received: dict[int, int] = {}  # trajectories received per step
+        self.last_arrival: dict[int, float] = {}  # when each step's last trajectory arrived
+        self.arrived = asyncio.Event()
+        self.stopping = False
+        self.idle_s = 0.0
+        self.busy_s = 0.0
+
+    def add(self, step: int, sample: TrainSample) -> None:
+        """Loop thread: a validated, deduplicated trajectory of `step` arrived."""
+        self.inbox.setdefault(step, []).append(sample)
+        self.received[step] = self.received.get(step, 0) + 1
+        if self.received[step] == self.window_size(step):
+            self.last_arrival[step] = time.perf_counter()
+        self.arrived.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.arrived.set()
+
+    async def _wait_for_data(self) -> None:
+        start = time.perf_counter()
+        self.arrived.clear()
+        await self.arrived.wait()
+        self.idle_s += time.perf_counter() - start
+
+    async def _busy(self, fn, *args):
+        start = time.perf_counter()
+        out = await asyncio.to_thread(fn, *args)
+        self.busy_s += time.perf_counter() - start
+        return out
+
+    async def run_step(self, step: int) -> StepResult | None:
+        """Train step `step` and apply its update; None when stopping first."""
+        trainer = self.trainer
+        trainer.begin_step(step)
+        expected = self.window_size(step)
+        whole_window = self.sink is not None or bool(trainer.fallback)
+        offered = 0
+        while not self.stopping:
+            if whole_window:
+                if len(self.inbox.get(step, ())) == expected:
+                    samples = self.inbox.pop(step, [])
+                    if self.sink is not None:
+                        return await asyncio.to_thread(self.sink, step, samples)
+                    await self._busy(trainer.batch_backward, samples)
+                    break
+            else:
+                fresh = self.inbox.pop(step, [])
+                for sample in fresh:
+                    trainer.offer(sample)
+                offered += len(fresh)
+                if trainer.has_work():
+                    await self._busy(trainer.work)
+                    continue
+                if offered == expected:
+                    break
+            await self._wait_for_data()
+        if self.stopping:
+            return None
+        return await self._busy(trainer.finish_step)
+
+    def tail_s(self, step: int, begin: float, end: float) -> float:
+        """From the step's last trajectory arriving (or the step's start, if later) to `end`."""
+        self.received.pop(step, None)
+        return end - max(self.last_arrival.pop(step, begin), begin)
