@@ -290,17 +290,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if config.learner.world_size > 1 and not config.opd.enabled:
         from asyncrl.learner.objective import Objective
 
-        reason = Objective.from_config(config).fallback_reason(policy) or ""
-        if "batch-global" in reason:
+        if Objective.from_config(config).needs_whole_batch(policy):
             raise ConfigError(
-                f"config error at learner.world_size: {reason}, which needs the whole batch on one rank; "
-                "use learner.world_size = 1 with this policy"
+                f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
+                "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
             )
     return config
 
 
-# Optional policy inputs the learner computes today ("prox" is the step-start forward).
-LEARNER_PROVIDES = ("prox",)
+# Optional policy inputs the learner computes: "prox" is the step-start forward, "ewma" a forward
+# of its EWMA of the parameters, "old_train" forwards of its snapshots of recent versions.
+LEARNER_PROVIDES = ("prox", "ewma", "old_train")
 
 
 def check_staleness_policy(section: StalenessConfig):

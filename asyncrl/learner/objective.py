@@ -48,8 +48,9 @@ STREAM_ESTIMATOR = {"grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
 # trajectory streams when the clip binds for neither sign (checked per trajectory).
 CLIP_ONLY_SIGN_DEPENDENCE = frozenset({"none"})
 
-# Policies whose learning-rate scale is a statistic of the whole batch.
-BATCH_LR_SCALE = frozenset({"vcpo"})
+# Policies whose correction is a statistic of the whole batch (M2PO's second-moment mask; VCPO's
+# ESS learning-rate scale, which could stream as running sums but is taken from the batch here).
+BATCH_GLOBAL = frozenset({"m2po", "vcpo"})
 
 
 @dataclass(frozen=True)
@@ -208,12 +209,17 @@ class Objective:
             return f"advantage {self.advantage!r} needs the whole group (median pivot)"
         if self.uses_reference:
             return "a KL term needs the reference model's log-probs and a second weighting of the scores"
-        if not policy.streamable and policy.name not in CLIP_ONLY_SIGN_DEPENDENCE:
+        if self.needs_whole_batch(policy):
             return f"staleness policy {policy.name!r} uses batch-global statistics"
-        if policy.name in BATCH_LR_SCALE:
-            # Its ESS could stream as running sums; the trainer takes it from the whole batch.
-            return f"staleness policy {policy.name!r} scales the step's lr by batch-global statistics (ESS)"
+        if not policy.streamable and policy.name not in CLIP_ONLY_SIGN_DEPENDENCE:
+            return f"staleness policy {policy.name!r} clips against an anchor other than the current policy (sign(A))"
         return None
+
+    @staticmethod
+    def needs_whole_batch(policy: StalenessPolicy) -> bool:
+        """Corrections computed from the whole batch (M2PO's mask, VCPO's ESS learning-rate scale,
+        self-normalised weights): one rank must see every trajectory of the step."""
+        return policy.name in BATCH_GLOBAL or bool(getattr(policy, "self_normalize", False))
 
     def stream_loss(
         self, logp_BT: torch.Tensor, corr: Correction, mask_BT: torch.Tensor

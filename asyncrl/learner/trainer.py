@@ -36,6 +36,8 @@ from asyncrl.learner.objective import STREAM_ESTIMATOR, Objective
 from asyncrl.learner.step import PackedBatch, TrainSample, pack, pack_opd, staleness_B
 from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
 from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
+from asyncrl.staleness.ewma import EwmaParams
+from asyncrl.staleness.exact import assemble_old_train_logp, versions_needed
 
 
 class StalenessViolation(AssertionError):
@@ -128,6 +130,17 @@ class Trainer:
         if objective.uses_reference:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.fallback = objective.fallback_reason(policy) or ""
+        # Extra policy inputs: an EWMA of the parameters (PPO-EWMA) or snapshots of the last
+        # max_staleness + 1 versions (exact old logits), each with a scratch model for forwards.
+        self.ewma = None
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.scratch = None
+        if "ewma" in policy.needs or "old_train" in policy.needs:
+            self.scratch = copy.deepcopy(model).eval().requires_grad_(False)
+        if "ewma" in policy.needs:
+            self.ewma = EwmaParams.init(model.state_dict())
+        if "old_train" in policy.needs:
+            self.snapshots[0] = _snapshot(model)
         self.dtype = self.params[0].dtype
         self.step = -1
 
@@ -267,6 +280,44 @@ class Trainer:
         self.acc.add_contribution(contribution_P)
 
     # ------------------------------------------------------------------ shared pieces
+    def _scratch_logp(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor) -> torch.Tensor:
+        self.scratch.load_state_dict(state, strict=True)
+        mb = self.micro_batch_size
+        with torch.no_grad():
+            return torch.cat(
+                [self._logp(self.scratch, ids_BL[i : i + mb]) for i in range(0, ids_BL.shape[0], mb)]
+            )
+
+    def _policy_inputs(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """The optional TokenBatch inputs the policy needs beyond the current forward."""
+        extra = {}
+        if self.ewma is not None:
+            state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in self.ewma.params.items()}
+            extra["logp_ewma_BT"] = self._scratch_logp(state, batch.input_ids_BL)
+        if "old_train" in self.policy.needs:
+            mask = batch.completion_mask_BL
+            by_version = {}
+            for v in versions_needed(batch.versions_BL, mask):
+                if v not in self.snapshots:
+                    raise StalenessViolation(
+                        f"step {self.step}: no snapshot of version {v} (kept: {sorted(self.snapshots)})"
+                    )
+                by_version[v] = self._scratch_logp(self.snapshots[v], batch.input_ids_BL)
+            extra["logp_old_train_BT"] = assemble_old_train_logp(
+                batch.versions_BL, by_version, mask, dtype=self.dtype
+            )
+        return extra
+
+    def _after_update(self) -> None:
+        """Track the new version for the EWMA and snapshot policies."""
+        if self.ewma is not None:
+            self.ewma = self.ewma.update(self.model.state_dict(), decay=self.policy.decay)
+        if "old_train" in self.policy.needs:
+            version = self.step + 1
+            self.snapshots[version] = _snapshot(self.model)
+            for old in [v for v in self.snapshots if v < version - self.max_staleness]:
+                del self.snapshots[old]
+
     def _correct(self, batch: PackedBatch, logp_now_BL: torch.Tensor, adv_B: torch.Tensor):
         mask = batch.completion_mask_BL
         token_batch = with_current_as_prox(
@@ -277,6 +328,7 @@ class Trainer:
                 versions_BT=batch.versions_BL,
                 adv_BT=torch.where(mask, adv_B.to(self.dtype)[:, None], 0.0),
                 policy_version=self.step,
+                **self._policy_inputs(batch),
             )
         )
         return self.policy.correct(token_batch)
@@ -429,6 +481,7 @@ class Trainer:
         self.optimizer.step()
         for p in self.params:
             p.grad = None
+        self._after_update()
         stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
         return StepResult(
             step=self.step,
@@ -447,6 +500,10 @@ class Trainer:
             peak_stream_bytes=peak,
             fallback=self.fallback,
         )
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _stats_dict(corr) -> dict[str, float]:

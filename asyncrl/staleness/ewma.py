@@ -113,9 +113,14 @@ class PpoEwma:
 
     cap: float = PPO_EWMA_IS_CAP
     cap_mode: Literal["proxy", "original"] = "proxy"
+    # The learner's EWMA of the parameters: theta_ewma <- decay-weighted average after every step
+    # (0.5 lags about one step; `ewma_decay_for_age`).
+    decay: float = 0.5
     name: ClassVar[str] = "ewma"
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"ewma.decay must be in [0, 1), got {self.decay}")
         if self.cap <= 0:
             raise ValueError(f"ewma.cap must be > 0, got {self.cap}")
         if self.cap_mode not in ("proxy", "original"):

@@ -235,7 +235,9 @@ def _with_opd(model, teacher, samples, num=3, seed=0):
         ids_1LN[0, p:] = ids
         with torch.no_grad():
             t = causal_lm_position_logprobs(teacher, full, ids_1LN)[0, p:]
-            b = causal_lm_position_logprobs(model, full, ids_1LN)[0, p:] - 0.1 * torch.rand(c, num, generator=g)
+            b = causal_lm_position_logprobs(model, full, ids_1LN)[0, p:] - 0.1 * torch.rand(
+                c, num, generator=g
+            )
         out.append(
             dataclasses.replace(
                 s,
@@ -267,3 +269,75 @@ def test_opd_streams_and_equals_the_batch_update(tiny_model_dir, tmp_path, estim
         assert streamed.loss == pytest.approx(batch.loss, abs=1e-9)
     assert not torch.equal(_params(ref), _params(base))
     assert batch.policy_stats["opd_kl"] != 0
+
+
+def _versioned(samples, versions_of_group):
+    return [
+        dataclasses.replace(
+            s, token_versions=torch.full_like(s.token_versions, versions_of_group(s.group_id))
+        )
+        for s in samples
+    ]
+
+
+def _run_steps(trainer, batches, first_step=0):
+    """Train consecutive steps; returns the TokenBatch the policy saw at each step."""
+    from unittest import mock
+
+    seen = []
+    real = type(trainer.policy).correct
+
+    def spy(policy, token_batch):
+        seen.append(token_batch)
+        return real(policy, token_batch)
+
+    with mock.patch.object(type(trainer.policy), "correct", spy):
+        for k, samples in enumerate(batches):
+            trainer.begin_step(first_step + k)
+            trainer.batch_backward(samples)
+            trainer.finish_step()
+    return seen
+
+
+def test_exact_old_logits_come_from_the_snapshot_of_each_tokens_version(tiny_model_dir):
+    from asyncrl.learner.logprobs import causal_lm_logprobs
+    from asyncrl.learner.step import pack
+
+    base = _model(tiny_model_dir)
+    initial = copy.deepcopy(base)
+    trainer = _trainer(base, "staleness.policy=exact")
+    assert "old_train" in trainer.policy.needs and trainer.fallback
+    step0 = _versioned(_samples(base, seed=1), lambda g: 0)
+    step1 = _versioned(_samples(base, seed=2), lambda g: g % 2)  # versions 0 and 1 mixed
+    seen = _run_steps(trainer, [step0, step1])
+    batch = pack(step1, pad_token_id=0)
+    old = seen[-1].logp_old_train_BT
+    mask = batch.completion_mask_BL
+    with torch.no_grad():
+        logp_v0 = causal_lm_logprobs(initial, batch.input_ids_BL).logp
+    v0 = mask & (batch.versions_BL == 0)
+    v1 = mask & (batch.versions_BL == 1)
+    torch.testing.assert_close(old[v0], logp_v0[v0], rtol=0, atol=1e-12)
+    assert v1.any() and not torch.allclose(old[v1], logp_v0[v1])  # version 1 is the updated model
+    assert sorted(trainer.snapshots) == [0, 1, 2]  # max_staleness 2: versions >= 2 - 2 kept
+
+
+def test_ewma_network_tracks_the_decayed_average_of_the_parameters(tiny_model_dir):
+    base = _model(tiny_model_dir)
+
+    def state():
+        return {k: v.detach().clone() for k, v in base.state_dict().items()}
+
+    history = [state()]
+    trainer = _trainer(base, "staleness.policy=ewma", "staleness.params.decay=0.5")
+    samples = _samples(base, seed=3)
+    for k in range(2):
+        trainer.begin_step(k)
+        trainer.batch_backward(_versioned(samples, lambda g, k=k: k))
+        trainer.finish_step()
+        history.append(state())
+    # Bias-corrected EWMA with decay 0.5 over [theta0, theta1, theta2]: weights 1/4, 1/2, 1 over 7/4.
+    for name, got in trainer.ewma.params.items():
+        expected = (0.25 * history[0][name] + 0.5 * history[1][name] + history[2][name]) / 1.75
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6, msg=name)
+    assert not torch.equal(history[0]["lm_head.weight"], history[2]["lm_head.weight"])
