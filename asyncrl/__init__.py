@@ -14,7 +14,7 @@ Data flow (one machine by default; every socket on loopback):
 
 | loop | consumes | produces | waits for | unblocked by |
 |---|---|---|---|---|
-| launcher dispatch | WeightsLoaded | PromptTask | a free admission credit | every generator loading a newer version |
+| launcher dispatch | WeightsLoaded, Hello | PromptTask (re-queued first) | a free admission credit | every serving generator loading a newer version (a dead one, or a replacement still loading, does not count) |
 | generator work | PromptTask, WeightsPublished | Trajectory, TaskDone, WeightsLoaded | a pending task | PromptTask |
 | learner train | Trajectory | StepDone, WeightsPublished | the step's whole window | the window's last Trajectory |
 | learner ctrl | WeightsLoaded, Shutdown | deletions of unused versions | a control message | the launcher |

@@ -55,10 +55,15 @@ def launch(
         resolve_generator(cfg.generators.kind)
     except ValueError as exc:
         _fail(str(exc))
-    from asyncrl.monitor.live import LiveReporter, PlainReporter
+    from asyncrl.monitor.live import Dashboard, PlainReporter
+    from asyncrl.monitor.sinks import check_sinks
 
+    try:
+        check_sinks(cfg.monitor.sinks)
+    except ValueError as exc:
+        _fail(str(exc))
     use_tui = cfg.monitor.tui and not no_tui and sys.stdout.isatty()
-    reporter = LiveReporter() if use_tui else PlainReporter()
+    reporter = Dashboard(refresh_per_second=cfg.monitor.refresh_per_second) if use_tui else PlainReporter()
     try:
         with reporter:
             summary = run_job(cfg, reporter)
@@ -91,25 +96,45 @@ def sft(
     steps: Annotated[
         int | None, typer.Option(help="SFT steps on correct demonstrations (default: the shipped recipe)")
     ] = None,
+    teacher: Annotated[
+        bool,
+        typer.Option(
+            "--teacher",
+            help="Build the OPD teacher instead: the shipped student fine-tuned on correct demonstrations only",
+        ),
+    ] = False,
 ) -> None:
     """Build the embedded tiny model and tokenizer and warm-start them on the built-in task."""
     from dataclasses import replace
 
-    from asyncrl.models.default import SftSettings, build_default_checkpoint
+    from asyncrl.models.default import (
+        SftSettings,
+        TeacherSettings,
+        build_default_checkpoint,
+        build_teacher_checkpoint,
+    )
     from asyncrl.models.hf import quiet_offline
 
     quiet_offline()
-    settings = SftSettings() if steps is None else replace(SftSettings(), steps=steps)
-    if settings.steps <= 0:
+    if steps is not None and steps <= 0:
         _fail("--steps must be > 0")
-    total = settings.steps + settings.habit_steps
 
     def progress(step: int, loss: float) -> None:
         if step % 100 == 0:
             typer.echo(f"sft step {step}/{total} loss {loss:.4f}")
 
-    info = build_default_checkpoint(out, settings, on_step=progress)
-    typer.echo(f"wrote {out} (final loss {info['final_loss']:.4f}, {info['sft_s']:.0f} s)")
+    if teacher:
+        teacher_settings = TeacherSettings() if steps is None else replace(TeacherSettings(), steps=steps)
+        total = teacher_settings.steps
+        info = build_teacher_checkpoint(out, teacher_settings, on_step=progress)
+    else:
+        settings = SftSettings() if steps is None else replace(SftSettings(), steps=steps)
+        total = settings.steps + settings.habit_steps
+        info = build_default_checkpoint(out, settings, on_step=progress)
+    typer.echo(
+        f"wrote {out} (final loss {info['final_loss']:.4f}, {info['sft_s']:.0f} s, "
+        f"held-out greedy accuracy {info['held_out_greedy_accuracy']:.3f})"
+    )
 
 
 @app.command()
@@ -119,6 +144,42 @@ def generators() -> None:
 
     for name, target in sorted(available_generators().items()):
         typer.echo(f"{name}\t{target}")
+
+
+@app.command()
+def monitor(
+    target: Annotated[
+        str, typer.Argument(help="A run directory (runs/NAME) or the endpoint in its monitor.json")
+    ],
+    once: Annotated[
+        bool, typer.Option("--once", help="Print the dashboard once and exit (default when not a terminal)")
+    ] = False,
+) -> None:
+    """Attach a live dashboard to a running job (q or Ctrl-C detaches), or replay a finished run."""
+    from asyncrl.monitor.attach import run_monitor
+
+    try:
+        code = run_monitor(target, once=once)
+    except ValueError as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/NAME)")],
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write plots and report.md (default RUN_DIR/report)")
+    ] = None,
+) -> None:
+    """PNG plots (reward, throughput, staleness, idle ratios) and a one-page report.md of a run."""
+    from asyncrl.monitor.report import write_report
+
+    try:
+        path = write_report(run_dir, out)
+    except ValueError as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {path}")
 
 
 def _add_bench() -> None:

@@ -34,6 +34,10 @@ class RunConfig(_Section, frozen=True, kw_only=True):
     name: str = ""  # run directory name; empty = a timestamp
     out_dir: str = "runs"  # parent of run directories
     seed: int = 0
+    # Checkpoint (learner and launcher state) every this many versions, on the last step and when
+    # stopped early; `asyncrl launch --resume RUN_DIR` continues from the newest one. 0 = only
+    # on the last step and when stopped early.
+    checkpoint_every: NonNegInt = 10
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True):

@@ -27,3 +27,7 @@ bench_app.command("weights")(weights.command)
 from asyncrl.benchmarks import buffer  # noqa: E402
 
 bench_app.command("buffer")(buffer.command)
+
+from asyncrl.benchmarks import pipeline  # noqa: E402
+
+bench_app.command("pipeline")(pipeline.command)

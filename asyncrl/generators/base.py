@@ -33,6 +33,12 @@ class Rollout:
     reward: float
     finish_reason: str
     loss_mask: list[bool] | None = None
+    # On-policy distillation (config `opd`), [T][N] each, all or none: column 0 is the generated
+    # token, columns 1.. are N - 1 more ids drawn at that position from the behavior student;
+    # their behavior log-probs and the teacher's log-probs of the same ids (docs/opd.md).
+    opd_ids: list[list[int]] | None = None
+    opd_behavior_logprobs: list[list[float]] | None = None
+    teacher_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +53,7 @@ class GeneratorContext:
     threads: int = 1
     run_seed: int = 0  # run.seed: per-sample RNG seeds derive from (run_seed, group_id, sample_index)
     inflight: str = "keep"  # weights.inflight: keep, retract or abort (for generators that can)
+    opd: Any = None  # asyncrl.config.OpdConfig: when enabled, rollouts carry the teacher's scores
     options: dict[str, Any] = field(default_factory=dict)
 
 

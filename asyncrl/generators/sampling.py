@@ -18,7 +18,15 @@ goes on by the `inflight` mode:
 A token's version is the version of the weights whose forward produced the logits it was sampled
 from, and its log-prob is taken from exactly those logits, in every mode.
 
-Legend: B sequences, L prompt length (left-padded), V vocab.
+Extra samples (on-policy distillation's multi-sample cache, docs/opd.md): with
+`num_extra_samples = K > 0`, every sampled position also draws K more tokens, with replacement,
+from the same distribution the token was sampled from (the same logits, temperature and nucleus),
+and records their log-probs. They come from a second per-sample generator seeded by
+`extra_sample_seed(seed)`, so they never consume the main stream's uniforms: a completion is the
+same with or without extras. Under greedy decoding (temperature 0) extras are drawn from
+log_softmax(logits), the distribution whose log-probs greedy decoding records.
+
+Legend: B sequences, K extra samples per position, L prompt length (left-padded), V vocab.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ class SampleOutput(NamedTuple):
     finish_reasons: list[str]  # "stop" (eos) or "length"
     num_decode_steps: int
     num_weight_updates: int = 0  # updates applied mid-generation
+    # With num_extra_samples = K > 0: per completion token, K more ids drawn from the same
+    # distribution ([T][K]) and their log-probs under it ([T][K]); None otherwise.
+    extra_ids: list[list[list[int]]] | None = None
+    extra_logprobs: list[list[list[float]]] | None = None
 
 
 def sample_seed(run_seed: int, group_id: int, sample_index: int) -> int:
@@ -50,15 +62,27 @@ def sample_seed(run_seed: int, group_id: int, sample_index: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def inverse_cdf_sample(logp_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
-    """Token per row whose CDF interval holds `u_B` (uniforms in [0, 1)); never a zero-prob token."""
+def extra_sample_seed(seed: int) -> int:
+    """The seed of a sample's second generator, which draws only the extra (OPD cache) tokens."""
+    digest = hashlib.sha256(b"opd-extra" + struct.pack("<q", seed)).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def inverse_cdf_sample_many(logp_BV: torch.Tensor, u_BK: torch.Tensor) -> torch.Tensor:
+    """K tokens per row, each the one whose CDF interval holds its uniform in [0, 1); never a
+    zero-prob token. One CDF per row serves all K draws."""
     probs_BV = logp_BV.double().exp()
     cdf_BV = probs_BV.cumsum(dim=-1)
-    target_B1 = (u_B.double() * cdf_BV[:, -1]).unsqueeze(1)
-    tok_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    target_BK = u_BK.double() * cdf_BV[:, -1:]
+    tok_BK = torch.searchsorted(cdf_BV, target_BK, right=True)
     # Rounding can put the target at the very top: take the last token with mass then.
     last_B = probs_BV.shape[1] - 1 - (probs_BV.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(tok_B, last_B)
+    return torch.minimum(tok_BK, last_B[:, None])
+
+
+def inverse_cdf_sample(logp_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """Token per row whose CDF interval holds `u_B` (uniforms in [0, 1)); never a zero-prob token."""
+    return inverse_cdf_sample_many(logp_BV, u_B[:, None]).squeeze(1)
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +171,7 @@ def generate(
     current_version: Callable[[], int] = lambda: 0,
     poll_update: Callable[[], bool] | None = None,
     inflight: InflightMode = "keep",
+    num_extra_samples: int = 0,
 ) -> SampleOutput:
     """Sample up to `max_new_tokens` per prompt. The eos token, when emitted, is part of the
     completion's log-probs (it was sampled too) but not of `completion_ids`' text; its position is
@@ -155,18 +180,27 @@ def generate(
     `seeds[i]` seeds row i's generator (see `sample_seed`); without `seeds`, row seeds are drawn
     from `rng` (or torch's global generator). `current_version` names the weights the model holds
     now; `poll_update` may swap them between decode steps (returns True when it did), handled by
-    `inflight` as the module docstring says.
+    `inflight` as the module docstring says. `num_extra_samples` extra tokens per position are
+    drawn and returned as the module docstring says.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if inflight not in INFLIGHT_MODES:
         raise ValueError(f"inflight must be one of {', '.join(INFLIGHT_MODES)}, got {inflight!r}")
+    if num_extra_samples < 0:
+        raise ValueError(f"num_extra_samples must be >= 0, got {num_extra_samples}")
     num_seqs = len(prompt_ids)
     if seeds is None:
         seeds = torch.randint(0, 1 << 62, (num_seqs,), generator=rng).tolist()
     if len(seeds) != num_seqs:
         raise ValueError(f"got {len(seeds)} seeds for {num_seqs} prompts; pass one per prompt")
     rngs = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    num_extra = num_extra_samples
+    extra_rngs = (
+        [torch.Generator().manual_seed(extra_sample_seed(int(s))) for s in seeds] if num_extra else []
+    )
+    extra_ids: list[list[list[int]]] = [[] for _ in range(num_seqs)]
+    extra_logprobs: list[list[list[float]]] = [[] for _ in range(num_seqs)]
     completions: list[list[int]] = [[] for _ in range(num_seqs)]
     logprobs: list[list[float]] = [[] for _ in range(num_seqs)]
     versions: list[list[int]] = [[] for _ in range(num_seqs)]
@@ -187,6 +221,15 @@ def generate(
         else:
             tok_B = logp_BV.argmax(dim=-1)
         tok_logp_B = logp_BV.gather(1, tok_B[:, None]).squeeze(1)
+        if num_extra:
+            u_BK = torch.zeros((num_seqs, num_extra), dtype=torch.float64)
+            for i in active:
+                u_BK[i] = torch.rand((num_extra,), generator=extra_rngs[i], dtype=torch.float64)
+            extra_BK = inverse_cdf_sample_many(logp_BV, u_BK)
+            extra_logp_BK = logp_BV.gather(1, extra_BK)
+            for i in active:
+                extra_ids[i].append(extra_BK[i].tolist())
+                extra_logprobs[i].append(extra_logp_BK[i].tolist())
         for i in active:
             tok = int(tok_B[i])
             completions[i].append(tok)
@@ -205,6 +248,8 @@ def generate(
                             completions[i].clear()
                             logprobs[i].clear()
                             versions[i].clear()
+                            extra_ids[i].clear()
+                            extra_logprobs[i].clear()
                 seqs = [list(p) + c for p, c in zip(prompt_ids, completions, strict=True)]
                 state = _Decode(model, seqs, pad_token_id)
                 continue
@@ -213,7 +258,11 @@ def generate(
         state.step(tok_B)
 
     finish = ["stop" if c and c[-1] == eos_token_id else "length" for c in completions]
-    return SampleOutput(completions, logprobs, versions, finish, steps, num_updates)
+    if not num_extra:
+        return SampleOutput(completions, logprobs, versions, finish, steps, num_updates)
+    return SampleOutput(
+        completions, logprobs, versions, finish, steps, num_updates, extra_ids, extra_logprobs
+    )
 
 
 def strip_eos(ids: Sequence[int], eos_token_id: int) -> list[int]:

@@ -2,7 +2,9 @@
 
 Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes one Trajectory per
 sample to the learner (PUSH, tensors as frames), and reports TaskDone / WeightsLoaded / Metrics
-back.
+back. A Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
+`opd.enabled`: then frames 3-5 are the [T, N] teacher log-probs, cached ids and their behavior
+log-probs (docs/opd.md).
 
 Weights (docs/weights.md): the `gen-weights` task takes announcements in order and fetches each
 one it needs in a worker thread (`transport.receiver`: verified shards, or the broadcast group),
@@ -58,8 +60,37 @@ class WeightsUnavailable(RuntimeError):
     """No announced version could be loaded for weights.load_retry_timeout_s."""
 
 
-def trajectory_frames(task: PromptTask, r: Rollout, generator_id: str, generate_s: float):
-    """The Trajectory message for one rollout and its three tensor frames."""
+def opd_frames(
+    task: PromptTask, r: Rollout, generator_id: str, ids: torch.Tensor, num_opd_samples: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(teacher_logprobs, opd_ids, opd_behavior_logprobs), each [T, N], checked against the rollout."""
+    where = f"generator {generator_id}: rollout of task {task.task_id}"
+    if r.teacher_logprobs is None or r.opd_ids is None or r.opd_behavior_logprobs is None:
+        raise ValueError(
+            f"{where} lacks teacher_logprobs / opd_ids / opd_behavior_logprobs, which opd.enabled "
+            "needs; the generator plugin must score its rollouts with the teacher"
+        )
+    shape = (len(ids), num_opd_samples)
+    teacher = torch.tensor(r.teacher_logprobs, dtype=torch.float32)
+    opd_ids = torch.tensor(r.opd_ids, dtype=torch.int64)
+    opd_logps = torch.tensor(r.opd_behavior_logprobs, dtype=torch.float32)
+    for name, t in (
+        ("teacher_logprobs", teacher),
+        ("opd_ids", opd_ids),
+        ("opd_behavior_logprobs", opd_logps),
+    ):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected [T, N] = {list(shape)}")
+    if not torch.equal(opd_ids[:, 0], ids):
+        raise ValueError(f"{where}: opd_ids[:, 0] must be the generated tokens")
+    return teacher, opd_ids, opd_logps
+
+
+def trajectory_frames(
+    task: PromptTask, r: Rollout, generator_id: str, generate_s: float, *, num_opd_samples: int = 0
+):
+    """The Trajectory message for one rollout and its tensor frames: three, or six when
+    `num_opd_samples` (opd.num_samples, with opd.enabled) is > 0."""
     ids = torch.tensor(r.completion_ids, dtype=torch.int64)
     logps = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
     versions = torch.tensor(r.token_versions, dtype=torch.int64)
@@ -68,6 +99,16 @@ def trajectory_frames(task: PromptTask, r: Rollout, generator_id: str, generate_
             f"generator {generator_id}: rollout of task {task.task_id} has {len(ids)} tokens, "
             f"{len(logps)} log-probs and {len(versions)} versions; they must match"
         )
+    tensors: tuple[torch.Tensor, ...] = (ids, logps, versions)
+    opd_refs = {}
+    if num_opd_samples > 0:
+        teacher, opd_ids, opd_logps = opd_frames(task, r, generator_id, ids, num_opd_samples)
+        tensors += (teacher, opd_ids, opd_logps)
+        opd_refs = {
+            "teacher_logprobs": tensor_ref(3, teacher),
+            "opd_ids": tensor_ref(4, opd_ids),
+            "opd_behavior_logprobs": tensor_ref(5, opd_logps),
+        }
     msg = Trajectory(
         traj_id=task.group_id * task.num_samples + r.sample_index,
         group_id=task.group_id,
@@ -83,8 +124,9 @@ def trajectory_frames(task: PromptTask, r: Rollout, generator_id: str, generate_
         finish_reason=r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "stop",
         generator_id=generator_id,
         generate_s=generate_s,
+        **opd_refs,
     )
-    return msg, (ids, logps, versions)
+    return msg, tensors
 
 
 class GeneratorService:
@@ -103,6 +145,8 @@ class GeneratorService:
                 threads=cfg.generators.threads,
                 run_seed=cfg.run.seed,
                 inflight=cfg.weights.inflight,
+                opd=cfg.opd,
+                options=dict(cfg.generators.options),
             )
         )
         self.staged = isinstance(self.gen, StagedWeights)
@@ -111,6 +155,7 @@ class GeneratorService:
                 f"generator {cfg.generators.kind!r} has no offer_weights(), which "
                 "weights.transport=broadcast needs; use weights.transport=shards"
             )
+        self.num_opd_samples = cfg.opd.num_samples if cfg.opd.enabled else 0
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
         self.data.connect(ctx.extra["data"])
         self.pending: deque[PromptTask] = deque()
@@ -292,7 +337,9 @@ class GeneratorService:
                 )
             num_tokens = 0
             for r in group:
-                msg, tensors = trajectory_frames(task, r, self.ctx.peer_id, elapsed)
+                msg, tensors = trajectory_frames(
+                    task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples
+                )
                 await self.data.send(msg, tensors)
                 num_tokens += len(r.completion_ids)
             self.num_samples += len(group)
@@ -324,6 +371,7 @@ class GeneratorService:
                     "gen/weights_load_errors": float(self.num_load_errors),
                     "gen/weights_load_s": self.last_load_s,
                     "gen/inflight_updates": float(getattr(self.gen, "num_inflight_updates", 0)),
+                    "gen/teacher_s": float(getattr(self.gen, "teacher_s", 0.0)),
                 },
             )
         )

@@ -5,6 +5,12 @@ call (off the event loop), scores completions with the task's exact verifier, an
 weights whenever they are offered: between batches, or mid-generation between decode steps, where
 the in-flight mode (`keep`, `retract`, `abort`; see `sampling.py`) decides how the batch goes on.
 
+With `opd.enabled` the generator also loads the teacher (`opd.teacher`, or the shipped
+`asyncrl/assets/teacher_model`) once, samples N - 1 extra tokens per position next to each
+generated one, and scores all N with one batched teacher forward per batch, so every rollout
+carries the [T, N] arrays of on-policy distillation (`generators/opd.py`, docs/opd.md). The
+teacher is never updated.
+
 Weights arrive verified in fresh CPU tensors (`offer_weights`, from the service's fetcher, or
 `load_weights` from a shard directory) and are copied into the model's parameters only when
 complete, so a corrupt or missing shard never leaves the model half-updated.
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -32,6 +39,41 @@ def make_reward(task_kind: str):
     raise ValueError(f"unknown task kind {task_kind!r}; valid: addition")
 
 
+def load_teacher(path: str, student_tokenizer):
+    """The OPD teacher from `path` (empty: the shipped teacher), in eval mode, float32.
+
+    Its tokenizer (when its directory has one) must be the student's: the teacher scores the
+    student's token ids, so the ids must mean the same strings.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.models.default import TEACHER_MODEL_DIR
+
+    teacher_dir = Path(path) if path else TEACHER_MODEL_DIR
+    if not (teacher_dir / "config.json").is_file():
+        raise ValueError(
+            f"opd.teacher: no Hugging Face model at {teacher_dir} (config.json missing); build the shipped "
+            "one with `asyncrl sft --teacher --out asyncrl/assets/teacher_model` or point opd.teacher at one"
+        )
+    if (teacher_dir / "tokenizer_config.json").is_file():
+        teacher_tok = AutoTokenizer.from_pretrained(teacher_dir)
+        if teacher_tok.get_vocab() != student_tokenizer.get_vocab():
+            raise ValueError(
+                f"opd.teacher: the tokenizer at {teacher_dir} differs from the student's; "
+                "the teacher must share the student's vocabulary"
+            )
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    if teacher.get_output_embeddings().weight.shape[0] < len(student_tokenizer):
+        raise ValueError(
+            f"opd.teacher: the model at {teacher_dir} has {teacher.get_output_embeddings().weight.shape[0]} "
+            f"output tokens, fewer than the student's {len(student_tokenizer)}"
+        )
+    teacher.requires_grad_(False)
+    log.info("OPD teacher loaded from %s", teacher_dir)
+    return teacher
+
+
 class TorchGenerator:
     """Samples with `asyncrl.generators.sampling.generate` from a `transformers` model."""
 
@@ -43,6 +85,9 @@ class TorchGenerator:
         self._lock = threading.Lock()  # guards _pending (offered from the loop, applied by the sampler)
         self._pending: tuple[int, Mapping, Callable[[int], None] | None] | None = None
         self.num_inflight_updates = 0
+        self._teacher = None
+        self._opd_samples = 0  # N cached ids per position; 0 = OPD off
+        self.teacher_s = 0.0  # time spent in teacher forwards
 
     def setup(self, ctx: GeneratorContext) -> None:
         import torch
@@ -55,6 +100,9 @@ class TorchGenerator:
         self._run_seed = ctx.run_seed
         self._inflight = ctx.inflight
         self._reward = make_reward(ctx.task.kind)
+        if ctx.opd is not None and ctx.opd.enabled:
+            self._teacher = load_teacher(ctx.opd.teacher, self._tokenizer)
+            self._opd_samples = ctx.opd.num_samples
 
     @property
     def version(self) -> int:
@@ -63,6 +111,10 @@ class TorchGenerator:
     @property
     def model(self):
         return self._model
+
+    @property
+    def teacher(self):
+        return self._teacher
 
     @property
     def tokenizer(self):
@@ -91,11 +143,13 @@ class TorchGenerator:
             current_version=lambda: self._version,
             poll_update=self.apply_pending,
             inflight=self._inflight,
+            num_extra_samples=max(0, self._opd_samples - 1),
         )
         self.num_inflight_updates += out.num_weight_updates
+        opd = self._score_with_teacher(prompts, out) if self._teacher is not None else None
         rollouts = []
-        for (task, k), ids, logps, versions, finish in zip(
-            owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True
+        for j, ((task, k), ids, logps, versions, finish) in enumerate(
+            zip(owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True)
         ):
             text = tok.decode(ids, skip_special_tokens=True)
             prompt_text = tok.decode(task.prompt_ids, skip_special_tokens=True)
@@ -108,9 +162,38 @@ class TorchGenerator:
                     token_versions=versions,
                     reward=float(self._reward(prompt_text, text, task.answer)),
                     finish_reason=finish,
+                    opd_ids=None if opd is None else opd[j][0],
+                    opd_behavior_logprobs=None if opd is None else opd[j][1],
+                    teacher_logprobs=None if opd is None else opd[j][2],
                 )
             )
         return rollouts
+
+    def _score_with_teacher(self, prompts, out) -> list[tuple[list, list, list]]:
+        """(opd_ids, opd_behavior_logprobs, teacher_logprobs) as [T][N] lists per sample."""
+        from asyncrl.generators.opd import cache_arrays, teacher_logprobs
+
+        start = time.perf_counter()
+        caches = [
+            cache_arrays(
+                ids,
+                logps,
+                None if out.extra_ids is None else out.extra_ids[j],
+                None if out.extra_logprobs is None else out.extra_logprobs[j],
+            )
+            for j, (ids, logps) in enumerate(zip(out.completion_ids, out.logprobs, strict=True))
+        ]
+        scores = teacher_logprobs(
+            self._teacher,
+            prompts,
+            [ids_TN for ids_TN, _ in caches],
+            pad_token_id=self._tokenizer.pad_token_id,
+        )
+        self.teacher_s += time.perf_counter() - start
+        return [
+            (ids_TN.tolist(), behav_TN.tolist(), teacher_TN.tolist())
+            for (ids_TN, behav_TN), teacher_TN in zip(caches, scores, strict=True)
+        ]
 
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
         if len({t.sampling for t in tasks}) > 1:

@@ -24,6 +24,11 @@ from pathlib import Path
 import torch
 import zmq
 
+from asyncrl.learner.checkpoint import (
+    learner_checkpoint_path,
+    load_learner_checkpoint,
+    save_learner_checkpoint,
+)
 from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, local_window_size, rank_of_group
 from asyncrl.learner.ranks import RankGroup
 from asyncrl.learner.step import TrainSample, sample_from_message
@@ -78,7 +83,11 @@ class LearnerService:
         self.seen: set[int] = set()
         self.num_duplicates = 0
         self.num_invalid = 0
-        self.version = 0
+        self.start_version = int(ctx.extra.get("resume_version", "0"))
+        self.version = self.start_version
+        if self.start_version:
+            load_learner_checkpoint(ctx.run_dir, self.start_version, self.trainer)
+            drop_published_from(self.weights_root(), self.start_version)
 
     async def data_loop(self) -> None:
         while True:
@@ -151,7 +160,7 @@ class LearnerService:
 
     async def train_loop(self) -> None:
         loop = self.loop
-        for step in range(self.cfg.steps):
+        for step in range(self.start_version, self.cfg.steps):
             begin = time.perf_counter()
             idle_before = loop.idle_s
             result = await loop.run_step(step)
@@ -162,6 +171,10 @@ class LearnerService:
             self.version = step + 1
             state = {k: v.detach() for k, v in self.model.state_dict().items()}
             published = await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
+            every = self.ctx.config.run.checkpoint_every
+            if step == self.cfg.steps - 1 or (every and self.version % every == 0):
+                # Before StepDone: the launcher writes its half of the checkpoint on receiving it.
+                await asyncio.to_thread(save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer)
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
@@ -205,6 +218,10 @@ class LearnerService:
                 )
             )
 
+    def weights_root(self) -> Path:
+        w = self.ctx.config.weights
+        return Path(w.dir) if w.dir else self.ctx.run_dir / "weights"
+
     def save_final(self) -> None:
         out = self.ctx.run_dir / "final_model"
         self.model.save_pretrained(out, safe_serialization=True)
@@ -216,12 +233,23 @@ class LearnerService:
             self.trainer.process_group = self.ranks.process_group
         try:
             await self.ctx.hello(endpoint=self.data.address)
+            if self.start_version > 0:
+                # Resumed: generators start from the base model, so hand them this version first.
+                state = {k: v.detach() for k, v in self.model.state_dict().items()}
+                await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self.data_loop(), name="learner-data")]
                 if self.ranks is not None:
                     loops.append(tg.create_task(self.ranks.supervise(), name="learner-ranks"))
                 ctrl = tg.create_task(self.ctrl_loop(), name="learner-ctrl")
                 await tg.create_task(self.train_loop(), name="learner-train")
+                if self.version < self.cfg.steps and self.version > self.start_version:
+                    # Stopped early (Ctrl-C or a failure elsewhere): keep what was trained.
+                    path = learner_checkpoint_path(self.ctx.run_dir, self.version)
+                    if not path.exists():
+                        await asyncio.to_thread(
+                            save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer
+                        )
                 await ctrl  # finished training: wait for the launcher's Shutdown
                 for t in loops:
                     t.cancel()
@@ -229,6 +257,19 @@ class LearnerService:
             if self.ranks is not None:
                 await self.ranks.stop()
             self.data.close()
+
+
+def drop_published_from(root: Path, version: int) -> None:
+    """Resume: versions >= `version` published by the interrupted run are republished (or never
+    reached) by this one; remove them so the shard writer starts clean."""
+    import shutil
+
+    from asyncrl.transport.retention import list_versions, version_dir
+
+    if root.is_dir():
+        for v in list_versions(root):
+            if v >= version:
+                shutil.rmtree(version_dir(root, v), ignore_errors=True)
 
 
 def _invalid_opd(ids, opd: list, cfg) -> str:

@@ -1,8 +1,13 @@
-"""The embedded default checkpoint: where it lives and how `asyncrl sft` rebuilds it.
+"""The embedded checkpoints: where they live and how `asyncrl sft` rebuilds them.
 
 The package ships `asyncrl/assets/default_model/` (about 1.3 MB), produced by
 `asyncrl sft --out asyncrl/assets/default_model` with the settings below. `asyncrl launch` with no
 arguments trains it with RL, so the default job needs no download and no warm-up.
+
+It also ships `asyncrl/assets/teacher_model/`, the teacher of on-policy distillation (config
+`opd`, docs/opd.md), produced by `asyncrl sft --teacher --out asyncrl/assets/teacher_model`: the
+shipped student (same tokenizer and size) fine-tuned briefly on correct demonstrations only, which
+trains the habit out again; a fraction of the cost of the full recipe.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+TEACHER_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "teacher_model"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,19 +45,96 @@ class SftSettings:
     num_heads: int = 4
 
 
+@dataclass(frozen=True, kw_only=True)
+class TeacherSettings:
+    """The OPD teacher: `steps` of SFT on correct demonstrations (a seed the student never saw),
+    starting from the shipped student at `init`. The student already adds; the stray-0 habit,
+    taught in 100 steps, is trained out in about as many."""
+
+    seed: int = 1
+    steps: int = 150
+    lr: float = 3e-4
+    num_demonstrations: int = 20_000
+    batch_size: int = 512
+    max_operand: int = 99
+
+
+def _held_out_prompts(max_operand: int) -> frozenset[str]:
+    """The default job's held-out evaluation prompts, never demonstrated."""
+    from asyncrl.config import TaskConfig
+    from asyncrl.tasks.arithmetic import AdditionTask
+
+    defaults = TaskConfig()
+    return AdditionTask(
+        seed=defaults.seed, eval_seed=defaults.eval_seed, num_eval=defaults.num_eval, max_operand=max_operand
+    ).held_out
+
+
+def build_teacher_checkpoint(
+    out_dir: Path,
+    settings: TeacherSettings = TeacherSettings(),
+    *,
+    init: Path = DEFAULT_MODEL_DIR,
+    on_step: Callable[[int, float], None] | None = None,
+    evaluate: bool = True,
+) -> dict:
+    """Fine-tune the checkpoint at `init` on clean demonstrations and save it to `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.models.sft import sft
+    from asyncrl.tasks.arithmetic import demonstrations
+
+    torch.manual_seed(settings.seed)
+    tokenizer = AutoTokenizer.from_pretrained(init)
+    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    pairs = demonstrations(
+        settings.num_demonstrations,
+        seed=settings.seed,
+        max_operand=settings.max_operand,
+        stray_zero_prob=0.0,
+        exclude=_held_out_prompts(settings.max_operand),
+    )
+    start = time.perf_counter()
+    result = sft(
+        model,
+        tokenizer,
+        pairs,
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        lr=settings.lr,
+        seed=settings.seed,
+        on_step=on_step,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    info = {
+        "teacher_settings": asdict(settings),
+        "init": init.name,
+        "final_loss": result.final_loss,
+        "sft_s": time.perf_counter() - start,
+    }
+    if evaluate:
+        info["held_out_greedy_accuracy"] = held_out_accuracy(out_dir)
+    (out_dir / "asyncrl_sft.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
 def build_default_checkpoint(
     out_dir: Path,
     settings: SftSettings = SftSettings(),
     *,
     on_step: Callable[[int, float], None] | None = None,
+    evaluate: bool = True,
 ) -> dict:
-    """Create the tiny model and tokenizer, warm-start them with SFT, save to `out_dir`."""
+    """Create the tiny model and tokenizer, warm-start them with SFT, save to `out_dir`, and
+    (with `evaluate`) record its held-out greedy accuracy in `asyncrl_sft.json`."""
     import torch
 
-    from asyncrl.config import TaskConfig
     from asyncrl.models.sft import sft
     from asyncrl.models.tiny import build_model, build_tokenizer
-    from asyncrl.tasks.arithmetic import AdditionTask, demonstrations
+    from asyncrl.tasks.arithmetic import demonstrations
 
     torch.manual_seed(settings.seed)
     tokenizer = build_tokenizer()
@@ -62,14 +145,7 @@ def build_default_checkpoint(
         num_heads=settings.num_heads,
         seed=settings.seed,
     )
-    # Never demonstrate the default job's held-out evaluation prompts.
-    defaults = TaskConfig()
-    held_out = AdditionTask(
-        seed=defaults.seed,
-        eval_seed=defaults.eval_seed,
-        num_eval=defaults.num_eval,
-        max_operand=settings.max_operand,
-    ).held_out
+    held_out = _held_out_prompts(settings.max_operand)
     start = time.perf_counter()
     result = None
     phases = [
@@ -107,5 +183,32 @@ def build_default_checkpoint(
         "final_loss": result.final_loss,
         "sft_s": time.perf_counter() - start,
     }
+    if evaluate:
+        info["held_out_greedy_accuracy"] = held_out_accuracy(out_dir)
     (out_dir / "asyncrl_sft.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def held_out_accuracy(model_dir: Path) -> float:
+    """Greedy accuracy of a checkpoint on the default job's held-out problems, decoded exactly as
+    `asyncrl launch` evaluates before and after training (default task and sampling config)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.models.sft import greedy_accuracy
+    from asyncrl.tasks.arithmetic import AdditionReward, AdditionTask
+
+    task = TaskConfig()
+    problems = AdditionTask(
+        seed=task.seed, eval_seed=task.eval_seed, num_eval=task.num_eval, max_operand=task.max_operand
+    ).eval_problems
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return greedy_accuracy(
+        model,
+        tokenizer,
+        [(p.prompt, p.answer) for p in problems],
+        max_new_tokens=SamplingConfig().max_new_tokens,
+        verify=AdditionReward(),
+    )

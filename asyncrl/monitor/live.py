@@ -1,86 +1,105 @@
-"""Terminal reporters for `asyncrl launch`: a rich live view, or plain log lines.
+"""Terminal reporters: the record-driven rich dashboard, and plain log lines.
 
-The launcher calls `update(state)` on every message and `event(text)` for notable events;
-`update` only stores the state, and rich redraws at a fixed rate, so rendering costs the same
-whatever the message rate.
+Place in the data flow: in `asyncrl launch` the launcher's hub (monitor/stream.py) hands every
+record to `Dashboard.on_record`; in `asyncrl monitor` the attach loop (monitor/attach.py) does
+the same with records from the PUB socket or metrics.jsonl. `on_record` only folds the record
+into a `RunView` (O(1)); rich's Live thread redraws at `refresh_per_second`, so rendering costs
+the same whatever the record rate. A lock keeps the redraw thread from reading a half-updated
+view. `PlainReporter` prints one line per learner step (pipes, CI, `--no-tui`).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
 
-SPARK = "▁▂▃▄▅▆▇█"
+from asyncrl.monitor.aggregate import RunView
+from asyncrl.monitor.panels import render_dashboard, sparkline
 
-
-def sparkline(values: list[float], width: int = 40) -> str:
-    vals = values[-width:]
-    if not vals:
-        return ""
-    lo, hi = min(vals), max(vals)
-    span = hi - lo or 1.0
-    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in vals)
+__all__ = ["Dashboard", "LiveReporter", "PlainReporter", "sparkline"]
 
 
-def render(state, events: list[str]) -> Group:
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold cyan")
-    table.add_column()
-    elapsed = state.elapsed_s
-    trained = state.trajectories_trained
-    table.add_row("phase", state.phase)
-    table.add_row("step", f"{state.step}/{state.total_steps}   policy_version {state.policy_version}")
-    table.add_row("reward", f"{state.last_reward:.3f}  {sparkline(state.rewards)}")
-    table.add_row("loss / clip", f"{state.last_loss:+.4f} / {state.last_clip_fraction:.3f}")
-    table.add_row(
-        "throughput",
-        f"{trained / max(elapsed, 1e-9):.1f} samples/s trained, {state.tokens_generated / max(elapsed, 1e-9):.1f} tokens/s generated",
-    )
-    table.add_row("staleness", f"max {state.max_staleness} (bound {state.max_staleness_bound})")
-    table.add_row("groups", f"admitted {state.groups_admitted}, in flight {state.groups_in_flight}")
-    versions = ", ".join(f"{g}: v{v}" for g, v in sorted(state.loaded_versions.items())) or "-"
-    table.add_row("generators", versions)
-    idle = state.metrics.get("learner/idle_ratio")
-    if idle is not None:
-        table.add_row("learner idle", f"{idle:.2f}")
-    log = Text("\n".join(events[-6:]), style="dim")
-    return Group(Panel(table, title="asyncrl", border_style="blue"), log)
+class Dashboard:
+    """Rich Live dashboard over a RunView; a launcher Reporter and a record sink. Context manager."""
 
-
-class LiveReporter:
-    """Rich Live dashboard; use as a context manager."""
-
-    def __init__(self, console: Console | None = None, refresh_per_second: float = 4.0) -> None:
+    def __init__(
+        self,
+        console: Console | None = None,
+        *,
+        refresh_per_second: float = 4.0,
+        title: str = "asyncrl",
+        view: RunView | None = None,
+    ) -> None:
         self.console = console or Console()
-        self.state = None
-        self.events: list[str] = []
+        self.view = view or RunView()
+        self.title = title
+        self.lock = threading.Lock()
+        self.aggregate_s = 0.0  # time spent folding records in (the dashboard's cost on the record path)
+        self.build_s = 0.0  # time spent building renderables (rich's own drawing comes on top)
+        self.num_builds = 0
         self.live = Live(
-            console=self.console, refresh_per_second=refresh_per_second, get_renderable=self._renderable
+            console=self.console,
+            refresh_per_second=refresh_per_second,
+            get_renderable=self._renderable,
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
 
-    def _renderable(self):
-        if self.state is None:
-            return Text("\n".join(self.events[-6:]) or "starting ...")
-        return render(self.state, self.events)
+    # Reporter protocol (scheduler/service.py) -------------------------------------------
+    def update(self, state) -> None:
+        """Records drive the view; before the first record, show the launcher's phase."""
+        if self.view.num_records == 0:
+            with self.lock:
+                self.view.phase = state.phase
 
-    def __enter__(self) -> LiveReporter:
+    def event(self, text: str) -> None:
+        """Events before the stream opens (afterwards they arrive as `event` records)."""
+        with self.lock:
+            self.view.events.append(text)
+            self.view.revision += 1
+
+    # Record sink ---------------------------------------------------------------------------
+    def on_record(self, record: dict) -> None:
+        t0 = time.perf_counter()
+        with self.lock:
+            self.view.add(record)
+        self.aggregate_s += time.perf_counter() - t0
+
+    def apply(self, fn) -> None:
+        """Run `fn(view)` under the lock (summary/config updates from the attach loop)."""
+        with self.lock:
+            fn(self.view)
+
+    # Rendering -----------------------------------------------------------------------------
+    def _renderable(self):
+        t0 = time.perf_counter()
+        with self.lock:
+            size = self.console.size
+            renderable = render_dashboard(self.view, width=size.width, height=size.height, title=self.title)
+        self.build_s += time.perf_counter() - t0
+        self.num_builds += 1
+        return renderable
+
+    def print_once(self) -> None:
+        """Print the current dashboard once (non-terminal output, finished runs)."""
+        self.console.print(self._renderable())
+
+    def refresh(self) -> None:
+        self.live.refresh()
+
+    def __enter__(self) -> Dashboard:
         self.live.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.live.__exit__(*exc)
 
-    def update(self, state) -> None:
-        self.state = state
 
-    def event(self, text: str) -> None:
-        self.events.append(text)
+LiveReporter = Dashboard  # the name `asyncrl launch` used before the dashboard grew panels
 
 
 class PlainReporter:

@@ -4,8 +4,9 @@ Group j is trained in learner step s(j) = j // B (B = groups per step), at polic
 It is admitted only once every generator has loaded a version >= s(j) - K (K = max staleness),
 so every token in it comes from a version v >= s(j) - K and its staleness s(j) - v is at most K.
 Hence at most (v_loaded + K + 1) * B groups are ever admitted, where v_loaded is the oldest
-version any live generator holds: a credit frees only when the generators acknowledge new
-weights. K = 0 is strictly on-policy (sync): step s's groups wait for version s.
+version any serving generator holds (scheduler/supervision.py: a dead generator, or a replacement
+not yet on the current weights, neither counts nor gets tasks): a credit frees only when the
+generators acknowledge new weights. K = 0 is strictly on-policy (sync): step s's groups wait for version s.
 """
 
 from __future__ import annotations

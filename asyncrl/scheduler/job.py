@@ -84,7 +84,10 @@ def run_job(config: Config, reporter: Reporter) -> dict:
     if failure is None and not launcher.interrupted and final.is_dir():
         eval_after = evaluate(config, final, launcher.task.eval_problems)
         reporter.event(f"held-out accuracy after training: {eval_after:.3f}")
-    expected = state.groups_admitted * config.learner.samples_per_group
+    completed = failure is None and not launcher.interrupted
+    # The ledger (scheduler/tasks.py): at the end of a completed run every admitted sample must be
+    # trained; otherwise samples still pending are not lost (a resume would generate them).
+    ledger = launcher.book.summary(at_end=completed)
     summary = {
         "mode": config.mode,
         "status": "failed" if failure else ("interrupted" if launcher.interrupted else "completed"),
@@ -92,10 +95,12 @@ def run_job(config: Config, reporter: Reporter) -> dict:
         "steps": state.step,
         "trajectories_generated": state.trajectories_generated,
         "trajectories_trained": state.trajectories_trained,
-        # Admitted samples that were neither trained nor still legitimately pending at the end.
-        "trajectories_lost": (expected - state.trajectories_trained)
-        if failure is None and not launcher.interrupted
-        else None,
+        "trajectories_lost": ledger.num_samples_lost,
+        "trajectories_pending": ledger.num_samples_pending,
+        # Samples trained more than once, or a group trained on more samples than configured.
+        "trajectories_duplicated": ledger.num_duplicated,
+        "tasks_requeued": ledger.num_requeues,
+        "generator_restarts": state.generator_restarts,
         "eval_before": eval_before,
         "eval_after": eval_after,
         "eval_problems": len(launcher.task.eval_problems),
@@ -106,7 +111,14 @@ def run_job(config: Config, reporter: Reporter) -> dict:
         "max_staleness": state.max_staleness,
         "max_staleness_bound": config.effective_max_staleness,
         "num_generators": config.generators.num_generators,
+        # Copies the learner received and dropped (a re-run of a group a dead generator had begun).
         "duplicates": int(state.metrics.get("learner/duplicates", 0)),
+        "rejected_frames": {
+            "launcher": state.rejected_frames,
+            "learner": int(state.metrics.get("learner/rejected_frames", 0)),
+            "launcher_by_reason": launcher.rejected_by_reason,
+        },
+        "stale_messages": state.stale_messages,
         "run_dir": str(run_dir),
     }
     if failure:

@@ -5,8 +5,14 @@ Sockets: one ROUTER bound on loopback; every child connects a DEALER with its pe
 ZeroMQ identity. Flow:
   learner Hello(endpoint) -> spawn generators -> generator Hellos -> admit + dispatch PromptTasks
   WeightsPublished (learner) -> every generator;  WeightsLoaded (generator) -> learner, admission
-  StepDone (learner) -> metrics, reporter; the last one ends the run.
-Shutdown: on completion, Ctrl-C, or any child failing, every child gets Shutdown, then SIGTERM,
+  StepDone (learner) -> metrics, reporter, task book; the last one ends the run.
+Supervision (scheduler/supervision.py, scheduler/tasks.py): a generator that exits, raises, or
+falls silent past monitor.heartbeat_timeout_s is killed (that pid only) and restarted under a new
+peer id; the replacement is sent the last WeightsPublished and gets tasks once it has loaded it;
+the dead one's in-flight tasks are re-queued exactly once, to whichever generator serves first.
+Past generators.max_restarts for one generator, or when the learner exits, raises or hangs, the
+run fails with a message naming the process, the reason and its log.
+Shutdown: on completion, Ctrl-C, or a failure, every child gets Shutdown, then SIGTERM,
 then SIGKILL after a grace period; only processes this launcher started are signalled.
 """
 
@@ -16,9 +22,8 @@ import asyncio
 import json
 import logging
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +34,7 @@ import zmq.asyncio
 
 from asyncrl.config import Config
 from asyncrl.messages import (
+    PROTOCOL_VERSION,
     Fatal,
     Heartbeat,
     Hello,
@@ -42,6 +48,9 @@ from asyncrl.messages import (
     WeightsPublished,
 )
 from asyncrl.scheduler.admission import Admission, step_of
+from asyncrl.scheduler.children import Child, health, reap, start_child
+from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
+from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -49,6 +58,8 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
+# What the launcher's control socket accepts from children; any other type is rejected and counted.
+CONTROL_ACCEPT = (Hello, TaskDone, WeightsPublished, WeightsLoaded, StepDone, Metrics, Heartbeat, Fatal)
 
 
 class RunFailed(RuntimeError):
@@ -79,31 +90,17 @@ class RunState:
     last_loss: float = 0.0
     last_clip_fraction: float = 0.0
     rewards: list[float] = field(default_factory=list)
-    loaded_versions: dict[str, int] = field(default_factory=dict)
+    loaded_versions: dict[str, int] = field(default_factory=dict)  # generator slot -> version
     metrics: dict[str, float] = field(default_factory=dict)
+    generator_restarts: int = 0
+    tasks_requeued: int = 0
+    stale_messages: int = 0  # from a generator process already replaced (dropped)
+    rejected_frames: int = 0  # on the launcher's control socket (malformed, unknown peer, ...)
     phase: str = "starting"
 
     @property
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
-
-
-@dataclass
-class Child:
-    peer_id: str
-    role: str
-    proc: subprocess.Popen
-    log_path: Path
-    ready: bool = False
-    outstanding: int = 0
-    stopping: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 class Launcher:
@@ -130,59 +127,115 @@ class Launcher:
         )
         self.children: dict[str, Child] = {}
         self.generator_ids = [f"gen-{i}" for i in range(config.generators.num_generators)]
+        self.pool = GeneratorPool(self.generator_ids, max_restarts=config.generators.max_restarts)
+        self.book = TaskBook(
+            groups_per_step=config.learner.groups_per_step,
+            samples_per_group=config.learner.samples_per_group,
+        )
+        self.retired: list[Child] = []  # generator processes that died and were replaced
+        self.last_published: WeightsPublished | None = None
+        self.ctrl_address = ""
+        self.rejected_by_reason: dict[str, int] = {}
         self.learner_endpoint = ""
         self.finished = asyncio.Event()
         self.failure: str | None = None
         self.interrupted = False
         self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in run()
+        self.monitor_hub = (
+            None  # live metrics stream (PUB + sinks), opened in run(): asyncrl/monitor/stream.py
+        )
         self.task_started: dict[int, float] = {}
         self._tokenizer = None
 
     # ------------------------------------------------------------------ processes
     def spawn(self, peer_id: str, role: str, module: str, ctrl_address: str, extra: dict[str, str]) -> Child:
-        logs = self.run_dir / "logs"
-        logs.mkdir(exist_ok=True)
-        log_path = logs / f"{peer_id}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            module,
-            "--ctrl",
-            ctrl_address,
-            "--peer-id",
-            peer_id,
-            "--run-dir",
-            str(self.run_dir),
-        ]
-        for k, v in extra.items():
-            cmd += ["--extra", f"{k}={v}"]
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        child = Child(peer_id, role, proc, log_path)
+        child = start_child(
+            peer_id, role, module, ctrl_address=ctrl_address, run_dir=self.run_dir, extra=extra
+        )
+        proc = child.proc
         self.children[peer_id] = child
         self.event(f"started {peer_id} (pid {proc.pid})")
+        self.write_record("spawn", {"peer_id": peer_id, "role": role, "pid": proc.pid})
         return child
 
-    async def supervise(self) -> None:
-        """Any child that exits, or falls silent, before the run is over fails the run."""
+    def spawn_generator(self, inc: Incarnation) -> Child:
+        child = self.spawn(
+            inc.peer_id,
+            "generator",
+            "asyncrl.generators.service",
+            self.ctrl_address,
+            {"model": str(self.model_path), "data": self.learner_endpoint, "index": str(inc.index)},
+        )
+        child.slot = inc.slot
+        return child
+
+    async def supervise(self, ctrl: Endpoint) -> None:
+        """A generator that exits or falls silent is restarted; a learner that does fails the run."""
         timeout_s = self.cfg.monitor.heartbeat_timeout_s
         while not self.finished.is_set():
-            for child in self.children.values():
-                code = child.proc.poll()
-                if code is not None and not child.stopping:
-                    self.fail(
-                        f"{child.role} {child.peer_id} (pid {child.proc.pid}) exited with code {code}.\n"
-                        f"Last lines of {child.log_path}:\n{child.tail()}"
-                    )
+            for child in list(self.children.values()):
+                if child.stopping or self.finished.is_set():
+                    continue
+                reason = health(child, heartbeat_timeout_s=timeout_s, startup_timeout_s=STARTUP_TIMEOUT_S)
+                if reason is None:
+                    continue
+                if child.role != "generator":
+                    self.fail(f"{child.role} {child.peer_id} {reason}")
                     return
-                silent_s = time.monotonic() - child.last_seen
-                if child.ready and silent_s > timeout_s:
-                    self.fail(
-                        f"{child.role} {child.peer_id} (pid {child.proc.pid}) sent nothing for {silent_s:.0f} s "
-                        f"(monitor.heartbeat_timeout_s = {timeout_s:g}): it is hung; see {child.log_path}"
-                    )
-                    return
+                await self.restart_generator(ctrl, child, reason)
+            self.report_rejected(ctrl)
             await asyncio.sleep(POLL_S)  # polling child exit status; no message to wait for
+
+    def report_rejected(self, ctrl: Endpoint) -> None:
+        """A `rejected` record whenever the control socket's rejection count has changed."""
+        if ctrl.num_rejected != self.state.rejected_frames:
+            self.state.rejected_frames = ctrl.num_rejected
+            self.state.metrics["launcher/rejected_frames"] = float(ctrl.num_rejected)
+            self.write_record("rejected", {"socket": ctrl.name, "num_rejected": ctrl.num_rejected})
+
+    async def restart_generator(self, ctrl: Endpoint, child: Child, reason: str) -> None:
+        """Kill `child` (that pid only), re-queue its in-flight tasks once, start its replacement.
+
+        The bookkeeping happens before the first await, so no dispatch can pick the dead process.
+        """
+        self.pool.died(child.peer_id)
+        del self.children[child.peer_id]
+        child.stopping = True
+        self.retired.append(child)
+        requeued = self.book.generator_failed(child.peer_id)
+        self.state.tasks_requeued += len(requeued)
+        if child.proc.poll() is None:
+            child.proc.kill()  # hung, or stuck after Fatal: SIGKILL, to this pid only
+        await reap(child)
+        try:
+            inc = self.pool.restart(child.slot)
+        except RestartBudgetExceeded as exc:
+            self.fail(
+                f"generator {child.slot} {reason}\nIt was {exc}, so the run stops; "
+                "raise generators.max_restarts to allow more restarts."
+            )
+            return
+        headline = reason.splitlines()[0].rstrip(".")
+        self.state.generator_restarts = self.pool.num_restarts
+        self.state.metrics["launcher/generator_restarts"] = float(self.pool.num_restarts)
+        self.write_record(
+            "restart",
+            {
+                "slot": child.slot,
+                "peer_id": child.peer_id,
+                "pid": child.proc.pid,
+                "new_peer_id": inc.peer_id,
+                "reason": headline,
+                "requeued": requeued,
+                "generator_restarts": self.pool.num_restarts,
+            },
+        )
+        self.event(
+            f"generator {child.peer_id} {headline}; restarting it as {inc.peer_id} "
+            f"(restart {inc.restart} of {self.pool.max_restarts}), {len(requeued)} tasks re-queued"
+        )
+        self.spawn_generator(inc)
+        await self.dispatch(ctrl)  # the re-queued tasks can go to generators still serving
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -224,17 +277,30 @@ class Launcher:
 
     def write_record(self, kind: str, payload: dict) -> None:
         record = {**payload, "type": kind, "time_s": round(self.state.elapsed_s, 4)}
-        self.metrics_file.write(json.dumps(record) + "\n")
+        line = json.dumps(record)
+        self.metrics_file.write(line + "\n")
+        # --- monitor hook: the same record to the PUB socket and the dashboard (asyncrl/monitor/stream.py)
+        if self.monitor_hub is not None:
+            self.monitor_hub.publish(record, line)
 
-    def min_loaded_version(self) -> int:
-        return min(self.state.loaded_versions.get(g, 0) for g in self.generator_ids)
+    def min_loaded_version(self) -> int | None:
+        """The oldest version a serving generator holds; None while none serves (admit nothing).
+        Dead generators and replacements still loading the current weights do not count."""
+        return self.pool.min_loaded_version()
 
     async def dispatch(self, ctrl: Endpoint) -> None:
+        """Re-queued tasks first, then newly admitted groups, each to a serving generator."""
+        if self.state.phase != "training" or self.finished.is_set():
+            return
+        while self.pool.serving() and (task := self.book.pop_requeued()) is not None:
+            await self.assign(ctrl, task)
+        loaded = self.min_loaded_version()
+        if loaded is None:
+            return
         s = self.cfg.sampling
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
-        for j in self.admission.admit(self.min_loaded_version()):
+        for j in self.admission.admit(loaded):
             problem = self.task.train_problem(j)
-            gen = min((self.children[g] for g in self.generator_ids), key=lambda c: c.outstanding)
             task = PromptTask(
                 task_id=j,
                 group_id=j,
@@ -245,40 +311,89 @@ class Launcher:
                 step=step_of(j, groups_per_step=self.cfg.learner.groups_per_step),
                 answer=problem.answer,
             )
-            gen.outstanding += 1
+            self.book.admit(task)
             self.state.groups_admitted += 1
             self.state.groups_in_flight += 1
             self.task_started[j] = time.perf_counter()
-            await self.send_to(ctrl, gen.peer_id, task)
+            await self.assign(ctrl, task)
+
+    async def assign(self, ctrl: Endpoint, task: PromptTask) -> None:
+        """Send `task` to the serving generator with the fewest outstanding tasks; with none
+        serving, it waits in the re-queue. Chosen and recorded before the await (see restart)."""
+        serving = [self.children[inc.peer_id] for inc in self.pool.serving()]
+        if not serving:
+            self.book.requeued.append(task.task_id)
+            return
+        gen = min(serving, key=lambda c: c.outstanding)
+        gen.outstanding += 1
+        self.book.dispatched(task.task_id, gen.peer_id)
+        await self.send_to(ctrl, gen.peer_id, task)
 
     async def on_message(self, ctrl: Endpoint, sender: bytes, msg) -> None:
         peer = sender.decode(errors="replace")
         child = self.children.get(peer)
         if child is None:
-            log.error("message from unknown peer %r dropped", peer)
+            if self.pool.is_retired(peer):
+                # Sent by a generator before it died and was replaced: its tasks are re-queued.
+                self.state.stale_messages += 1
+                log.info("stale %s from replaced generator %s dropped", type(msg).__name__, peer)
+            else:
+                ctrl.reject(f"unknown peer: {type(msg).__name__} from {peer!r} dropped")
             return
         child.last_seen = time.monotonic()
+        try:
+            await self.handle(ctrl, child, msg)
+        except ValueError as exc:
+            # A child breaking the protocol (a TaskDone for a task it does not run, a second Hello):
+            # the message is rejected and counted; supervision still watches the child.
+            ctrl.reject(f"protocol violation: {exc}")
+        self.reporter.update(self.state)
+
+    async def handle(self, ctrl: Endpoint, child: Child, msg) -> None:
+        """One message from a live child; ValueError for one that breaks the protocol."""
+        peer = child.peer_id
+        is_learner = child.role == "learner"
         match msg:
             case Hello():
+                if msg.protocol_version != PROTOCOL_VERSION:
+                    ctrl.reject(f"wrong protocol version: {msg.protocol_version} from {peer}")
+                    self.fail(
+                        f"{child.role} {peer} speaks protocol version {msg.protocol_version}, the launcher "
+                        f"{PROTOCOL_VERSION}: run the same asyncrl version in every process"
+                    )
+                    return
+                if child.ready:
+                    raise ValueError(f"{peer} said Hello twice")
                 child.ready = True
-                if child.role == "learner":
+                if is_learner:
                     self.learner_endpoint = msg.endpoint
-            case TaskDone():
+                else:
+                    latest = self.last_published.version if self.last_published else 0
+                    self.pool.on_hello(peer, latest_version=latest)
+                    if self.last_published is not None:
+                        # A late joiner (a replacement) must load the current weights before it serves.
+                        await self.send_to(ctrl, peer, self.last_published)
+                    await self.dispatch(ctrl)
+            case TaskDone() if not is_learner:
+                self.book.done(msg.task_id, peer)
                 child.outstanding -= 1
                 self.state.groups_in_flight -= 1
                 self.state.trajectories_generated += msg.num_trajectories
                 self.state.tokens_generated += msg.num_tokens
                 self.write_record("task", msgspec.to_builtins(msg))
-            case WeightsPublished():
+            case WeightsPublished() if is_learner:
+                self.last_published = msg
                 self.write_record("publish", msgspec.to_builtins(msg))
-                for g in self.generator_ids:
-                    await self.send_to(ctrl, g, msg)
-            case WeightsLoaded():
-                self.state.loaded_versions[msg.generator_id] = msg.version
+                for inc in self.pool.said_hello():
+                    await self.send_to(ctrl, inc.peer_id, msg)
+            case WeightsLoaded() if not is_learner:
+                inc = self.pool.on_loaded(peer, msg.version)
+                self.state.loaded_versions[inc.slot] = msg.version
                 self.write_record("loaded", msgspec.to_builtins(msg))
-                await self.send_to(ctrl, "learner", msg)
+                # The learner knows slots, not processes: its retention pins versions per slot.
+                await self.send_to(ctrl, "learner", msgspec.structs.replace(msg, generator_id=inc.slot))
                 await self.dispatch(ctrl)
-            case StepDone():
+            case StepDone() if is_learner:
                 self.on_step(msg)
             case Metrics():
                 self.state.metrics.update(msg.values)
@@ -287,10 +402,15 @@ class Launcher:
                 pass
             case Fatal():
                 # The traceback is in the child's log; the user gets the reason and where to look.
-                self.fail(f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})")
+                if is_learner:
+                    self.fail(f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})")
+                else:
+                    # Supervision kills it if it has not exited, and restarts it (or, past its
+                    # budget, ends the run).
+                    child.last_error = f"{msg.error} (details: {child.log_path})"
+                    self.event(f"generator {peer} failed: {msg.error}")
             case _:
-                log.error("unexpected %s from %s dropped", type(msg).__name__, peer)
-        self.reporter.update(self.state)
+                raise ValueError(f"{type(msg).__name__} from {child.role} {peer} is not expected")
 
     def on_step(self, msg: StepDone) -> None:
         st = self.state
@@ -307,6 +427,10 @@ class Launcher:
         self.write_record("step", record)
         if msg.step + 1 >= self.cfg.learner.steps:
             self.finished.set()
+        try:
+            self.book.trained(msg.step)
+        except ValueError as exc:  # a bookkeeping bug must show in the ledger, not stop training
+            log.error("ledger: %s", exc)
 
     # ------------------------------------------------------------------ main
     async def wait_ready(self, peers: list[str], recv) -> None:
@@ -323,6 +447,11 @@ class Launcher:
                 return
             await recv(remaining)
 
+    async def wait_until(self, ready: Callable[[], bool], recv) -> None:
+        """Handle messages until `ready()`; supervision bounds the wait (restarts, budget)."""
+        while not ready() and not self.finished.is_set():
+            await recv(1.0)
+
     async def run(self) -> RunState:
         from transformers import AutoTokenizer
 
@@ -331,8 +460,9 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.interrupt)
         zctx = zmq.asyncio.Context()
-        ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl")
+        ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl", accept=CONTROL_ACCEPT)
         address = ctrl.bind_loopback()
+        self.ctrl_address = address
         inbox: asyncio.Queue = asyncio.Queue()
 
         async def receive() -> None:
@@ -353,8 +483,12 @@ class Launcher:
                 getter.cancel()
 
         receiver = asyncio.create_task(receive(), name="launcher-recv")
-        supervisor = asyncio.create_task(self.supervise(), name="launcher-supervise")
+        supervisor = asyncio.create_task(self.supervise(ctrl), name="launcher-supervise")
         try:
+            # --- monitor setup: PUB socket on loopback (<run>/monitor.json), sinks, event/snapshot records
+            from asyncrl.monitor.stream import open_hub
+
+            self.monitor_hub = open_hub(self, zctx)
             self.state.phase = "starting learner"
             self.reporter.update(self.state)
             common = {"model": str(self.model_path)}
@@ -369,15 +503,9 @@ class Launcher:
             if not self.finished.is_set():
                 self.state.phase = "starting generators"
                 self.reporter.update(self.state)
-                for i, g in enumerate(self.generator_ids):
-                    self.spawn(
-                        g,
-                        "generator",
-                        "asyncrl.generators.service",
-                        address,
-                        {**common, "data": self.learner_endpoint, "index": str(i)},
-                    )
-                await self.wait_ready(self.generator_ids, recv_one)
+                for g in self.generator_ids:
+                    self.spawn_generator(self.pool.start(g))
+                await self.wait_until(self.pool.all_serving, recv_one)
             if not self.finished.is_set():
                 self.state.phase = "training"
                 self.state.started = time.perf_counter()
@@ -391,8 +519,12 @@ class Launcher:
             await self.stop_children(ctrl)
             receiver.cancel()
             supervisor.cancel()
+            self.state.rejected_frames = ctrl.num_rejected
+            self.rejected_by_reason = dict(ctrl.rejected)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if self.monitor_hub is not None:  # --- monitor teardown: final snapshot, close PUB
+                self.monitor_hub.close()
             ctrl.close()
             zctx.term()
             self.metrics_file.close()

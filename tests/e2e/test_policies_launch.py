@@ -26,6 +26,15 @@ OBJECTIVES = {
     "cispo": ["learner.loss=cispo"],
     "kl_k3_loss": ["learner.kl_coef=0.01", "learner.kl_estimator=k3"],
     "kl_k1_reward": ["learner.kl_coef=0.01", "learner.kl_estimator=k1", "learner.kl_placement=reward"],
+    # On-policy distillation of the shipped student by the shipped teacher (same tokenizer).
+    "opd_reverse_kl": ['model.path=""', "opd.enabled=true"],
+    "opd_mc_reverse_kl": [
+        'model.path=""',
+        "opd.enabled=true",
+        "opd.estimator=mc_reverse_kl",
+        "opd.num_samples=3",
+    ],
+    "opd_forward_kl": ['model.path=""', "opd.enabled=true", "opd.estimator=forward_kl", "opd.num_samples=3"],
 }
 
 CASES = {f"policy-{p}": [f"staleness.policy={p}"] for p in SELECTABLE} | {
@@ -42,6 +51,7 @@ def test_short_job_runs(run_short_job, case):
     steps = read_records(run_dir, "step")
     assert len(steps) == 3
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in steps)
-    assert "max_staleness" in steps[-1]["stats"]  # the policy's diagnostics reach the metrics
+    diagnostic = "opd_kl" if case.startswith("objective-opd") else "max_staleness"
+    assert diagnostic in steps[-1]["stats"]  # the policy's (or OPD's) diagnostics reach the metrics
     learner = [r for r in read_records(run_dir, "metrics") if r["source"] == "learner"]
     assert learner and "learner/tail_s" in learner[-1]

@@ -48,9 +48,17 @@ def launch_with_plugin(
 
 @pytest.mark.timeout(200)
 def test_generator_failure_is_reported_and_everything_stops(tiny_model_dir, tmp_path):
-    proc = launch_with_plugin(tiny_model_dir, tmp_path, PLUGIN, "exploding_plugin:ExplodingGenerator")
+    """A generator that fails every time is restarted up to its budget, then the run stops."""
+    proc = launch_with_plugin(
+        tiny_model_dir,
+        tmp_path,
+        PLUGIN,
+        "exploding_plugin:ExplodingGenerator",
+        "generators.max_restarts=1",
+    )
     assert proc.returncode == 1
     assert "generator gen-0 failed: RuntimeError: reward server unreachable" in proc.stderr
+    assert "restarted 1 times already (generators.max_restarts = 1)" in proc.stderr
     assert "Traceback" not in proc.stdout
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert summary["status"] == "failed"
@@ -72,17 +80,20 @@ HANGING_PLUGIN = textwrap.dedent(
 
 @pytest.mark.timeout(200)
 def test_hung_generator_is_detected_and_the_run_stops(tiny_model_dir, tmp_path, pid_alive):
+    """A hung generator is killed and restarted; hung again past its budget, the run stops."""
     proc = launch_with_plugin(
         tiny_model_dir,
         tmp_path,
         HANGING_PLUGIN,
         "hanging_plugin:HangingGenerator",
         "monitor.heartbeat_timeout_s=3",
+        "generators.max_restarts=1",
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "generator gen-0" in proc.stderr and "it is hung" in proc.stderr
+    assert "restarting it as gen-0-r1" in proc.stdout
     pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", proc.stdout)]
-    assert len(pids) == 2 and not [p for p in pids if pid_alive(p)]
+    assert len(pids) == 3 and not [p for p in pids if pid_alive(p)]  # learner, gen-0, gen-0-r1
 
 
 def test_unknown_generator_fails_before_any_process_starts(tmp_path):

@@ -17,7 +17,7 @@ from asyncrl.transport.zmq_io import Endpoint
 def test_malformed_frames_do_not_kill_receiver():
     async def scenario():
         ctx = zmq.asyncio.Context()
-        pull = Endpoint(ctx, zmq.PULL, name="test.pull")
+        pull = Endpoint(ctx, zmq.PULL, name="test.pull", accept=(WeightsLoaded,))
         address = pull.bind_loopback()
         raw = ctx.socket(zmq.PUSH)
         raw.setsockopt(zmq.LINGER, 0)

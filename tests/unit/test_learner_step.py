@@ -54,7 +54,9 @@ def test_every_policy_trains_and_micro_batching_changes_nothing(tiny_model_dir, 
     from asyncrl.learner.objective import Objective
     from asyncrl.learner.trainer import Trainer
 
-    cfg = load_config(overrides=[f"staleness.policy={name}", "staleness.max_staleness=3", "learner.streaming=off"])
+    cfg = load_config(
+        overrides=[f"staleness.policy={name}", "staleness.max_staleness=3", "learner.streaming=off"]
+    )
     results = []
     for micro in (1000, 5):
         model = _model(tiny_model_dir)

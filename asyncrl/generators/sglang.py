@@ -1,0 +1,447 @@
+"""The built-in `sglang` generator: a token-in/token-out client for one or more SGLang servers.
+
+Place in the data flow: the generator service hands it PromptTasks; it sends one native /generate
+per sample (`input_ids`, `return_logprob`) to the least-loaded healthy server, reads the sampled
+ids, behavior log-probs and per-token weight versions (`meta_info.weight_versions` spans) from
+the answer, scores the completion with the task's verifier and returns Rollouts. When the learner
+publishes safetensors shards, `load_weights` fans out pause -> /update_weights_from_disk ->
+/model_info check -> continue to every server (SGLANG_API.md section 6).
+
+Options (`generators.options.*`, all optional but `urls`):
+
+| option | default | meaning |
+|---|---|---|
+| `urls` | - | comma-separated `http://HOST:PORT` of the servers (one per GPU, or routers) |
+| `max_concurrency` | 64 | samples in flight at once over all servers |
+| `request_timeout_s` | 600 | one /generate (a paused server holds requests) |
+| `startup_timeout_s` | 120 | wait for every server's /health at setup |
+| `health_interval_s` | 2 | how often a quarantined server is checked for readmission |
+| `max_retries` | 2 | re-issues of one sample after server failures before the batch fails |
+| `pause_mode` | from `weights.inflight` | `in_place` (keep), `retract` (retract) or `abort` (abort) |
+| `verify_shards` | true | sha256-check the shards before servers load them |
+| `extra_sampling_params` | `{}` | JSON object merged into `sampling_params` (e.g. `{"top_k": 20}`) |
+| `ignore_eos` | false | sample to `max_new_tokens` (benchmarks) |
+
+No duplicates: a sample is one coroutine that produces exactly one Rollout. A request that fails
+(connection refused or cut, timeout, 5xx) is abandoned (best-effort /abort_request of its rid) and
+re-issued, with a new rid and the same seed, on another server; its answer, if any, is never read.
+An `abort` answer (a server paused in abort mode) keeps its partial tokens and continues from them
+(or restarts, with `weights.inflight = abort`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.generators.base import GeneratorContext, Rollout
+from asyncrl.generators.sglang_client import (
+    Fleet,
+    GenerateRequest,
+    GenerateResponse,
+    SGLangRequestError,
+    Server,
+    ServerUnavailable,
+    decode_generate,
+    decode_model_info,
+    decode_update,
+    wait_until_healthy,
+)
+from asyncrl.messages import PromptTask
+
+log = logging.getLogger(__name__)
+
+OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "urls": str,
+    "max_concurrency": int,
+    "request_timeout_s": (int, float),
+    "startup_timeout_s": (int, float),
+    "health_interval_s": (int, float),
+    "max_retries": int,
+    "pause_mode": str,
+    "verify_shards": bool,
+    "extra_sampling_params": str,
+    "ignore_eos": bool,
+}
+PAUSE_MODES = {"keep": "in_place", "retract": "retract", "abort": "abort"}
+CONTROL_TIMEOUT_S = 600.0  # pause waits for in-flight requests; a disk load reads the whole model
+MAX_ABORTS_PER_SAMPLE = 1000  # a server paused in abort mode forever would otherwise spin
+
+
+def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
+    """Checked options with defaults; ValueError naming the bad option and the valid ones."""
+    for key, value in options.items():
+        if key not in OPTIONS:
+            raise ValueError(
+                f"generators.options.{key} is not an sglang generator option; valid: {', '.join(OPTIONS)}"
+            )
+        if not isinstance(value, OPTIONS[key]) or (isinstance(value, bool) and OPTIONS[key] is not bool):
+            raise ValueError(f"generators.options.{key} = {value!r} has the wrong type")
+    out: dict[str, Any] = {
+        "max_concurrency": 64,
+        "request_timeout_s": 600.0,
+        "startup_timeout_s": 120.0,
+        "health_interval_s": 2.0,
+        "max_retries": 2,
+        "pause_mode": PAUSE_MODES.get(inflight, "retract"),
+        "verify_shards": True,
+        "extra_sampling_params": "{}",
+        "ignore_eos": False,
+        **options,
+    }
+    out["urls"] = [u.strip() for u in str(options.get("urls", "")).split(",") if u.strip()]
+    if not out["urls"]:
+        raise ValueError(
+            "the sglang generator needs server URLs: --set generators.options.urls=http://127.0.0.1:30000,..."
+        )
+    if out["pause_mode"] not in ("in_place", "retract", "abort"):
+        raise ValueError(
+            f"generators.options.pause_mode must be in_place, retract or abort, got {out['pause_mode']!r}"
+        )
+    for key in ("max_concurrency", "request_timeout_s", "startup_timeout_s", "health_interval_s"):
+        if out[key] <= 0:
+            raise ValueError(f"generators.options.{key} must be > 0, got {out[key]}")
+    if out["max_retries"] < 0:
+        raise ValueError(f"generators.options.max_retries must be >= 0, got {out['max_retries']}")
+    try:
+        extra = json.loads(out["extra_sampling_params"])
+    except ValueError as exc:
+        raise ValueError(f"generators.options.extra_sampling_params is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "generators.options.extra_sampling_params must be a JSON object, e.g. '{\"top_k\": 20}'"
+        )
+    out["extra_sampling_params"] = extra
+    return out
+
+
+def segment_seed(base_seed: int, num_tokens_so_far: int) -> int:
+    """The seed of a continuation after an abort: fresh uniforms for the new tokens, still
+    deterministic. The first segment uses the sample's own seed (as the torch generator does)."""
+    if num_tokens_so_far == 0:
+        return base_seed
+    digest = hashlib.sha256(f"{base_seed}:{num_tokens_so_far}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class SGLangGenerator:
+    """Samples on SGLang servers over HTTP; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._ctx: GeneratorContext | None = None
+        self._weights: tuple[int, str] | None = None  # (version, directory) the servers should hold
+        self._weights_lock: asyncio.Lock | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self.num_reissues = 0
+        self.num_aborted_segments = 0
+
+    def setup(self, ctx: GeneratorContext) -> None:
+        from transformers import AutoTokenizer
+
+        from asyncrl.generators.torch_gen import make_reward
+
+        self._ctx = ctx
+        self.opts = parse_options(dict(ctx.options), ctx.inflight)
+        if ctx.opd is not None and getattr(ctx.opd, "enabled", False):
+            raise ValueError(
+                "the sglang generator does not score with an OPD teacher yet; use generators.kind=torch"
+            )
+        self.fleet = Fleet(
+            self.opts["urls"],
+            max_workers=self.opts["max_concurrency"] + 2 * len(self.opts["urls"]),
+            health_interval_s=float(self.opts["health_interval_s"]),
+            wait_timeout_s=float(self.opts["request_timeout_s"]),
+        )
+        self.fleet.on_readmit = self._bring_up_to_date
+        self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
+        self._reward = make_reward(ctx.task.kind)
+        wait_until_healthy([s.url for s in self.fleet.servers], float(self.opts["startup_timeout_s"]))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ sampling
+    def _label_version(self, label: str, server: Server) -> int:
+        if label == "default":
+            return 0
+        if label.isdigit():
+            return int(label)
+        raise ValueError(
+            f"SGLang server {server.url} reports weight version {label!r}; asyncrl needs integer labels "
+            "(launch servers with --weight-version 0, or leave the default)"
+        )
+
+    def _sampling_params(self, task: PromptTask, budget: int, seed: int) -> dict[str, Any]:
+        s = task.sampling
+        params: dict[str, Any] = {
+            "max_new_tokens": budget,
+            "temperature": float(s.temperature),
+            "top_p": float(s.top_p),
+            "sampling_seed": seed,
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+        }
+        if self.opts["ignore_eos"]:
+            params["ignore_eos"] = True
+        return {**params, **self.opts["extra_sampling_params"]}
+
+    def _tokens(self, resp: GenerateResponse, server: Server) -> tuple[list[int], list[float], list[int]]:
+        """(ids, behavior log-probs, versions) of one answer, checked for consistency."""
+        meta = resp.meta_info
+        ids = [t for _, t, _ in meta.output_token_logprobs]
+        logps = [lp for lp, _, _ in meta.output_token_logprobs]
+        if meta.output_token_sampling_logprobs is not None:  # exact truncated (top-p/top-k) distribution
+            logps = [float(x) for x in meta.output_token_sampling_logprobs]
+        if len(logps) != len(ids) or (resp.output_ids and resp.output_ids != ids):
+            raise ValueError(
+                f"SGLang server {server.url} answered inconsistent output_ids and log-probs ({meta.id})"
+            )
+        versions = [self._version] * len(ids)
+        if meta.weight_versions:
+            for span in meta.weight_versions:
+                v = self._label_version(span.version, server)
+                versions[span.start : span.end] = [v] * (span.end - span.start)
+        elif ids:
+            log.warning(
+                "SGLang server %s sends no weight_versions (sglang < 0.5.20?); using weight_version",
+                server.url,
+            )
+            versions = [self._label_version(meta.weight_version or "default", server)] * len(ids)
+        return ids, logps, versions
+
+    async def _request(self, server: Server, body: GenerateRequest) -> GenerateResponse:
+        status, data = await self.fleet.call(
+            server, "POST", "/generate", body, timeout_s=float(self.opts["request_timeout_s"])
+        )
+        if status != 200:
+            raise SGLangRequestError(
+                f"SGLang server {server.url} rejected /generate (HTTP {status}): {_short(data)}. "
+                "Check generators.options.extra_sampling_params and sampling.* against the server's "
+                "sampling_params (SGLANG_API.md section 1.2)."
+            )
+        return decode_generate(data)
+
+    async def _sample(self, task: PromptTask, k: int) -> Rollout:
+        from asyncrl.generators.sampling import sample_seed
+
+        assert self._ctx is not None and self._slots is not None
+        max_new = task.sampling.max_new_tokens
+        base_seed = sample_seed(self._ctx.run_seed, task.group_id, k)
+        ids: list[int] = []
+        logps: list[float] = []
+        versions: list[int] = []
+        failures = aborts = attempt = 0
+        use_mask = task.sampling.top_p < 1.0 and task.sampling.temperature > 0
+        async with self._slots:
+            while True:
+                rid = f"{self._ctx.generator_id}-t{task.task_id}-s{k}-a{attempt}"
+                attempt += 1
+                body = GenerateRequest(
+                    input_ids=list(task.prompt_ids) + ids,
+                    sampling_params=self._sampling_params(
+                        task, max_new - len(ids), segment_seed(base_seed, len(ids))
+                    ),
+                    rid=rid,
+                    return_logprob=True,
+                    return_sampling_mask=use_mask,
+                    sampling_logprobs_mode="selected" if use_mask else None,
+                )
+                server = await self.fleet.acquire()
+                try:
+                    resp = await self._request(server, body)
+                except ServerUnavailable as exc:
+                    self.fleet.quarantine(server, str(exc))
+                    asyncio.get_running_loop().create_task(self._abort_quietly(server, rid))
+                    failures += 1
+                    if failures > self.opts["max_retries"]:
+                        raise ServerUnavailable(
+                            f"sample {k} of task {task.task_id} failed {failures} times "
+                            f"(generators.options.max_retries = {self.opts['max_retries']}); last: {exc}"
+                        ) from None
+                    self.num_reissues += 1
+                    log.warning("re-issuing sample %d of task %d after: %s", k, task.task_id, exc)
+                    continue
+                finally:
+                    self.fleet.release(server)
+                new_ids, new_logps, new_versions = self._tokens(resp, server)
+                finish = (resp.meta_info.finish_reason or {}).get("type", "")
+                if finish == "abort":
+                    aborts += 1
+                    self.num_aborted_segments += 1
+                    if aborts > MAX_ABORTS_PER_SAMPLE:
+                        raise ServerUnavailable(
+                            f"sample {k} of task {task.task_id} was aborted {aborts} times"
+                        )
+                    if self._ctx.inflight == "abort":
+                        ids, logps, versions = [], [], []
+                        continue
+                ids += new_ids
+                logps += new_logps
+                versions += new_versions
+                if finish == "abort" and len(ids) < max_new:
+                    continue
+                if finish not in ("stop", "length", "abort"):
+                    raise ValueError(
+                        f"SGLang server {server.url} answered finish_reason {finish!r} for {rid}"
+                    )
+                break
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        prompt_text = self._tokenizer.decode(task.prompt_ids, skip_special_tokens=True)
+        return Rollout(
+            task_id=task.task_id,
+            sample_index=k,
+            completion_ids=ids,
+            behavior_logprobs=logps,
+            token_versions=versions,
+            reward=float(self._reward(prompt_text, text, task.answer)),
+            finish_reason="stop" if finish == "stop" else "length",
+        )
+
+    async def _abort_quietly(self, server: Server, rid: str) -> None:
+        """Best effort: a failed request must not keep a server busy (its answer is never read)."""
+        try:
+            await self.fleet.call(server, "POST", "/abort_request", {"rid": rid}, timeout_s=5.0)
+        except ServerUnavailable:
+            pass
+
+    async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(int(self.opts["max_concurrency"]))
+        jobs = [self._sample(task, k) for task in tasks for k in range(task.num_samples)]
+        return list(await asyncio.gather(*jobs))
+
+    # ------------------------------------------------------------------ weights
+    async def _control(self, server: Server, path: str, body: dict[str, Any]) -> None:
+        status, data = await self.fleet.call(server, "POST", path, body, timeout_s=CONTROL_TIMEOUT_S)
+        if status != 200:
+            raise SGLangRequestError(f"{server.url}{path} answered HTTP {status}: {_short(data)}")
+
+    async def server_version(self, server: Server) -> str | None:
+        status, data = await self.fleet.call(server, "GET", "/model_info", timeout_s=30.0)
+        if status != 200:
+            raise SGLangRequestError(f"{server.url}/model_info answered HTTP {status}: {_short(data)}")
+        return decode_model_info(data).weight_version
+
+    async def _push(self, server: Server, version: int, directory: str) -> None:
+        """pause -> load from disk -> check /model_info -> continue, on one server."""
+        mode = self.opts["pause_mode"]
+        await self._control(server, "/pause_generation", {"mode": mode})
+        try:
+            status, data = await self.fleet.call(
+                server,
+                "POST",
+                "/update_weights_from_disk",
+                {
+                    "model_path": directory,
+                    "weight_version": str(version),
+                    "abort_all_requests": False,
+                    "flush_cache": mode != "in_place",  # in_place keeps live KV: a flush would fail
+                },
+                timeout_s=CONTROL_TIMEOUT_S,
+            )
+            result = decode_update(data) if data.strip().startswith(b"{") else None
+            if status != 200 or result is None or not result.success:
+                raise SGLangRequestError(
+                    f"{server.url} could not load weights version {version} from {directory}: {_short(data)}"
+                )
+            reported = await self.server_version(server)
+            if reported != str(version):
+                raise SGLangRequestError(
+                    f"{server.url} reports weight version {reported!r} after loading version {version}"
+                )
+        finally:
+            await self._control(server, "/continue_generation", {})
+
+    def _lock(self) -> asyncio.Lock:
+        """Serialises weight pushes (a load and a readmission never interleave on a server)."""
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        return self._weights_lock
+
+    async def _bring_up_to_date(self, server: Server) -> bool:
+        """Readmission check: the server must hold the weights the others hold (pushed if not)."""
+        async with self._lock():
+            try:
+                label = await self.server_version(server)
+                if label is not None and label.isdigit() and int(label) == self._version:
+                    return True
+                if self._weights is None:
+                    return label == "default" and self._version == 0
+                await self._push(server, *self._weights)
+                return True
+            except (ServerUnavailable, SGLangRequestError) as exc:
+                server.last_error = str(exc)
+                return False
+
+    async def load_weights(self, version: int, location: str) -> None:
+        from asyncrl.transport.retention import version_dir
+
+        if self.opts["verify_shards"]:
+            await asyncio.to_thread(verify_shards, Path(location), version)
+        directory = str(version_dir(Path(location), version))
+        async with self._lock():
+            servers = self.fleet.in_service()
+            results = await asyncio.gather(
+                *(self._push(s, version, directory) for s in servers), return_exceptions=True
+            )
+            loaded = 0
+            errors = []
+            for server, result in zip(servers, results, strict=True):
+                if isinstance(result, ServerUnavailable | SGLangRequestError):
+                    self.fleet.quarantine(server, f"weights version {version}: {result}")
+                    errors.append(str(result))
+                elif isinstance(result, BaseException):
+                    raise result
+                else:
+                    loaded += 1
+            if loaded == 0:
+                from asyncrl.transport.manifest import WeightsCorruptError
+
+                if servers and all("could not load" in e for e in errors):  # every server refused the files
+                    raise WeightsCorruptError(
+                        f"no SGLang server could load weights version {version}: {errors[0]}"
+                    )
+                raise ServerUnavailable(
+                    f"no SGLang server took weights version {version}: {'; '.join(errors) or 'none in service'}"
+                )
+            self._weights = (version, directory)
+            self._version = version
+
+    async def close(self) -> None:
+        if hasattr(self, "fleet"):
+            await self.fleet.close()
+
+
+def verify_shards(root: Path, version: int) -> None:
+    """Check every file of a published version against its manifest (size and sha256) without
+    loading tensors; raises WeightsCorruptError / FileNotFoundError like `read_shards`."""
+    from asyncrl.transport.manifest import WeightsCorruptError
+    from asyncrl.transport.retention import version_dir
+    from asyncrl.transport.shards import read_manifest
+
+    manifest = read_manifest(root, version)
+    vdir = version_dir(root, version)
+    for record in [*manifest.files, *manifest.extra_files]:
+        path = vdir / record.name
+        if not path.is_file():
+            raise WeightsCorruptError(f"weights version {version}: file {record.name} is missing")
+        hasher = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                hasher.update(chunk)
+        if hasher.hexdigest() != record.sha256:
+            raise WeightsCorruptError(f"weights version {version}: file {record.name} fails its sha256 check")
+
+
+def _short(data: bytes, limit: int = 600) -> str:
+    from asyncrl.generators.sglang_client import error_message
+
+    text = error_message(data)
+    return text if len(text) <= limit else text[:limit] + "..."

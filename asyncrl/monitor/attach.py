@@ -1,0 +1,270 @@
+"""`asyncrl monitor RUN_DIR_OR_ENDPOINT`: attach a dashboard to a running job, or replay a finished one.
+
+Place in the data flow: a read-only subscriber at the very end of the metrics stream.
+  run directory, run live   -> SUB to the endpoint in <run>/monitor.json, and catch up from
+                               <run>/metrics.jsonl: each PUB message carries its line number
+                               (`seq`), so records already read are skipped and a gap (slow
+                               joiner, HWM drop) is filled from the file;
+  run directory, finished   -> replay metrics.jsonl (+ config.json, summary.json): final state;
+  tcp://host:port           -> SUB only (records from now on; `launcher` snapshots fill totals).
+The monitor never sends anything to the run: its socket is a SUB, and leaving (q, Ctrl-C, or a
+crash) just closes it. The launcher's PUB neither blocks nor notices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from asyncrl.monitor.stream import MONITOR_FILE
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
+POLL_MS = 250  # how long one wait for PUB messages lasts (and how often q is checked)
+FILE_CATCHUP_S = 1.0  # with no PUB traffic, look at the file this often anyway
+
+
+@dataclass
+class Target:
+    run_dir: Path | None
+    endpoint: str | None
+    live: bool
+
+    @property
+    def label(self) -> str:
+        where = str(self.run_dir) if self.run_dir is not None else str(self.endpoint)
+        return f"asyncrl monitor · {where} · {'live' if self.live else 'replay'}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def resolve_target(arg: str) -> Target:
+    """A run directory or a `tcp://host:port` endpoint; ValueError with a clear message otherwise."""
+    if "://" in arg:
+        if not ENDPOINT.match(arg):
+            raise ValueError(
+                f"{arg!r} is not a monitor endpoint; expected tcp://HOST:PORT (see <run>/monitor.json)"
+            )
+        return Target(run_dir=None, endpoint=arg, live=True)
+    run_dir = Path(arg)
+    if not run_dir.exists():
+        raise ValueError(f"{arg}: no such run directory (nor an endpoint like tcp://127.0.0.1:5555)")
+    if not run_dir.is_dir():
+        raise ValueError(f"{arg} is a file, not a run directory")
+    if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "config.json").is_file():
+        raise ValueError(
+            f"{arg} is not an asyncrl run directory (no metrics.jsonl or config.json); "
+            "pass a directory that `asyncrl launch` created, e.g. runs/<name>"
+        )
+    info_path = run_dir / MONITOR_FILE
+    endpoint, live = None, False
+    if info_path.is_file():
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{info_path} is unreadable ({exc}); replay only: remove it") from None
+        endpoint = info.get("endpoint")
+        live = bool(info.get("live")) and _pid_alive(int(info.get("pid", 0)))
+    live = live and not (run_dir / "summary.json").is_file()
+    return Target(run_dir=run_dir, endpoint=endpoint, live=live)
+
+
+class FileFollower:
+    """Reads complete new lines of metrics.jsonl, numbering them from 0 (= the PUB `seq`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.num_lines = 0
+        self.partial = b""
+        self.num_bad = 0
+
+    def read_new(self, from_seq: int) -> list[tuple[int, dict]]:
+        """New complete lines; only those numbered >= `from_seq` are decoded and returned."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for i, line in enumerate(complete, start=self.num_lines):
+            if i >= from_seq and line.strip():
+                try:
+                    out.append((i, json.loads(line)))
+                except json.JSONDecodeError:
+                    self.num_bad += 1
+        self.num_lines += len(complete)
+        return out
+
+
+class Follower:
+    """Feeds records, in order and once each, from the file and the PUB socket to `sink(record)`."""
+
+    def __init__(self, target: Target, sink, zctx: zmq.Context | None = None) -> None:
+        self.target = target
+        self.sink = sink
+        self.next_seq = 0
+        self.file = FileFollower(target.run_dir / "metrics.jsonl") if target.run_dir else None
+        self.sub = None
+        self.num_bad_frames = 0
+        self.last_file_read = 0.0
+        if target.live and target.endpoint:
+            self.ctx = zctx or zmq.Context.instance()
+            self.sub = self.ctx.socket(zmq.SUB)
+            self.sub.setsockopt(zmq.LINGER, 0)
+            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.sub.connect(target.endpoint)
+
+    def catch_up(self) -> int:
+        """Everything in the file past what was seen; returns how many records were new."""
+        self.last_file_read = time.monotonic()
+        if self.file is None:
+            return 0
+        new = self.file.read_new(self.next_seq)
+        for seq, record in new:
+            self.sink(record)
+            self.next_seq = seq + 1
+        return len(new)
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 2:
+                raise ValueError(f"expected 2 frames [seq, json], got {len(frames)}")
+            seq = int(frames[0])
+            record = json.loads(frames[1])
+            if not isinstance(record, dict):
+                raise ValueError("the record is not a JSON object")
+        except (ValueError, IndexError) as exc:  # json.JSONDecodeError is a ValueError
+            self.num_bad_frames += 1
+            log.warning("malformed metrics frame dropped: %s", exc)
+            return
+        if seq < self.next_seq:
+            return  # already read from the file
+        if seq > self.next_seq and self.file is not None:
+            self.catch_up()  # the file has every line the PUB socket skipped
+            if seq < self.next_seq:
+                return
+        self.sink(record)
+        self.next_seq = seq + 1
+
+    def poll(self, timeout_ms: int) -> None:
+        """Wait up to `timeout_ms` for records; read the file when the socket is quiet."""
+        if self.sub is not None and self.sub.poll(timeout_ms):
+            while True:
+                try:
+                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.on_frames(frames)
+        elif self.sub is None:
+            time.sleep(timeout_ms / 1000)  # file-only follow: a poll interval, not a synchronisation
+        if time.monotonic() - self.last_file_read >= FILE_CATCHUP_S:
+            self.catch_up()
+
+    def close(self) -> None:
+        if self.sub is not None:
+            self.sub.close(linger=0)
+            self.sub = None
+
+
+class KeyReader:
+    """Reads single keys from a terminal stdin in a daemon thread; `q` sets `quit`."""
+
+    def __init__(self) -> None:
+        self.quit = threading.Event()
+        self.saved = None
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> KeyReader:
+        if not sys.stdin.isatty():
+            return self
+        import termios
+        import tty
+
+        fd = sys.stdin.fileno()
+        self.saved = termios.tcgetattr(fd)
+        tty.setcbreak(fd)  # keys without Enter; Ctrl-C still raises KeyboardInterrupt
+        self.thread = threading.Thread(target=self._run, args=(fd,), name="monitor-keys", daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self, fd: int) -> None:
+        while not self.quit.is_set():
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready and os.read(fd, 1) in (b"q", b"Q"):
+                self.quit.set()
+
+    def __exit__(self, *exc) -> None:
+        self.quit.set()
+        if self.thread is not None:
+            self.thread.join(timeout=1.0)
+        if self.saved is not None:
+            import termios
+
+            termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, self.saved)
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def run_monitor(arg: str, *, once: bool = False, console=None) -> int:
+    """The `asyncrl monitor` command. Returns the exit code (0: detached or replayed)."""
+    from rich.console import Console
+
+    from asyncrl.monitor.live import Dashboard
+
+    target = resolve_target(arg)
+    console = console or Console()
+    once = once or not console.is_terminal
+    dash = Dashboard(console, title=target.label)
+    if target.run_dir is not None and (config := _load_json(target.run_dir / "config.json")):
+        dash.apply(lambda v: v.apply_config(config))
+    follower = Follower(target, dash.on_record)
+    summary_path = target.run_dir / "summary.json" if target.run_dir else None
+    try:
+        follower.catch_up()
+        if once or not target.live:
+            if summary_path is not None and (summary := _load_json(summary_path)):
+                dash.apply(lambda v: v.apply_summary(summary))
+            if once:
+                dash.print_once()
+                return 0
+        with KeyReader() as keys, dash:
+            summary_seen = False
+            while not keys.quit.is_set():
+                follower.poll(POLL_MS)
+                if dash.view.final and not summary_seen and summary_path is not None:
+                    if summary := _load_json(summary_path):
+                        dash.apply(lambda v: v.apply_summary(summary))
+                        summary_seen = True
+    except KeyboardInterrupt:
+        pass
+    finally:
+        follower.close()
+    return 0

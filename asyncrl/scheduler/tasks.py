@@ -1,0 +1,102 @@
+"""The launcher's book of prompt tasks (pure): open PromptTasks, the re-queue, and the ledger.
+
+Place in the data flow: the launcher (`scheduler/service.py`) admits a group (`admit`), sends its
+PromptTask to a generator (`dispatched`), hears TaskDone (`done`) and StepDone (`trained`), and
+reports a generator's death (`generator_failed`, which re-queues its in-flight tasks exactly once:
+a second report of the same death finds nothing in flight). Re-queued tasks are handed out again
+(`pop_requeued`) before any new group is admitted; they are the same PromptTask, so the re-run
+produces the same traj_ids (`group_id * num_samples + sample_index`) and the learner keeps the
+first copy of any sample the dead generator had already pushed.
+
+The launcher never sees trajectories, only counts. What it knows:
+  * TaskDone(task): every sample of the group was pushed to the learner -> those trajectories
+    are recorded as generated (live, pending until trained);
+  * StepDone(step): the learner trained groups [step * B, (step + 1) * B), and a step trains only
+    on a full window of B * N distinct traj_ids, so it trained each of their N samples exactly
+    once -> every one of those trajectories is recorded as trained.
+StepDone may come before the TaskDone of a group in it (different sockets; or the generator died
+after pushing its samples and the task was re-queued); the ledger accepts that order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from asyncrl.buffer.ledger import Ledger, LedgerSummary
+from asyncrl.messages import PromptTask
+
+
+class TaskBook:
+    """Open tasks (admitted, not yet done), the re-queue, and a `Ledger` of every event."""
+
+    def __init__(self, *, groups_per_step: int, samples_per_group: int) -> None:
+        if groups_per_step <= 0 or samples_per_group <= 0:
+            raise ValueError("groups_per_step and samples_per_group must be > 0")
+        self.groups_per_step = groups_per_step
+        self.samples_per_group = samples_per_group
+        self.ledger = Ledger()
+        self.open: dict[int, PromptTask] = {}  # task_id -> task, admitted and not done
+        self.requeued: deque[int] = deque()  # task ids waiting for a generator again
+        self.num_steps_trained = 0
+
+    def traj_id(self, group_id: int, sample_index: int) -> int:
+        return group_id * self.samples_per_group + sample_index
+
+    def admit(self, task: PromptTask) -> None:
+        if task.num_samples != self.samples_per_group:
+            raise ValueError(
+                f"task {task.task_id} has {task.num_samples} samples; learner.samples_per_group is "
+                f"{self.samples_per_group}"
+            )
+        self.ledger.admit(task.task_id, group_id=task.group_id, num_samples=task.num_samples)
+        self.open[task.task_id] = task
+
+    def dispatched(self, task_id: int, generator_id: str) -> None:
+        self.ledger.dispatch(task_id, generator_id=generator_id)
+
+    def pop_requeued(self) -> PromptTask | None:
+        """The oldest re-queued task (it will be dispatched now), or None."""
+        return self.open[self.requeued.popleft()] if self.requeued else None
+
+    def done(self, task_id: int, generator_id: str) -> PromptTask:
+        """TaskDone from `generator_id`; raises ValueError if the task is not in flight there."""
+        task = self.open.get(task_id)
+        if task is None:
+            raise ValueError(f"TaskDone for task {task_id}, which is not open (never admitted, or done)")
+        if task_id not in self.ledger.tasks_in_flight(generator_id):
+            raise ValueError(f"TaskDone for task {task_id} from {generator_id}, which was not running it")
+        for i in self.ledger.missing_samples(task_id):
+            self.ledger.generated(self.traj_id(task.group_id, i), task_id=task_id, sample_index=i)
+        self.ledger.task_done(task_id, generator_id=generator_id)
+        del self.open[task_id]
+        return task
+
+    def generator_failed(self, generator_id: str) -> list[int]:
+        """Re-queue every task in flight on `generator_id` (once); returns their ids, sorted."""
+        task_ids = self.ledger.generator_failed(generator_id)
+        self.requeued.extend(task_ids)
+        return task_ids
+
+    def trained(self, step: int) -> None:
+        """StepDone(step): every sample of the step's groups was trained exactly once."""
+        if step != self.num_steps_trained:
+            raise ValueError(f"StepDone for step {step}, expected step {self.num_steps_trained}")
+        first = step * self.groups_per_step
+        for group_id in range(first, first + self.groups_per_step):
+            task_id = group_id  # one task per group, numbered like the group
+            for i in self.ledger.missing_samples(task_id):
+                self.ledger.generated(self.traj_id(group_id, i), task_id=task_id, sample_index=i)
+            for i in range(self.samples_per_group):
+                traj_id = self.traj_id(group_id, i)
+                self.ledger.buffered(traj_id)
+                self.ledger.trained(traj_id)
+        self.num_steps_trained += 1
+        self.ledger.compact()  # keep memory flat: closed tasks live on only in the counts
+
+    def in_flight(self) -> list[int]:
+        """Open tasks that are not waiting in the re-queue, sorted."""
+        waiting = set(self.requeued)
+        return sorted(t for t in self.open if t not in waiting)
+
+    def summary(self, *, at_end: bool = False) -> LedgerSummary:
+        return self.ledger.summary(at_end=at_end)

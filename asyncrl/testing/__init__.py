@@ -1,0 +1,7 @@
+"""Test support for plugin authors and for our own suites (nothing here runs in a training job).
+
+- `asyncrl.testing.sglang_server`: a stand-in SGLang HTTP server backed by a real torch model, for
+  exercising the `sglang` generator (or any SGLang client) on CPU.
+- `asyncrl.testing.sglang_engine`: the engine behind it (continuous batching, pause modes, weight
+  versions), usable without HTTP.
+"""

@@ -1,0 +1,448 @@
+"""A stand-in SGLang server: the HTTP contract of /work/shared/SGLANG_API.md over a real torch model.
+
+Place in the data flow: stands where a real SGLang server stands, between the `sglang` generator
+(`asyncrl/generators/sglang.py`, or any SGLang client) and a model, on a loopback port. Its outputs
+are real samples with exact log-probs (`sglang_engine.py`, `sglang_params.py`), so tests of the
+client check numbers, not mocks. Stdlib `http.server` with one thread per connection: no
+dependency, and a blocked /generate (paused server) does not block control calls.
+
+Implemented: POST|PUT /generate (input_ids or text, batches and n, return_logprob,
+logprob_start_len, top_logprobs_num, return_sampling_mask, the strict sampling_params contract and
+its error shapes), /pause_generation, /continue_generation, /abort_request,
+/update_weights_from_disk, /update_weight_version, /begin_weight_update, /end_weight_update
+(the session rules of the distributed and tensor updates, which themselves answer 400 here),
+/flush_cache, GET /health, /health_generate, /ready, /model_info, /server_info (and their /get_*
+aliases), /v1/loads; /get_weight_version is 404 as in 0.5.21+. Not implemented: streaming (400),
+torch.distributed weight groups, multimodal inputs, LoRA.
+
+Run it as a process (prints `SGLANG_STANDIN_URL http://127.0.0.1:PORT` once it listens):
+
+    python -m asyncrl.testing.sglang_server --model-path DIR --port 0 [--weight-version 0]
+
+or in-process: `with StandInServer(model_dir) as server: ... server.url ...`. In-process tests
+can also inject faults (`server.faults.append("disconnect")`: the next /generate is cut after its
+first token, with no response) and mark the server unhealthy (`server.healthy = False`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from asyncrl.testing.sglang_engine import Engine, EngineRequest, new_request, version_spans
+from asyncrl.testing.sglang_params import ContractError, RequestError, parse_sampling_params
+
+log = logging.getLogger(__name__)
+SERVER_VERSION = "0.5.23-standin"
+
+
+class _Reply(Exception):
+    """Answer with `status` and JSON `body` (or text) and stop handling."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+class _Disconnect(Exception):
+    """Close the connection without an answer (an injected fault)."""
+
+
+def _as_list(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for a batch of {n}.")
+        return value
+    return [value] * n
+
+
+class StandInServer:
+    """The HTTP front of an `Engine`; a context manager that serves on a loopback thread."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        weight_version: str = "default",
+        threads: int = 1,
+    ) -> None:
+        self.engine = Engine(model_dir, weight_version=weight_version, threads=threads)
+        self.faults: collections.deque[str] = collections.deque()  # "disconnect" or "error500"
+        self.healthy = True
+        self.started = time.time()
+        handler = type("Handler", (_Handler,), {"server_ref": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> StandInServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="standin-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.engine.close()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> StandInServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ routes
+    def get(self, path: str) -> Any:
+        e = self.engine
+        match path:
+            case "/health" | "/health_generate":
+                raise _Reply(200 if self.healthy and not e.closed else 503, None)
+            case "/ready":
+                raise _Reply(200 if self.healthy and e.paused is None else 503, None)
+            case "/model_info" | "/get_model_info":
+                return {
+                    "model_path": e.model_path,
+                    "served_model_name": e.model_path,
+                    "tokenizer_path": e.initial_path,
+                    "is_generation": True,
+                    "preferred_sampling_params": None,
+                    "weight_version": e.weight_version,
+                    "load_format": None,
+                    "reasoning_parser": None,
+                    "tool_call_parser": None,
+                    "disaggregation_mode": "null",
+                    "has_image_understanding": False,
+                    "has_audio_understanding": False,
+                    "model_type": getattr(e.model.config, "model_type", None),
+                    "architectures": getattr(e.model.config, "architectures", None),
+                }
+            case "/server_info" | "/get_server_info":
+                return {
+                    "model_path": e.initial_path,
+                    "tp_size": 1,
+                    "dp_size": 1,
+                    "max_req_input_len": e.context_len - 1,
+                    "launch_command": " ".join(sys.argv),
+                    "startup_time": self.started,
+                    "internal_states": [
+                        {"num_generate_requests": e.num_generate_requests, "paused": e.paused}
+                    ],
+                    "version": SERVER_VERSION,
+                    "frontend": "python",
+                }
+            case "/v1/loads":
+                return {"timestamp": time.time(), "version": SERVER_VERSION, "loads": [e.loads()]}
+            case "/flush_cache":
+                return self.flush_cache()
+        raise _Reply(404, {"detail": "Not Found"})
+
+    def flush_cache(self) -> Any:
+        if self.engine.running and self.engine.paused != "retract":
+            raise _Reply(400, "Timed out waiting for idle state.")
+        raise _Reply(200, "Cache flushed.\nPlease check backend logs for more details.")
+
+    def post(self, path: str, body: dict[str, Any], handler: _Handler) -> Any:
+        e = self.engine
+        match path:
+            case "/generate":
+                return self.generate(body, handler)
+            case "/pause_generation":
+                mode = body.get("mode", "abort")
+                if mode not in ("abort", "retract", "in_place"):
+                    raise _Reply(
+                        400, {"error": {"message": f"mode must be abort, retract or in_place, got {mode!r}"}}
+                    )
+                e.pause(mode)
+                return {"message": "Generation paused successfully.", "status": "ok"}
+            case "/continue_generation":
+                e.resume()
+                return {"message": "Generation continued successfully.", "status": "ok"}
+            case "/abort_request":
+                e.abort(str(body.get("rid", "")), bool(body.get("abort_all", False)))
+                raise _Reply(200, "")
+            case "/update_weights_from_disk":
+                if not isinstance(body.get("model_path"), str):
+                    raise _Reply(400, {"success": False, "message": "model_path (a string) is required"})
+                version = body.get("weight_version")
+                ok, message, num_paused = e.update_weights_from_disk(
+                    body["model_path"],
+                    weight_version=None if version is None else str(version),
+                    abort_all=bool(body.get("abort_all_requests", False)),
+                    flush_cache=bool(body.get("flush_cache", True)),
+                )
+                reply = {"success": ok, "message": message, "num_paused_requests": num_paused}
+                raise _Reply(200 if ok else 400, reply)
+            case "/update_weight_version":
+                new = body.get("new_version")
+                if new is None:
+                    raise _Reply(400, {"success": False, "message": "new_version is required"})
+                e.update_weight_version(str(new), abort_all=bool(body.get("abort_all_requests", True)))
+                return {
+                    "success": True,
+                    "message": f"Weight version updated to {new}",
+                    "new_version": str(new),
+                }
+            case "/begin_weight_update" | "/end_weight_update":
+                ok, message = e.begin_session() if path == "/begin_weight_update" else e.end_session()
+                raise _Reply(200 if ok else 400, {"success": ok, "message": message})
+            case "/update_weights_from_distributed" | "/update_weights_from_tensor":
+                name = path.lstrip("/")
+                if not e.session_open:
+                    message = f"{name} must run between begin_weight_update() and end_weight_update()"
+                else:
+                    message = (
+                        f"{name} is not implemented by the stand-in server; use update_weights_from_disk"
+                    )
+                raise _Reply(400, {"success": False, "message": message})
+            case "/init_weights_update_group" | "/destroy_weights_update_group":
+                message = "the stand-in server has no torch.distributed weight-update group"
+                raise _Reply(400, {"success": False, "message": message})
+            case "/flush_cache":
+                return self.flush_cache()
+        raise _Reply(404, {"detail": "Not Found"})
+
+    # ------------------------------------------------------------------ /generate
+    def generate(self, body: dict[str, Any], handler: _Handler) -> Any:
+        e = self.engine
+        try:
+            reqs, batched = self._parse_generate(body)
+        except ContractError as exc:
+            raise _Reply(400, {"error": str(exc)}) from None
+        except RequestError as exc:
+            raise _Reply(400, {"error": {"message": str(exc)}}) from None
+        fault = self.faults.popleft() if self.faults else None
+        if fault == "error500":
+            raise _Reply(500, {"detail": "injected fault"})
+        submitted: list[EngineRequest] = []
+        try:
+            for req in reqs:
+                e.submit(req)
+                submitted.append(req)
+        except RequestError as exc:
+            for req in submitted:
+                e.cancel(req)
+            raise _Reply(400, {"error": {"message": str(exc)}}) from None
+        if fault == "disconnect":
+            with e.cond:
+                e.cond.wait_for(lambda: bool(reqs[0].output_ids) or reqs[0].done.is_set())
+            for req in reqs:
+                e.cancel(req)
+            raise _Disconnect
+        for req in reqs:
+            req.done.wait()
+        failed = [r for r in reqs if r.status_code >= 400]
+        if failed:
+            raise _Reply(failed[0].status_code, {"error": {"message": failed[0].finish.get("message", "")}})
+        out = [self._response(r) for r in reqs]
+        return out if batched else out[0]
+
+    def _parse_generate(self, body: dict[str, Any]) -> tuple[list[EngineRequest], bool]:
+        e = self.engine
+        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+        if len(given) != 1:
+            raise RequestError("Either text, input_ids or input_embeds should be provided (exactly one).")
+        if given[0] == "input_embeds":
+            raise RequestError("input_embeds is not implemented by the stand-in server.")
+        if body.get("stream"):
+            raise RequestError("stream=true is not implemented by the stand-in server; send stream=false.")
+        if given[0] == "text":
+            if e.tokenizer is None:
+                raise RequestError("text input needs a tokenizer; send input_ids.")
+            texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
+            prompts = [e.tokenizer(t)["input_ids"] for t in texts]
+            batched = isinstance(body["text"], list)
+        else:
+            ids = body["input_ids"]
+            if not isinstance(ids, list):
+                raise ContractError(f"invalid type: {type(ids).__name__}, expected a sequence (input_ids)")
+            batched = bool(ids) and isinstance(ids[0], list)
+            prompts = ids if batched else [ids]
+            for p in prompts:
+                if not isinstance(p, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p
+                ):
+                    raise ContractError("invalid type: expected a sequence of i64 (input_ids)")
+        params = _as_list(body.get("sampling_params") or {}, len(prompts), "sampling_params")
+        specs = [parse_sampling_params(p, vocab_size=e.vocab_size) for p in params]
+        n = specs[0].n
+        batched = batched or n > 1
+        rid = body.get("rid")
+        if isinstance(rid, list):
+            rids = _as_list(rid, len(prompts), "rid")
+        elif rid is not None and batched:
+            rids = [f"{rid}_{i}" for i in range(len(prompts))]
+        else:
+            rids = [rid] * len(prompts)
+        options = {
+            "return_logprob": body.get("return_logprob", False),
+            "logprob_start_len": body.get("logprob_start_len", -1),
+            "top_logprobs_num": body.get("top_logprobs_num", 0),
+            "return_sampling_mask": body.get("return_sampling_mask", False),
+        }
+        mode = body.get("sampling_logprobs_mode")
+        if mode is not None and not options["return_sampling_mask"]:
+            raise RequestError("sampling_logprobs_mode needs return_sampling_mask=true.")
+        if mode not in (None, "selected", "support"):
+            raise RequestError(f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}.")
+        per_item = {k: _as_list(v, len(prompts), k) for k, v in options.items()}
+        reqs = []
+        for i, (prompt, spec) in enumerate(zip(prompts, specs, strict=True)):
+            e.check_input(prompt, spec)
+            start = per_item["logprob_start_len"][i]
+            if start > len(prompt):
+                raise RequestError(
+                    f"logprob_start_len ({start}) is larger than the prompt ({len(prompt)} tokens)."
+                )
+            for _ in range(n):
+                reqs.append(
+                    new_request(
+                        prompt,
+                        spec,
+                        rid=uuid.uuid4().hex if n > 1 else rids[i],
+                        return_logprob=bool(per_item["return_logprob"][i]),
+                        logprob_start_len=int(start),
+                        top_logprobs_num=int(per_item["top_logprobs_num"][i]),
+                        return_sampling_mask=bool(per_item["return_sampling_mask"][i]),
+                        sampling_logprobs_mode=mode
+                        or ("selected" if per_item["return_sampling_mask"][i] else None),
+                    )
+                )
+        return reqs, batched
+
+    def _response(self, req: EngineRequest) -> dict[str, Any]:
+        e = self.engine
+        spans = version_spans(req.labels)
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "weight_version": spans[-1]["version"] if spans else e.weight_version,
+            "num_retractions": req.num_retractions,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(req.output_ids),
+            "weight_versions": spans,
+            "e2e_latency": time.perf_counter() - req.created,
+        }
+        if req.finish.get("message") != "Abort in waiting queue":
+            meta["prompt_tokens"] = len(req.input_ids)
+            meta["cached_tokens"] = 0
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[p.logprob, p.token, None] for p in req.picks]
+            meta["input_token_logprobs"] = req.input_logprobs or []
+            meta["output_token_logprobs_length"] = len(req.picks)
+            if req.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [
+                    [[float(v), int(t), None] for v, t in zip(*p.full_logp_V.topk(req.top_logprobs_num))]
+                    for p in req.picks
+                ]
+        if req.return_sampling_mask:
+            meta["output_token_sampling_mask"] = [p.support for p in req.picks]
+            meta["output_token_sampling_mask_length"] = len(req.picks)
+            if req.sampling_logprobs_mode == "support":
+                meta["output_token_sampling_logprobs"] = [p.support_logprobs for p in req.picks]
+            else:
+                meta["output_token_sampling_logprobs"] = [p.sampling_logprob for p in req.picks]
+        text = ""
+        if e.tokenizer is not None:
+            text = e.tokenizer.decode(req.output_ids, skip_special_tokens=req.spec.skip_special_tokens)
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: clients may reuse connections
+    server_ref: StandInServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _send(self, status: int, body: Any) -> None:
+        if body is None:
+            data, ctype = b"", "application/json"
+        elif isinstance(body, str):
+            data, ctype = body.encode(), "text/plain; charset=utf-8"
+        else:
+            data, ctype = json.dumps(body).encode(), "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _handle(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            if method == "GET":
+                result = self.server_ref.get(path)
+            else:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body = json.loads(raw) if raw.strip() else {}
+                except json.JSONDecodeError as exc:
+                    raise _Reply(400, {"error": {"message": f"the body is not valid JSON: {exc}"}}) from None
+                if not isinstance(body, dict):
+                    raise _Reply(400, {"error": "invalid type: expected a JSON object at the top level"})
+                if path == "/flush_cache":
+                    result = self.server_ref.flush_cache()
+                else:
+                    result = self.server_ref.post(path, body, self)
+            self._send(200, result)
+        except _Reply as reply:
+            self._send(reply.status, reply.body)
+        except _Disconnect:
+            self.close_connection = True
+            self.connection.close()
+
+    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
+        self._handle("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._handle("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._handle("POST" if self.path.split("?", 1)[0] == "/generate" else "PUT")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="A stand-in SGLang server on a torch model (asyncrl.testing)."
+    )
+    parser.add_argument(
+        "--model-path", "--model", dest="model", required=True, help="Hugging Face model directory"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = StandInServer(
+        args.model, host=args.host, port=args.port, weight_version=args.weight_version, threads=args.threads
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server.start()
+    print(f"SGLANG_STANDIN_URL {server.url}", flush=True)
+    stop.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Chaos: generators are SIGKILLed at random points of a run, several times; the run completes,
+nothing is lost, no group is trained on more samples than configured, and restarts are counted.
+
+Kills are triggered by observed progress (TaskDone records in metrics.jsonl), never by sleeps, and
+each kill waits until the launcher has recorded the restart before the next one. The generator is
+the torch generator behind a gate: groups of the last steps wait for a file the test creates after
+its last kill, so the run cannot finish before every kill has been seen, however fast or loaded
+the machine is. The victims are generator pids that this run's launcher started (its
+`spawn` records), each checked to be that generator process before it is signalled.
+ASYNCRL_CHAOS_SEED reproduces a failing draw (the seed is in every assertion message).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_records, short_job_args
+
+pytestmark = pytest.mark.slow
+
+STEPS, GROUPS, SAMPLES = 10, 2, 4
+NUM_KILLS = 3
+POLL_S = 0.1  # how often the test re-reads metrics.jsonl for progress
+GATED_STEP = 7  # groups of this step and later wait for the gate
+
+GATED_PLUGIN = textwrap.dedent(
+    f"""
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from asyncrl.generators.torch_gen import TorchGenerator
+
+    class GatedGenerator(TorchGenerator):
+        async def generate(self, tasks):
+            gate = Path(os.environ["ASYNCRL_TEST_GATE"])
+            while any(t.step >= {GATED_STEP} for t in tasks) and not gate.exists():
+                await asyncio.sleep(0.05)  # a file the test creates; heartbeats keep flowing
+            return await super().generate(tasks)
+    """
+)
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    if not (run_dir / "metrics.jsonl").is_file():
+        return []
+    return read_records(run_dir, kind)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str) -> None:
+    """Poll the run directory until `condition()`; fail if the launcher exits first."""
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (code {proc.returncode}) while waiting for {what}")
+        time.sleep(POLL_S)  # polling a file for progress; the launcher publishes nothing else
+
+
+def live_generators(run_dir: Path) -> list[dict]:
+    """Generator processes started by this run and not yet reported dead by the launcher."""
+    dead = {r["peer_id"] for r in records(run_dir, "restart")}
+    return [r for r in records(run_dir, "spawn") if r["role"] == "generator" and r["peer_id"] not in dead]
+
+
+def is_that_generator(pid: int, peer_id: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"asyncrl.generators.service" in cmdline and peer_id.encode() in cmdline
+
+
+@pytest.mark.timeout(600)
+def test_generators_sigkilled_at_random_points_lose_nothing(tiny_model_dir, tmp_path, pid_alive):
+    seed = int(os.environ.get("ASYNCRL_CHAOS_SEED", random.randrange(1_000_000)))
+    rng = random.Random(seed)
+    total_groups = STEPS * GROUPS
+    # Kill points in TaskDone records, all before the gated steps.
+    thresholds = sorted(rng.sample(range(1, GATED_STEP * GROUPS), NUM_KILLS))
+    (tmp_path / "gated_plugin.py").write_text(GATED_PLUGIN)
+    gate = tmp_path / "gate"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "ASYNCRL_TEST_GATE": str(gate),
+    }
+    args = short_job_args(
+        tiny_model_dir,
+        tmp_path,
+        f"learner.steps={STEPS}",
+        f"learner.groups_per_step={GROUPS}",
+        f"learner.samples_per_group={SAMPLES}",
+        "generators.num_generators=2",
+        "generators.max_batch_groups=1",
+        'generators.kind="gated_plugin:GatedGenerator"',
+        f"generators.max_restarts={NUM_KILLS}",
+        name="chaos",
+    )
+    run_dir = tmp_path / "chaos"
+    out = tmp_path / "launcher.out"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen(args, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env)
+    killed: list[dict] = []
+    try:
+        for threshold in thresholds:
+            wait_for(lambda t=threshold: len(records(run_dir, "task")) >= t, proc, f"{threshold} tasks done")
+            victim = rng.choice(live_generators(run_dir))
+            assert is_that_generator(victim["pid"], victim["peer_id"]), (seed, victim)
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed.append(victim)
+            wait_for(
+                lambda v=victim: any(r["peer_id"] == v["peer_id"] for r in records(run_dir, "restart")),
+                proc,
+                f"the restart of {victim['peer_id']}",
+            )
+        gate.touch()
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the launcher this test started; its children follow it (they watch their parent)
+            proc.wait()
+    log = out.read_text()
+    context = f"seed {seed}, kills at {thresholds}: {[k['peer_id'] for k in killed]}\n{log[-3000:]}"
+    assert proc.returncode == 0, context
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed", context
+    assert summary["generator_restarts"] == NUM_KILLS, context
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_pending"] == 0, context
+    assert summary["trajectories_duplicated"] == 0, context
+    assert summary["trajectories_trained"] == total_groups * SAMPLES, context
+
+    # No group trained on more samples than configured: every step trained exactly its window.
+    steps = read_records(run_dir, "step")
+    assert [s["step"] for s in steps] == list(range(STEPS)), context
+    assert all(s["num_trajectories"] == GROUPS * SAMPLES for s in steps), context
+
+    # Every kill was seen as exactly one restart of that process, and its tasks re-queued once.
+    restarts = read_records(run_dir, "restart")
+    assert [r["peer_id"] for r in restarts] == [k["peer_id"] for k in killed], context
+    assert [r["generator_restarts"] for r in restarts] == list(range(1, NUM_KILLS + 1)), context
+    requeued = [t for r in restarts for t in r["requeued"]]
+    assert summary["tasks_requeued"] == len(requeued), context
+    assert all(t < total_groups for t in requeued), context
+
+    # Every process the run started is gone.
+    pids = [r["pid"] for r in read_records(run_dir, "spawn")]
+    assert len(pids) == 1 + 2 + NUM_KILLS, context
+    assert not [p for p in pids if pid_alive(p)], context

@@ -1,0 +1,371 @@
+"""Hostile input: 10,000 malformed messages to each socket a run binds, while the run is going on.
+
+Sockets that accept connections: the launcher's ROUTER (control) and the learner's PULL
+(trajectories). Generators bind nothing (a DEALER and a PUSH, both connecting), so there is no
+generator socket to attack. Every message must be rejected and counted exactly once, no process
+may crash, and the run's results must be those of a clean run: every step trains its full window,
+nothing lost, nothing invalid got through, nothing duplicated.
+
+Determinism on a loaded machine: the generator is a plugin that holds back step 2's groups until
+the test opens a gate file, so the fuzzing happens in the middle of the run; the gate opens only
+once both processes have counted every message (the launcher's `rejected` records, the learner's
+log line at each thousandth rejection). Waiting is by polling files, never by sleeping blindly.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pickle
+import random
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+import asyncrl
+from asyncrl.messages import (
+    Hello,
+    PromptTask,
+    SamplingParams,
+    Shutdown,
+    StepDone,
+    TensorRef,
+    Trajectory,
+    WeightsLoaded,
+    WeightsPublished,
+)
+from asyncrl.transport.codec import MAX_FRAMES, MAX_HEADER_BYTES, encode
+from tests.conftest import read_records, short_job_args
+
+pytestmark = pytest.mark.slow
+
+NUM_MESSAGES = 10_000  # per socket; a multiple of 1000 so the receiver's log shows the last one
+POLL_S = 0.1
+STEPS, GROUPS, SAMPLES = 5, 2, 2
+
+GATED_PLUGIN = textwrap.dedent(
+    """
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from asyncrl.generators.torch_gen import TorchGenerator
+
+    class GatedGenerator(TorchGenerator):
+        async def generate(self, tasks):
+            gate = Path(os.environ["ASYNCRL_TEST_GATE"])
+            while any(t.step >= 2 for t in tasks) and not gate.exists():
+                await asyncio.sleep(0.05)  # a file the test creates; heartbeats keep flowing
+            return await super().generate(tasks)
+    """
+)
+
+
+class _Canary:
+    """Unpickling this creates a file: proof that someone unpickled bytes from the wire."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def _trajectory(**refs: TensorRef) -> Trajectory:
+    ok = TensorRef(frame=0, dtype="int64", shape=(2,))
+    fields = {
+        "completion_ids": ok,
+        "behavior_logprobs": TensorRef(frame=1, dtype="float32", shape=(2,)),
+        "token_versions": TensorRef(frame=2, dtype="int64", shape=(2,)),
+        **refs,
+    }
+    return Trajectory(
+        traj_id=10**9,
+        group_id=10**8,
+        task_id=10**8,
+        sample_index=0,
+        step=0,
+        num_samples=2,
+        prompt_ids=[1],
+        reward=0.0,
+        finish_reason="stop",
+        generator_id="fuzz",
+        **fields,
+    )
+
+
+def malformed_messages(rng: random.Random, *, wrong_types: list, canary: Path) -> list[list[bytes]]:
+    """NUM_MESSAGES multipart messages none of which a receiver may accept, of every kind."""
+    valid = encode(
+        PromptTask(
+            task_id=1,
+            group_id=1,
+            prompt_ids=[1, 2, 3, 4, 5, 6],
+            num_samples=2,
+            sampling=SamplingParams(),
+            dataset_index=1,
+            step=0,
+            answer="7",
+        )
+    )[0]
+    tensor = bytes(16)
+    kinds = [
+        lambda: [rng.randbytes(rng.randrange(0, 300))],  # garbage
+        lambda: [valid[: rng.randrange(0, len(valid))]],  # truncated
+        lambda: [valid + rng.randbytes(rng.randrange(1, 8))],  # trailing bytes
+        lambda: [msgspec.msgpack.encode({"type": rng.choice(["Bogus", "", "hello"]), "x": 1})],  # unknown tag
+        lambda: encode(Hello(role="generator", peer_id="fuzz", protocol_version=rng.randrange(2, 99))),
+        lambda: encode(rng.choice(wrong_types)),  # well-formed, wrong type for this socket
+        lambda: [encode(_trajectory())[0], tensor, tensor],  # a tensor frame missing
+        lambda: [encode(_trajectory())[0], tensor, tensor, tensor, tensor],  # one too many
+        lambda: (
+            [encode(_trajectory(completion_ids=TensorRef(frame=0, dtype="object", shape=(2,))))[0]]
+            + [tensor] * 3
+        ),  # dtype not allowed
+        lambda: (
+            [encode(_trajectory(completion_ids=TensorRef(frame=0, dtype="int64", shape=(-2,))))[0]]
+            + [tensor] * 3
+        ),  # negative shape
+        lambda: (
+            [encode(_trajectory(completion_ids=TensorRef(frame=0, dtype="int64", shape=(3,))))[0]]
+            + [tensor] * 3
+        ),  # byte size does not match the shape
+        lambda: [b"x"] * (MAX_FRAMES + 1),  # too many frames
+        lambda: [pickle.dumps(_Canary(str(canary)))],  # a pickle that would create a file
+    ]
+    messages = [kinds[i % len(kinds)]() for i in range(NUM_MESSAGES - 2)]
+    messages += [[b"\x00" * (MAX_HEADER_BYTES + 1)]] * 2  # oversized headers
+    rng.shuffle(messages)
+    return messages
+
+
+def send_all(address: str, kind: int, messages: list[list[bytes]]) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 10_000)  # flush everything before close returns
+    sock.connect(address)
+    for frames in messages:
+        sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, *, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (code {proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(POLL_S)  # polling the run directory for progress
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return read_records(run_dir, kind) if (run_dir / "metrics.jsonl").is_file() else []
+
+
+def generator_args(pid: int) -> dict[str, str]:
+    """The launcher's and learner's addresses, from a generator's command line."""
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    extra = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--extra")
+    return {"ctrl": argv[argv.index("--ctrl") + 1], "data": extra["data"]}
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* prints them) of TCP sockets the pids listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                found.append(fields[1].split(":")[0])
+    return found
+
+
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+
+
+@pytest.mark.timeout(600)
+def test_malformed_messages_on_every_socket_are_rejected_and_counted(tiny_model_dir, tmp_path, pid_alive):
+    (tmp_path / "gated_plugin.py").write_text(GATED_PLUGIN)
+    gate, canary = tmp_path / "gate", tmp_path / "unpickled"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "ASYNCRL_TEST_GATE": str(gate),
+    }
+    args = short_job_args(
+        tiny_model_dir,
+        tmp_path,
+        f"learner.steps={STEPS}",
+        f"learner.groups_per_step={GROUPS}",
+        f"learner.samples_per_group={SAMPLES}",
+        'generators.kind="gated_plugin:GatedGenerator"',
+        "generators.max_batch_groups=1",  # a batch mixing steps 0 and 2 would hold step 0 back
+        name="fuzz",
+    )
+    run_dir = tmp_path / "fuzz"
+    out = tmp_path / "launcher.out"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen(args, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for(lambda: records(run_dir, "step"), proc, "the first step")
+        spawned = {r["peer_id"]: r["pid"] for r in records(run_dir, "spawn")}
+        addresses = generator_args(spawned["gen-0"])
+        pids = [proc.pid, *spawned.values()]
+        listening = listening_addresses(pids)
+        assert len(listening) >= 2 and set(listening) <= LOOPBACK_HEX, listening
+
+        rng = random.Random(0)
+        to_launcher = malformed_messages(
+            rng, wrong_types=[Shutdown(), _trajectory(), any_prompt_task()], canary=canary
+        )
+        to_learner = malformed_messages(
+            rng,
+            wrong_types=[
+                Shutdown(),
+                WeightsLoaded(generator_id="gen-0", version=1),
+                WeightsPublished(version=1, transport="safetensors", location="/", num_bytes=0),
+                any_step_done(),
+            ],
+            canary=canary,
+        )
+        send_all(addresses["ctrl"], zmq.DEALER, to_launcher)
+        send_all(addresses["data"], zmq.PUSH, to_learner)
+        wait_for(
+            lambda: any(r["num_rejected"] >= NUM_MESSAGES for r in records(run_dir, "rejected")),
+            proc,
+            "the launcher to count every message",
+        )
+        learner_log = run_dir / "logs" / "learner.log"
+        wait_for(
+            lambda: f"{NUM_MESSAGES} rejected so far" in learner_log.read_text(errors="replace"),
+            proc,
+            "the learner to count every message",
+        )
+        gate.touch()
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the launcher this test started; its children exit when it is gone
+            proc.wait()
+    log = out.read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert not canary.exists(), "a pickle from the wire was unpickled"
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["rejected_frames"]["launcher"] == NUM_MESSAGES, summary["rejected_frames"]
+    assert summary["rejected_frames"]["learner"] == NUM_MESSAGES, summary["rejected_frames"]
+    assert summary["rejected_frames"]["launcher_by_reason"].get("unknown peer", 0) > 0
+    # The run's results are a clean run's: full windows, nothing lost, invalid or duplicated.
+    assert summary["trajectories_trained"] == STEPS * GROUPS * SAMPLES
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["duplicates"] == 0 and summary["generator_restarts"] == 0
+    steps = read_records(run_dir, "step")
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert all(s["num_trajectories"] == GROUPS * SAMPLES for s in steps)
+    learner_metrics = [r for r in read_records(run_dir, "metrics") if r["source"] == "learner"]
+    assert learner_metrics and all(r["learner/invalid_trajectories"] == 0 for r in learner_metrics)
+    assert all(r.get("gen/rejected_frames", 0) == 0 for r in read_records(run_dir, "metrics"))
+    assert not [p for p in pids if pid_alive(p)]
+
+
+def any_prompt_task() -> PromptTask:
+    return PromptTask(
+        task_id=0,
+        group_id=0,
+        prompt_ids=[1],
+        num_samples=2,
+        sampling=SamplingParams(),
+        dataset_index=0,
+        step=0,
+        answer="0",
+    )
+
+
+def any_step_done() -> StepDone:
+    return StepDone(
+        step=0,
+        version=1,
+        num_trajectories=4,
+        num_tokens=4,
+        loss=0.0,
+        mean_reward=0.0,
+        max_staleness=0,
+        mean_staleness=0.0,
+        clip_fraction=0.0,
+        grad_norm=0.0,
+        step_s=0.0,
+        idle_s=0.0,
+    )
+
+
+def test_nothing_in_the_package_pickles_or_binds_beyond_loopback():
+    """Static guard: no pickle (nor pyzmq's pickling send/recv), no raw `bind`, and every
+    `bind_to_random_port` on loopback (the `LOOPBACK` constant or a 127.0.0.1 literal)."""
+    root = Path(asyncrl.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle") for n in names):
+                    offenders.append(f"{where} imports pickle")
+            if isinstance(node, ast.Attribute) and node.attr in ("send_pyobj", "recv_pyobj"):
+                offenders.append(f"{where} uses .{node.attr}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("bind", "bind_to_random_port")
+                and not _is_loopback(node.args[0] if node.args else None)
+            ):
+                offenders.append(f"{where} binds beyond loopback")
+    assert not offenders, offenders
+
+
+def _is_loopback(arg: ast.expr | None) -> bool:
+    """The `LOOPBACK` constant, a tcp://127.0.0.1 literal, or a ("127.0.0.1", port) tuple."""
+    if isinstance(arg, ast.Name):
+        return arg.id == "LOOPBACK"
+    if isinstance(arg, ast.Tuple) and arg.elts:
+        arg = arg.elts[0]
+    return isinstance(arg, ast.Constant) and str(arg.value).removeprefix("tcp://").startswith(
+        ("127.0.0.1", "localhost", "[::1]", "::1")
+    )
+
+
+def test_fuzz_messages_are_never_acceptable(tmp_path):
+    """Self-check of the hostile messages: none decodes to a Trajectory (which the learner would
+    train on instead of rejecting), and building them unpickles nothing."""
+    from asyncrl.transport.codec import MalformedFrame, decode
+
+    canary = tmp_path / "unpickled"
+    messages = malformed_messages(random.Random(1), wrong_types=[Shutdown()], canary=canary)
+    assert len(messages) == NUM_MESSAGES
+    num_decoded = 0
+    for frames in messages:
+        try:
+            msg, _ = decode(frames)
+        except MalformedFrame:
+            continue
+        num_decoded += 1
+        assert isinstance(msg, Hello | Shutdown), msg
+    assert 0 < num_decoded < NUM_MESSAGES
+    assert not canary.exists()

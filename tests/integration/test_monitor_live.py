@@ -1,0 +1,147 @@
+"""The monitor against real short runs: the dashboard of `asyncrl launch` in a pseudo-terminal,
+attaching and detaching `asyncrl monitor` during a run, replay and report afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import read_records, short_job_args
+
+pexpect = pytest.importorskip("pexpect")
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
+PTY_SIZE = (50, 160)  # rows, columns
+
+
+def pty_env() -> dict[str, str]:
+    return {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(PTY_SIZE[1]), "LINES": str(PTY_SIZE[0])}
+
+
+def last_screen(raw: str) -> str:
+    """The last dashboard frame of a rich Live output, as plain text with squeezed spaces."""
+    text = ANSI.sub("", raw.replace("\r", ""))
+    start = text.rfind("─ progress ─")
+    assert start >= 0, text[-3000:]
+    return " ".join(text[text.rfind("\n", 0, start) + 1 :].split())
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)  # polling a condition with a deadline
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launch_shows_the_dashboard_in_a_terminal_then_replay_and_report(tiny_model_dir, tmp_path):
+    args = [a for a in short_job_args(tiny_model_dir, tmp_path, name="tui") if a != "--no-tui"]
+    child = pexpect.spawn(
+        args[0],
+        args[1:],
+        dimensions=PTY_SIZE,
+        env=pty_env(),
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=240,
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    raw = child.before
+    assert child.exitstatus == 0, ANSI.sub("", raw)[-3000:]
+    run_dir = tmp_path / "tui"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    screen = last_screen(raw)
+    assert "step 3/3" in screen and "policy_version 3" in screen
+    trained = summary["trajectories_trained"]
+    assert f"samples {trained} trained / {trained}" in screen
+    assert f"max {summary['max_staleness']} (bound 2)" in screen
+    publishes = read_records(run_dir, "publish")
+    assert f"{publishes[0]['transport']} {len(publishes)} versions" in screen
+    assert "gen-0" in screen and "% idle" in screen and "ess_ratio" in screen
+    assert f"restarts {summary['generator_restarts']}" in screen  # the launcher reports restarts
+    assert "freshness -" in screen  # nothing reports freshness yet: a dash, not a made-up number
+    assert "started learner" in screen  # events reach the screen through the record stream
+
+    # Replay of the finished run: the same figures from metrics.jsonl, plus the final status.
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "monitor", str(run_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    replay = " ".join(proc.stdout.split())
+    assert "· replay" in replay and "step 3/3" in replay and "status completed" in replay
+    assert f"samples {trained} trained / {trained}" in replay
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "report", str(run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (run_dir / "report" / "report_reward.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| steps | 3 / 3 |" in (run_dir / "report" / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_attaching_and_detaching_twice_changes_nothing_in_the_run(tiny_model_dir, tmp_path, pid_alive):
+    steps, groups, samples = 40, 2, 4
+    job = subprocess.Popen(
+        short_job_args(tiny_model_dir, tmp_path, f"learner.steps={steps}", name="att"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run_dir = tmp_path / "att"
+    monitors: list[int] = []
+    try:
+        wait_for(
+            lambda: read_records(run_dir, "step") if (run_dir / "metrics.jsonl").is_file() else None,
+            180,
+            "a first step",
+        )
+        info = json.loads((run_dir / "monitor.json").read_text())
+        assert info["live"] and info["endpoint"].startswith("tcp://127.0.0.1:")
+        for detach in ("q", "ctrl-c"):
+            mon = pexpect.spawn(
+                sys.executable,
+                ["-m", "asyncrl", "monitor", str(run_dir)],
+                dimensions=PTY_SIZE,
+                env=pty_env(),
+                encoding="utf-8",
+                codec_errors="replace",
+                timeout=60,
+            )
+            monitors.append(mon.pid)
+            mon.expect("· live")
+            mon.expect(r"policy_version \d+")
+            if detach == "q":
+                mon.send("q")
+            else:
+                mon.sendintr()
+            mon.expect(pexpect.EOF)
+            mon.close()
+            assert mon.exitstatus == 0, mon.before
+            assert job.poll() is None, "the run ended before the monitor detached: make it longer"
+        out, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["steps"] == summary["policy_versions"] == steps
+    assert summary["trajectories_trained"] == summary["trajectories_generated"] == steps * groups * samples
+    assert summary["trajectories_lost"] == 0 and summary["duplicates"] == 0
+    assert [r["step"] for r in read_records(run_dir, "step")] == list(range(steps))
+    assert json.loads((run_dir / "monitor.json").read_text())["live"] is False
+    assert not any(pid_alive(p) for p in monitors)

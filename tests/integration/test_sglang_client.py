@@ -1,0 +1,329 @@
+"""The `sglang` generator against in-process stand-in SGLang servers on loopback (CPU, real model).
+
+Each server is `asyncrl.testing.sglang_server.StandInServer` on a free 127.0.0.1 port, in a
+thread of the test process: nothing is spawned, nothing to kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.messages import PromptTask, SamplingParams
+
+pytest.importorskip("transformers")
+
+
+async def poll(condition, timeout_s: float = 30.0) -> None:
+    """Wait until `condition()` holds (event-loop polling with a deadline, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def servers(tiny_model_dir):
+    from asyncrl.testing.sglang_server import StandInServer
+
+    started = []
+
+    def start(n: int = 1, **kw):
+        for _ in range(n):
+            started.append(StandInServer(str(tiny_model_dir), **kw).start())
+        return started[-n:]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def make_gen(model_dir: Path, urls: list[str], *, inflight: str = "retract", **options):
+    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.generators.base import GeneratorContext
+    from asyncrl.generators.sglang import SGLangGenerator
+
+    gen = SGLangGenerator()
+    gen.setup(
+        GeneratorContext(
+            generator_id="g0",
+            model_path=str(model_dir),
+            sampling=SamplingConfig(),
+            task=TaskConfig(),
+            seed=0,
+            run_seed=7,
+            inflight=inflight,
+            options={"urls": ",".join(urls), "health_interval_s": 0.05, **options},
+        )
+    )
+    return gen
+
+
+def task(
+    task_id: int = 0, *, num_samples: int = 4, max_new_tokens: int = 6, top_p: float = 1.0
+) -> PromptTask:
+    return PromptTask(
+        task_id=task_id,
+        group_id=task_id,
+        prompt_ids=[1, 5, 6, 15, 7, 8, 17],  # "<bos>12+34="
+        num_samples=num_samples,
+        sampling=SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=max_new_tokens),
+        dataset_index=task_id,
+        step=0,
+        answer="46",
+    )
+
+
+def check_rollouts(rollouts, tasks_) -> None:
+    """One rollout per (task, sample index), with aligned ids / log-probs / versions."""
+    got = sorted((r.task_id, r.sample_index) for r in rollouts)
+    assert got == sorted((t.task_id, k) for t in tasks_ for k in range(t.num_samples))
+    for r in rollouts:
+        assert len(r.completion_ids) == len(r.behavior_logprobs) == len(r.token_versions) > 0
+        assert all(lp <= 0 for lp in r.behavior_logprobs)
+        assert r.token_versions == sorted(r.token_versions)
+
+
+def reference_logprobs(model_dir, state, prompt, ids, *, temperature: float = 1.0) -> list[float]:
+    """log_softmax(logits / T) of each sampled token, by one plain forward of prompt + ids."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0]
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+    return logp.gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
+
+
+def test_samples_are_real_and_balanced(tiny_model_dir, servers):
+    a, b = servers(2)
+    gen = make_gen(tiny_model_dir, [a.url, b.url])
+
+    async def go():
+        try:
+            return await gen.generate([task(0), task(1)])
+        finally:
+            await gen.close()
+
+    rollouts = asyncio.run(go())
+    check_rollouts(rollouts, [task(0), task(1)])
+    assert a.engine.num_generate_requests > 0 and b.engine.num_generate_requests > 0
+    assert a.engine.num_generate_requests + b.engine.num_generate_requests == 8
+    r = rollouts[0]
+    ref = reference_logprobs(tiny_model_dir, None, task(0).prompt_ids, r.completion_ids)
+    assert r.behavior_logprobs == pytest.approx(ref, abs=1e-4)
+    assert all(v == 0 for r in rollouts for v in r.token_versions)
+
+
+def test_top_p_uses_the_sampling_mask_logprobs(tiny_model_dir, servers):
+    """With top_p < 1 the behavior log-prob is the renormalised nucleus one (as sampled), which is
+    larger than the full-vocabulary log-prob SGLang reports in output_token_logprobs."""
+    (a,) = servers(1)
+    gen = make_gen(tiny_model_dir, [a.url])
+
+    async def go():
+        try:
+            return await gen.generate([task(0, top_p=0.5)])
+        finally:
+            await gen.close()
+
+    rollouts = asyncio.run(go())
+    check_rollouts(rollouts, [task(0)])
+    r = rollouts[0]
+    full = reference_logprobs(tiny_model_dir, None, task(0).prompt_ids, r.completion_ids)
+    assert all(b > f + 1e-3 for b, f in zip(r.behavior_logprobs, full, strict=True))
+
+
+def test_server_failing_mid_request_reissues_once_without_duplicates(tiny_model_dir, servers):
+    a, b = servers(2)
+    a.faults.append("disconnect")  # a's first /generate is cut after its first token
+    gen = make_gen(tiny_model_dir, [a.url, b.url], max_concurrency=1)
+
+    async def go():
+        try:
+            rollouts = await gen.generate([task(0, num_samples=3)])
+            # a is healthy, so the health check readmits it
+            await poll(lambda: all(s.in_service for s in gen.fleet.servers))
+            return rollouts
+        finally:
+            await gen.close()
+
+    rollouts = asyncio.run(go())
+    check_rollouts(rollouts, [task(0, num_samples=3)])
+    assert gen.num_reissues == 1
+    cut = a.engine.rids[0]
+    assert cut.endswith("-a0")
+    reissued = cut[:-1] + "1"
+    assert reissued in b.engine.rids  # the same sample, re-issued once, on the other server
+    all_rids = a.engine.rids + b.engine.rids
+    assert len(all_rids) == 3 + 1 and len(set(all_rids)) == 4
+    assert ("abort_request", {"rid": cut, "abort_all": False}) in a.engine.control_log or not a.engine.running
+
+
+def test_unknown_sampling_parameter_is_a_clear_error(tiny_model_dir, servers):
+    from asyncrl.generators.sglang_client import SGLangRequestError
+
+    (a,) = servers(1)
+    gen = make_gen(tiny_model_dir, [a.url], extra_sampling_params='{"max_tokens": 4}')
+
+    async def go():
+        try:
+            await gen.generate([task(0, num_samples=1)])
+        finally:
+            await gen.close()
+
+    with pytest.raises(SGLangRequestError, match=r"unknown field `max_tokens`.*extra_sampling_params"):
+        asyncio.run(go())
+    assert all(s.in_service for s in gen.fleet.servers)  # a 4xx is our mistake, not the server's
+
+
+def test_bad_options_fail_at_setup(tiny_model_dir):
+    with pytest.raises(ValueError, match="urls"):
+        make_gen(tiny_model_dir, [])
+    with pytest.raises(ValueError, match="not an sglang generator option; valid: urls"):
+        make_gen(tiny_model_dir, ["http://127.0.0.1:1"], max_concurency=3)
+
+
+def perturbed_state(model_dir) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    return {n: (p + 0.5 * torch.randn(p.shape, generator=g)).detach() for n, p in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("inflight", ["retract", "keep"])
+def test_inflight_update_pauses_and_tags_versions(tiny_model_dir, servers, tmp_path, inflight):
+    """A weight update lands while a sample is mid-generation: pause -> load -> check -> continue on
+    the server, tokens before the switch carry version 0 and after it version 1, and every log-prob
+    comes from the weights that sampled it."""
+    from asyncrl.transport.shards import write_shards
+
+    (a,) = servers(1)
+    state = perturbed_state(tiny_model_dir)
+    write_shards(state, tmp_path / "w", 1, max_shard_bytes=1 << 20, fsync=False)
+    gen = make_gen(tiny_model_dir, [a.url], inflight=inflight, ignore_eos=True)
+    a.engine.hold_at_tokens = 3  # the scheduler stops stepping once the sample has 3 tokens
+
+    async def go():
+        try:
+            job = asyncio.create_task(gen.generate([task(0, num_samples=1, max_new_tokens=8)]))
+            await poll(lambda: a.engine.held)
+            await gen.load_weights(1, str(tmp_path / "w"))
+            a.engine.release()
+            return await job
+        finally:
+            await gen.close()
+
+    (r,) = asyncio.run(go())
+    mode = {"retract": "retract", "keep": "in_place"}[inflight]
+    calls = [name for name, _ in a.engine.control_log]
+    assert calls == ["pause_generation", "update_weights_from_disk", "continue_generation"]
+    assert a.engine.control_log[0][1] == {"mode": mode}
+    assert gen.version == 1
+    assert r.token_versions == [0, 0, 0, 1, 1, 1, 1, 1]
+    prompt = task(0).prompt_ids
+    old = reference_logprobs(tiny_model_dir, None, prompt, r.completion_ids)
+    new = reference_logprobs(tiny_model_dir, state, prompt, r.completion_ids)
+    assert r.behavior_logprobs[:3] == pytest.approx(old[:3], abs=1e-4)
+    assert r.behavior_logprobs[3:] == pytest.approx(new[3:], abs=1e-4)
+
+
+def test_requests_wait_while_paused(tiny_model_dir, servers):
+    """A /generate sent to a paused server blocks until continue_generation (SGLANG_API.md 1.6)."""
+    (a,) = servers(1)
+    gen = make_gen(tiny_model_dir, [a.url])
+
+    async def go():
+        try:
+            await gen._control(gen.fleet.servers[0], "/pause_generation", {"mode": "retract"})
+            job = asyncio.create_task(gen.generate([task(0, num_samples=2)]))
+            await poll(lambda: gen.fleet.servers[0].outstanding == 2)
+            assert not job.done() and a.engine.num_generate_requests == 0
+            await gen._control(gen.fleet.servers[0], "/continue_generation", {})
+            return await job
+        finally:
+            await gen.close()
+
+    check_rollouts(asyncio.run(go()), [task(0, num_samples=2)])
+
+
+def test_abort_mode_pause_continues_from_partial_output(tiny_model_dir, servers):
+    """An abort-mode pause returns partial tokens; the client continues from them (new rid)."""
+    (a,) = servers(1)
+    gen = make_gen(tiny_model_dir, [a.url], ignore_eos=True)
+    a.engine.hold_at_tokens = 2
+
+    async def go():
+        try:
+            job = asyncio.create_task(gen.generate([task(0, num_samples=1, max_new_tokens=6)]))
+            await poll(lambda: a.engine.held)
+            a.engine.pause("abort")
+            a.engine.release()
+            a.engine.resume()
+            return await job
+        finally:
+            await gen.close()
+
+    (r,) = asyncio.run(go())
+    assert len(r.completion_ids) == 6 and gen.num_aborted_segments == 1
+    assert [rid[-2:] for rid in a.engine.rids] == ["a0", "a1"]
+    ref = reference_logprobs(tiny_model_dir, None, task(0).prompt_ids, r.completion_ids)
+    assert r.behavior_logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_server_behind_on_weights_is_quarantined_and_caught_up(tiny_model_dir, servers, tmp_path):
+    """A server that fails a weight push leaves service; once healthy it is brought to the current
+    version before it gets samples again."""
+    from asyncrl.transport.shards import write_shards
+
+    a, b = servers(2)
+    write_shards(perturbed_state(tiny_model_dir), tmp_path / "w", 1, max_shard_bytes=1 << 20, fsync=False)
+    gen = make_gen(tiny_model_dir, [a.url, b.url])
+    b.healthy = False
+    b_server = gen.fleet.servers[1]
+
+    async def go():
+        try:
+            gen.fleet.quarantine(b_server, "test: marked down")
+            await gen.load_weights(1, str(tmp_path / "w"))
+            assert a.engine.weight_version == "1" and b.engine.weight_version == "default"
+            b.healthy = True
+            await gen.generate([task(0, num_samples=1)])  # starts the health loop
+            await poll(lambda: b_server.in_service)
+            return await gen.generate([task(1, num_samples=4)])
+        finally:
+            await gen.close()
+
+    rollouts = asyncio.run(go())
+    assert b.engine.weight_version == "1"
+    assert all(v == 1 for r in rollouts for v in r.token_versions)
+
+
+def test_corrupt_shards_never_reach_the_servers(tiny_model_dir, servers, tmp_path):
+    from asyncrl.transport.manifest import WeightsCorruptError
+    from asyncrl.transport.shards import write_shards
+
+    (a,) = servers(1)
+    write_shards(perturbed_state(tiny_model_dir), tmp_path / "w", 1, max_shard_bytes=1 << 20, fsync=False)
+    shard = next((tmp_path / "w" / "v00000001").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    gen = make_gen(tiny_model_dir, [a.url])
+
+    async def go():
+        try:
+            await gen.load_weights(1, str(tmp_path / "w"))
+        finally:
+            await gen.close()
+
+    with pytest.raises(WeightsCorruptError, match="sha256"):
+        asyncio.run(go())
+    assert a.engine.control_log == [] and gen.version == 0
