@@ -37,6 +37,10 @@ def launch(
     no_tui: Annotated[
         bool, typer.Option("--no-tui", help="Plain log lines instead of the live view")
     ] = False,
+    resume: Annotated[
+        Path | None,
+        typer.Option("--resume", help="Continue a stopped run from its newest checkpoint (RUN_DIR)"),
+    ] = None,
 ) -> None:
     """Train: spawn the learner and generators, stream until done, write the run directory."""
     from asyncrl.config import ConfigError, load_config
@@ -44,8 +48,15 @@ def launch(
 
     quiet_offline()
     try:
-        cfg = load_config(config, set_ or [])
-    except ConfigError as exc:
+        if resume is not None:
+            if config is not None or set_:
+                _fail("--resume takes the run's own config.json; drop the CONFIG file and --set options")
+            from asyncrl.scheduler.job import load_for_resume
+
+            cfg, _ = load_for_resume(resume)
+        else:
+            cfg = load_config(config, set_ or [])
+    except (ConfigError, ValueError) as exc:
         _fail(str(exc))
     from asyncrl.generators.base import resolve_generator
     from asyncrl.scheduler.job import run_job
@@ -66,7 +77,7 @@ def launch(
     reporter = Dashboard(refresh_per_second=cfg.monitor.refresh_per_second) if use_tui else PlainReporter()
     try:
         with reporter:
-            summary = run_job(cfg, reporter)
+            summary = run_job(cfg, reporter, resume_dir=resume)
     except RunFailed as exc:
         _fail(f"run failed: {exc}", code=1)
     except ValueError as exc:

@@ -390,7 +390,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ whole batch
     def batch_backward(self, samples: Sequence[TrainSample]) -> None:
-        """The whole step at once (the fallback): corrections see every trajectory of this rank."""
+        """The whole step at once (the fallback): corrections see every trajectory of this rank.
+        Packed in trajectory-id order, so the arithmetic does not depend on arrival order."""
+        samples = sorted(samples, key=lambda s: s.traj_id)
         if self.objective.opd is not None:
             for start in range(0, len(samples), self.micro_batch_size):
                 self._backward_opd(samples[start : start + self.micro_batch_size])

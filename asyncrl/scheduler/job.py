@@ -61,16 +61,55 @@ def evaluate(config: Config, path: Path, problems) -> float:
     )
 
 
-def run_job(config: Config, reporter: Reporter) -> dict:
-    """Runs the whole job; returns the summary (also written to summary.json).
+def resume_point(run_dir: Path, config: Config) -> int:
+    """The newest version with both halves of a checkpoint (learner and launcher)."""
+    from asyncrl.learner.checkpoint import learner_checkpoint_versions
+    from asyncrl.scheduler.checkpoint import checkpoint_dir
+
+    launcher_versions = {
+        int(p.stem.split("-")[1])
+        for p in checkpoint_dir(run_dir).glob("launcher-*.json")
+        if p.stem[9:].isdigit()
+    }
+    both = sorted(set(learner_checkpoint_versions(run_dir)) & launcher_versions)
+    if not both:
+        raise ValueError(
+            f"{run_dir} has no complete checkpoint to resume from (checkpoints/learner-*.pt and "
+            "launcher-*.json of the same version); it stopped before its first one"
+        )
+    if both[-1] >= config.learner.steps:
+        raise ValueError(f"{run_dir} already completed all {config.learner.steps} steps; nothing to resume")
+    return both[-1]
+
+
+def load_for_resume(run_dir: Path) -> tuple[Config, int]:
+    from asyncrl.config import load_resolved_config
+
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"--resume {run_dir}: not a run directory (no config.json)")
+    config = load_resolved_config(run_dir / "config.json")
+    return config, resume_point(run_dir, config)
+
+
+def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = None) -> dict:
+    """Runs the whole job (or, with `resume_dir`, continues a stopped one from its newest complete
+    checkpoint); returns the summary (also written to summary.json).
     Raises RunFailed (a child failed) or ValueError (bad input) with a clear message."""
     path = model_path(config)
-    run_dir = make_run_dir(config)
-    write_resolved_config(config, run_dir / "config.json")
+    resume_version = 0
+    if resume_dir is None:
+        run_dir = make_run_dir(config)
+        write_resolved_config(config, run_dir / "config.json")
+    else:
+        run_dir = resume_dir
+        resume_version = resume_point(run_dir, config)
+        if (run_dir / "summary.json").exists():
+            (run_dir / "summary.json").rename(run_dir / f"summary-before-resume-{resume_version}.json")
+        reporter.event(f"resuming at policy_version {resume_version}")
     reporter.event(f"run directory: {run_dir}")
-    launcher = Launcher(config, run_dir, path, reporter)
+    launcher = Launcher(config, run_dir, path, reporter, resume_version=resume_version)
     t0 = time.perf_counter()
-    eval_before = evaluate(config, path, launcher.task.eval_problems)
+    eval_before = evaluate(config, path, launcher.task.eval_problems) if not resume_version else float("nan")
     reporter.event(f"held-out accuracy before training: {eval_before:.3f}")
     failure = None
     try:
@@ -90,6 +129,7 @@ def run_job(config: Config, reporter: Reporter) -> dict:
     ledger = launcher.book.summary(at_end=completed)
     summary = {
         "mode": config.mode,
+        "resumed_from": resume_version,
         "status": "failed" if failure else ("interrupted" if launcher.interrupted else "completed"),
         "policy_versions": state.policy_version,
         "steps": state.step,

@@ -104,7 +104,9 @@ class RunState:
 
 
 class Launcher:
-    def __init__(self, config: Config, run_dir: Path, model_path: Path, reporter: Reporter) -> None:
+    def __init__(
+        self, config: Config, run_dir: Path, model_path: Path, reporter: Reporter, *, resume_version: int = 0
+    ) -> None:
         from asyncrl.tasks.arithmetic import AdditionTask
 
         self.cfg = config
@@ -132,6 +134,13 @@ class Launcher:
             groups_per_step=config.learner.groups_per_step,
             samples_per_group=config.learner.samples_per_group,
         )
+        # Resuming at version v: groups [0, v*B) were trained; every later group is admitted again
+        # from the prompt stream (samples generated but not trained before the stop are
+        # regenerated, from the same per-sample seeds).
+        self.resume_version = resume_version
+        self.admission.num_admitted = resume_version * config.learner.groups_per_step
+        self.book.num_steps_trained = resume_version
+        self.state.step = self.state.policy_version = resume_version
         self.retired: list[Child] = []  # generator processes that died and were replaced
         self.last_published: WeightsPublished | None = None
         self.ctrl_address = ""
@@ -431,6 +440,18 @@ class Launcher:
             self.book.trained(msg.step)
         except ValueError as exc:  # a bookkeeping bug must show in the ledger, not stop training
             log.error("ledger: %s", exc)
+        every = self.cfg.run.checkpoint_every
+        if msg.step + 1 >= self.cfg.learner.steps or (every and msg.version % every == 0):
+            # The learner wrote its half for this version before sending StepDone.
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        from asyncrl.scheduler.checkpoint import save_launcher_checkpoint
+
+        try:
+            save_launcher_checkpoint(self.run_dir, self.admission, self.book)
+        except OSError as exc:
+            log.error("launcher checkpoint not written: %s", exc)
 
     # ------------------------------------------------------------------ main
     async def wait_ready(self, peers: list[str], recv) -> None:
@@ -497,7 +518,11 @@ class Launcher:
                 "learner",
                 "asyncrl.learner.service",
                 address,
-                {**common, "generators": ",".join(self.generator_ids)},
+                {
+                    **common,
+                    "generators": ",".join(self.generator_ids),
+                    "resume_version": str(self.resume_version),
+                },
             )
             await self.wait_ready(["learner"], recv_one)
             if not self.finished.is_set():
@@ -517,6 +542,8 @@ class Launcher:
         finally:
             self.finished.set()
             await self.stop_children(ctrl)
+            if self.book.num_steps_trained > self.resume_version and self.state.step < self.cfg.learner.steps:
+                self.save_checkpoint()  # stopped early: the learner saved its half on Shutdown
             receiver.cancel()
             supervisor.cancel()
             self.state.rejected_frames = ctrl.num_rejected

@@ -348,7 +348,10 @@ class StandInServer:
             meta["output_token_logprobs_length"] = len(req.picks)
             if req.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [
-                    [[float(v), int(t), None] for v, t in zip(*p.full_logp_V.topk(req.top_logprobs_num))]
+                    [
+                        [float(v), int(t), None]
+                        for v, t in zip(*p.full_logp_V.topk(req.top_logprobs_num), strict=True)
+                    ]
                     for p in req.picks
                 ]
         if req.return_sampling_mask:

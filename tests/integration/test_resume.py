@@ -1,0 +1,114 @@
+"""Crash and exact resume: the learner is SIGKILLed mid-run, `asyncrl launch --resume RUN_DIR`
+continues from the newest complete checkpoint, and the final parameters equal those of an
+uninterrupted run with the same seed (sync mode: both runs sample the same completions from the
+same weights, with per-sample seeds; whole-batch steps in a fixed order). The ledger shows no group skipped or repeated."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import read_records, short_job_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = 6
+GROUPS = 4
+SETS = [
+    'model.path=""',  # the shipped model earns rewards, so every step changes the weights
+    "mode=sync",
+    f"learner.steps={STEPS}",
+    f"learner.groups_per_step={GROUPS}",
+    "learner.samples_per_group=4",
+    "sampling.max_new_tokens=5",
+    "run.checkpoint_every=2",
+    "run.seed=5",
+    # Whole-batch steps, packed in trajectory-id order: float32 sums that do not depend on the
+    # order trajectories arrive in (streamed sums do, at float32 rounding, run to run).
+    "learner.streaming=off",
+]
+
+
+def _params(run_dir):
+    return _params_of(run_dir / "final_model")
+
+
+def _wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling the file system for the run's progress
+
+
+def test_learner_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, pid_alive):
+    whole = subprocess.run(
+        short_job_args(tiny_model_dir, tmp_path, *SETS, name="whole"),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+
+    run_dir = tmp_path / "crash"
+    proc = subprocess.Popen(
+        short_job_args(tiny_model_dir, tmp_path, *SETS, name="crash"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        checkpoint = run_dir / "checkpoints" / "launcher-00000002.json"
+        _wait_for(checkpoint.exists, 200, "the first checkpoint")
+        learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
+        os.kill(learner_pid, signal.SIGKILL)  # the launcher started it; this test started the launcher
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "learner" in out, out
+    first = json.loads((run_dir / "summary.json").read_text())
+    assert first["status"] == "failed" and first["policy_versions"] < STEPS
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", "--no-tui", "--resume", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    v = summary["resumed_from"]
+    assert summary["status"] == "completed" and 2 <= v < STEPS and v % 2 == 0
+    assert summary["policy_versions"] == STEPS
+    # The ledger of the resumed segment: exactly the groups of steps v..STEPS-1, each trained once.
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["trajectories_trained"] == (STEPS - v) * GROUPS * 4
+    steps_after = [r["step"] for r in read_records(run_dir, "step")][-(STEPS - v) :]
+    assert steps_after == list(range(v, STEPS))
+    tasks_after = [r["task_id"] for r in read_records(run_dir, "task")][-(STEPS - v) * GROUPS :]
+    assert sorted(tasks_after) == list(range(v * GROUPS, STEPS * GROUPS))
+
+    a, b = _params(tmp_path / "whole"), _params(run_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-4, msg=name)
+    from asyncrl.models.default import DEFAULT_MODEL_DIR
+
+    initial = _params_of(DEFAULT_MODEL_DIR)
+    assert any(not torch.equal(a[n], initial[n]) for n in a)  # training really moved the weights
+
+
+def _params_of(model_dir):
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    return state
