@@ -98,6 +98,9 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     teacher_logprobs: TensorRef | None = None  # float32 [T, N]: teacher log-probs of opd_ids
     opd_ids: TensorRef | None = None  # int64 [T, N]
     opd_behavior_logprobs: TensorRef | None = None  # float32 [T, N]: behavior student log-probs
+    # bool [T]: tokens the learner trains on (multi-turn episodes mask tool output out); absent =
+    # every token. Its frame follows the others.
+    loss_mask: TensorRef | None = None
 
 
 class TaskDone(_Msg, frozen=True, kw_only=True):

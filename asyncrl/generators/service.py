@@ -89,8 +89,9 @@ def opd_frames(
 def trajectory_frames(
     task: PromptTask, r: Rollout, generator_id: str, generate_s: float, *, num_opd_samples: int = 0
 ):
-    """The Trajectory message for one rollout and its tensor frames: three, or six when
-    `num_opd_samples` (opd.num_samples, with opd.enabled) is > 0."""
+    """The Trajectory message for one rollout and its tensor frames: three, three more when
+    `num_opd_samples` (opd.num_samples, with opd.enabled) is > 0, and the loss mask when the
+    rollout masks any token out."""
     ids = torch.tensor(r.completion_ids, dtype=torch.int64)
     logps = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
     versions = torch.tensor(r.token_versions, dtype=torch.int64)
@@ -109,6 +110,16 @@ def trajectory_frames(
             "opd_ids": tensor_ref(4, opd_ids),
             "opd_behavior_logprobs": tensor_ref(5, opd_logps),
         }
+    mask_ref = {}
+    if r.loss_mask is not None and not all(r.loss_mask):
+        mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+        if len(mask) != len(ids):
+            raise ValueError(
+                f"generator {generator_id}: rollout of task {task.task_id} has {len(ids)} tokens and a "
+                f"loss_mask of {len(mask)}; they must match"
+            )
+        mask_ref = {"loss_mask": tensor_ref(len(tensors), mask)}
+        tensors += (mask,)
     msg = Trajectory(
         traj_id=task.group_id * task.num_samples + r.sample_index,
         group_id=task.group_id,
@@ -125,6 +136,7 @@ def trajectory_frames(
         generator_id=generator_id,
         generate_s=generate_s,
         **opd_refs,
+        **mask_ref,
     )
     return msg, tensors
 

@@ -107,9 +107,14 @@ class LearnerService:
                     self.version,
                 )
                 continue
-            ids, logps, versions, *opd = tensors
-            problem = _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps) or _invalid_opd(
-                ids, opd, self.ctx.config.opd
+            ids, logps, versions = tensors[:3]
+            opd = [
+                tensors[r.frame] for r in (msg.teacher_logprobs, msg.opd_ids, msg.opd_behavior_logprobs) if r
+            ]
+            problem = (
+                _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps)
+                or _invalid_opd(ids, opd, self.ctx.config.opd)
+                or _invalid_mask(ids, msg.loss_mask and tensors[msg.loss_mask.frame])
             )
             if problem:
                 self.num_invalid += 1
@@ -270,6 +275,16 @@ def drop_published_from(root: Path, version: int) -> None:
         for v in list_versions(root):
             if v >= version:
                 shutil.rmtree(version_dir(root, v), ignore_errors=True)
+
+
+def _invalid_mask(ids, mask) -> str:
+    if mask is None:
+        return ""
+    if mask.dtype != torch.bool or mask.shape != ids.shape:
+        return f"loss_mask must be bool [T] = [{len(ids)}], got {mask.dtype} {list(mask.shape)}"
+    if not bool(mask.any()):
+        return "loss_mask masks every token out: nothing to train on"
+    return ""
 
 
 def _invalid_opd(ids, opd: list, cfg) -> str:

@@ -32,6 +32,7 @@ class TrainSample:
     teacher_logprobs: torch.Tensor | None = None
     opd_ids: torch.Tensor | None = None
     opd_behavior_logprobs: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None  # bool [T]: False = not trained (e.g. tool output)
 
 
 class PackedBatch(NamedTuple):
@@ -59,9 +60,9 @@ class StepStats(NamedTuple):
 
 def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
     """A received `Trajectory` and its tensor frames (3, or 6 with OPD), copied out of the frames."""
-    ids, logps, versions, *opd = tensors
-    names = ("teacher_logprobs", "opd_ids", "opd_behavior_logprobs")
-    extra = {n: t.clone() for n, t in zip(names, opd, strict=True)} if opd else {}
+    ids, logps, versions = tensors[:3]
+    names = ("teacher_logprobs", "opd_ids", "opd_behavior_logprobs", "loss_mask")
+    extra = {n: tensors[ref.frame].clone() for n in names if (ref := getattr(msg, n)) is not None}
     return TrainSample(
         traj_id=msg.traj_id,
         group_id=msg.group_id,
@@ -96,7 +97,7 @@ def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete:
         c = len(s.completion_ids)
         ids[b, :p] = torch.as_tensor(list(s.prompt_ids), dtype=torch.long)
         ids[b, p : p + c] = s.completion_ids
-        mask[b, p : p + c] = True
+        mask[b, p : p + c] = True if s.loss_mask is None else s.loss_mask
         behav[b, p : p + c] = s.behavior_logprobs
         versions[b, p : p + c] = s.token_versions
         group_B[b] = group_index.setdefault(s.group_id, len(group_index))

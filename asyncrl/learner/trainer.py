@@ -229,7 +229,7 @@ class Trainer:
         for p in self.params:
             p.grad = None
         self.acc.add_trajectory(
-            h_P, num_tokens=len(sample.completion_ids), group_id=sample.group_id, reward=sample.reward
+            h_P, num_tokens=_trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
         )
         self.streamed_loss[sample.group_id].append((sample.sample_index, float(loss_pos.detach())))
         self._account(
@@ -275,7 +275,7 @@ class Trainer:
             self.acc.close_with_known(
                 g,
                 [s.reward for s in known],
-                num_tokens=sum(len(s.completion_ids) for s in known),
+                num_tokens=sum(_trained_tokens(s) for s in known),
             )
         self.acc.add_contribution(contribution_P)
 
@@ -502,6 +502,13 @@ class Trainer:
             peak_stream_bytes=peak,
             fallback=self.fallback,
         )
+
+
+def _trained_tokens(sample: TrainSample) -> int:
+    """Completion tokens the loss counts (all of them unless a loss mask drops some)."""
+    if sample.loss_mask is None:
+        return len(sample.completion_ids)
+    return int(sample.loss_mask.sum())
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@ changes nothing)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -107,3 +109,29 @@ def test_learner_rejects_malformed_trajectories():
     assert "finite" in _invalid(msg, ids, torch.tensor([0.5, -0.2]), versions, num_steps=3)
     assert "out of range" in _invalid(msg, ids, logps, versions, num_steps=0)
     assert "dtypes" in _invalid(msg, ids.float(), logps, versions, num_steps=3)
+
+
+def test_loss_mask_travels_from_rollout_to_train_sample():
+    from asyncrl.generators.base import Rollout
+    from asyncrl.generators.service import trajectory_frames
+    from asyncrl.learner.step import sample_from_message
+    from asyncrl.messages import PromptTask, SamplingParams
+    from asyncrl.transport.codec import decode, encode
+
+    task = PromptTask(
+        task_id=3, group_id=3, prompt_ids=[1, 5], num_samples=2, sampling=SamplingParams(),
+        dataset_index=3, step=1, answer="x",
+    )  # fmt: skip
+    rollout = Rollout(
+        task_id=3, sample_index=1, completion_ids=[7, 8, 9], behavior_logprobs=[-0.1, -0.2, -0.3],
+        token_versions=[1, 1, 1], reward=1.0, finish_reason="stop", loss_mask=[True, False, True],
+    )  # fmt: skip
+    msg, tensors = trajectory_frames(task, rollout, "gen-0", 0.1)
+    decoded, frames = decode(encode(msg, tensors))
+    sample = sample_from_message(decoded, frames)
+    assert sample.loss_mask.tolist() == [True, False, True]
+    batch = pack([sample], pad_token_id=0, require_complete=False)
+    assert batch.completion_mask_BL[0].tolist() == [False, False, True, False, True]
+    unmasked = dataclasses.replace(rollout, loss_mask=[True, True, True])
+    msg, tensors = trajectory_frames(task, unmasked, "gen-0", 0.1)
+    assert msg.loss_mask is None and len(tensors) == 3  # all-True masks are not shipped

@@ -341,3 +341,27 @@ def test_ewma_network_tracks_the_decayed_average_of_the_parameters(tiny_model_di
         expected = (0.25 * history[0][name] + 0.5 * history[1][name] + history[2][name]) / 1.75
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6, msg=name)
     assert not torch.equal(history[0]["lm_head.weight"], history[2]["lm_head.weight"])
+
+
+def test_loss_mask_leaves_masked_tokens_out_of_loss_and_denominator(tiny_model_dir):
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=0.5, seed=4)
+    masked = []
+    for s in samples:
+        mask = torch.ones(len(s.completion_ids), dtype=torch.bool)
+        mask[0] = False  # e.g. a tool's output at the start of the completion
+        masked.append(dataclasses.replace(s, loss_mask=mask))
+    # What a masked token's behavior log-prob says cannot matter: scramble it.
+    scrambled = [
+        dataclasses.replace(
+            s, behavior_logprobs=torch.cat([s.behavior_logprobs[:1] - 5.0, s.behavior_logprobs[1:]])
+        )
+        for s in masked
+    ]
+    ref, other, streamed_model = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    a = _batch_step(ref, masked)
+    b = _batch_step(other, scrambled)
+    _, c = _stream_step(streamed_model, masked, seed=1)
+    torch.testing.assert_close(_params(other), _params(ref), rtol=0, atol=1e-12)
+    torch.testing.assert_close(_params(streamed_model), _params(ref), rtol=0, atol=1e-10)
+    assert a.num_tokens == b.num_tokens == c.num_tokens == sum(len(s.completion_ids) - 1 for s in samples)
