@@ -299,11 +299,12 @@ class StreamingAccumulator:
         """Close a group with its last members, whose advantages the caller computes from the
         group's complete rewards (the streamed members' plus `rewards`).
 
-        The caller adds sum_{these members} A_i h_i, from one batched backward over any number of
-        closing groups, with `add_contribution`; `num_tokens` counts these members' completion
-        tokens. The group's streamed members (if any) fold as usual. This is how the learner takes
-        members that arrive together with their group's last reward, or that could not stream on
-        their own, without a backward per trajectory.
+        The caller keeps sum_{these members} A_i h_i itself (the learner trains them in one batched
+        backward into `.grad`, with any other closing groups) and adds it to `finish`'s result;
+        `num_tokens` counts these members' completion tokens. The group's streamed members (if
+        any) fold as usual. This is how the learner takes members that arrive together with their
+        group's last reward, or that could not stream on their own, without a backward per
+        trajectory.
         """
         if self.estimator == "opd":
             raise ValueError("estimator 'opd' has no groups")
@@ -325,13 +326,6 @@ class StreamingAccumulator:
         group.num_tokens += num_tokens
         self._num_trajectories += len(rewards)
         return self._fold(group_id)
-
-    def add_contribution(self, contribution_P: torch.Tensor) -> None:
-        """Add sum_i A_i h_i of trajectories trained with known advantages (`close_with_known`);
-        members of dropped (degenerate) groups have A_i = 0 and add nothing."""
-        if contribution_P.shape != (self.num_params,):
-            raise ValueError(f"contribution must be flat with {self.num_params} elements")
-        self._step_sum().add_(contribution_P.to(self.dtype))
 
     def _mean_baseline_scale(self) -> float:
         # RLOO: r_i - mean of the others = N/(N-1) (r_i - mu). A group of one is degenerate (A = 0).

@@ -216,18 +216,20 @@ class Trainer:
 
     def _stream_one(self, sample: TrainSample) -> bool:
         batch = pack([sample], pad_token_id=self.pad_token_id)
-        for p in self.params:
-            p.grad = None
         logp_1L = causal_lm_logprobs(self.model, batch.input_ids_BL, temperature=self.temperature).logp
         corr = self._correct(batch, logp_1L.detach(), torch.ones(1, dtype=self.dtype))
         found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
         if found is None:
             return False
         loss_pos, stats = found
-        loss_pos.backward()
-        h_P = flatten_grads(self.params, dtype=self.dtype).neg_()
-        for p in self.params:
-            p.grad = None
+        # autograd.grad leaves `.grad` alone: it holds the step's sum over complete groups.
+        grads = torch.autograd.grad(loss_pos, self.params, allow_unused=True)
+        h_P = torch.cat(
+            [
+                (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                for g, p in zip(grads, self.params, strict=True)
+            ]
+        ).neg_()
         self.acc.add_trajectory(
             h_P, num_tokens=_trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
         )
@@ -258,8 +260,6 @@ class Trainer:
             for slot, loss_pos in self.streamed_loss.pop(g, []):
                 k = [s.sample_index for s in members].index(slot)
                 self.totals.loss += float(adv_1N[0, k]) * loss_pos
-        for p in self.params:
-            p.grad = None
         for start in range(0, len(chunk), self.micro_batch_size):
             part = chunk[start : start + self.micro_batch_size]
             self._backward_chunk(
@@ -267,9 +267,8 @@ class Trainer:
                 torch.tensor([adv_of[s.traj_id] for s in part], dtype=self.dtype),
                 torch.tensor([keep_of[s.traj_id] for s in part]),
             )
-        contribution_P = flatten_grads(self.params, dtype=self.dtype).neg_()
-        for p in self.params:
-            p.grad = None
+        # Their gradient stays in `.grad` (summed with the step's other complete groups); the
+        # streamed members of these groups fold from S0/S1 into the accumulator.
         for g in gids:
             known = self.waiting.pop(g)
             self.acc.close_with_known(
@@ -277,7 +276,6 @@ class Trainer:
                 [s.reward for s in known],
                 num_tokens=sum(_trained_tokens(s) for s in known),
             )
-        self.acc.add_contribution(contribution_P)
 
     # ------------------------------------------------------------------ shared pieces
     def _scratch_logp(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor) -> torch.Tensor:
@@ -459,7 +457,8 @@ class Trainer:
             raise RuntimeError(f"step {self.step}: trajectories still waiting at the step boundary")
         if self.acc is not None:
             units_local = float(self.acc.num_units)
-            grad_P, stream_stats = self.acc.finish(1.0)  # the summed loss gradient
+            grad_P, stream_stats = self.acc.finish(1.0)  # the streamed groups' summed loss gradient
+            grad_P = grad_P + flatten_grads(self.params, dtype=self.dtype)  # plus complete groups'
             peak = stream_stats.peak_memory_bytes
         else:
             units_local = t.units
