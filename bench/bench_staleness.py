@@ -5,8 +5,10 @@ reports held-out accuracy and stability (reward trend, gradient norms) in one ta
 learner only ever sees data up to `--max-staleness` versions old, so what differs between rows
 is how each policy corrects for it.
 
-    python bench/bench_staleness.py                       # none, tis, m2po, vcpo at staleness 8
-    python bench/bench_staleness.py --policies none m2po --max-staleness 4 --steps 40 --json
+    python bench/bench_staleness.py                       # none tis m2po vcpo ewma exact, bound 8, 3 seeds
+    python bench/bench_staleness.py --policies none m2po --max-staleness 4 --steps 40 --seeds 1 --json
+
+With several seeds (`run.seed`, which seeds sampling) each row shows the median and the range.
 """
 
 from __future__ import annotations
@@ -20,20 +22,24 @@ import tempfile
 from pathlib import Path
 
 
-def run_policy(policy: str, *, max_staleness: int, steps: int, extra: list[str], out_dir: Path) -> dict:
+def run_policy(
+    policy: str, *, max_staleness: int, steps: int, extra: list[str], out_dir: Path, seed: int = 0
+) -> dict:
+    name = f"{policy}-seed{seed}"
     sets = [
         f"staleness.policy={policy}",
         f"staleness.max_staleness={max_staleness}",
         f"learner.steps={steps}",
+        f"run.seed={seed}",
         f'run.out_dir="{out_dir}"',
-        f'run.name="{policy}"',
+        f'run.name="{name}"',
         *extra,
     ]
     cmd = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
     for s in sets:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    run_dir = out_dir / policy
+    run_dir = out_dir / name
     if proc.returncode != 0:
         return {"policy": policy, "status": "failed", "error": proc.stderr.strip().splitlines()[-1:]}
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -60,21 +66,42 @@ def run_policy(policy: str, *, max_staleness: int, steps: int, extra: list[str],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", nargs="+", default=["none", "tis", "m2po", "vcpo"])
+    ap.add_argument("--policies", nargs="+", default=["none", "tis", "m2po", "vcpo", "ewma", "exact"])
+    ap.add_argument("--seeds", type=int, default=3, help="runs per policy (run.seed = 0..N-1)")
     ap.add_argument("--max-staleness", type=int, default=8)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra config override")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [
-            run_policy(
-                p, max_staleness=args.max_staleness, steps=args.steps, extra=args.extra, out_dir=Path(tmp)
-            )
+        runs = {
+            p: [
+                run_policy(
+                    p,
+                    max_staleness=args.max_staleness,
+                    steps=args.steps,
+                    extra=args.extra,
+                    out_dir=Path(tmp),
+                    seed=k,
+                )
+                for k in range(args.seeds)
+            ]
             for p in args.policies
-        ]
+        }
+    rows = [summarize(p, rs) for p, rs in runs.items()]
     if args.json:
-        print(json.dumps({"max_staleness": args.max_staleness, "steps": args.steps, "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "max_staleness": args.max_staleness,
+                    "steps": args.steps,
+                    "seeds": args.seeds,
+                    "rows": rows,
+                    "runs": runs,
+                },
+                indent=2,
+            )
+        )
         return
     cols = [
         "policy",
@@ -86,17 +113,31 @@ def main() -> None:
         "max_grad_norm",
         "masked_or_clipped",
         "max_staleness_seen",
-        "wall_s",
+        "failed",
     ]
-    print(f"staleness bound {args.max_staleness}, {args.steps} steps")
+    print(f"staleness bound {args.max_staleness}, {args.steps} steps, {args.seeds} seeds: median [min, max]")
     print(" | ".join(cols))
     for r in rows:
-        print(
-            " | ".join(
-                f"{r.get(c, ''):.3f}" if isinstance(r.get(c), float) else str(r.get(c, r.get("status")))
-                for c in cols
-            )
-        )
+        print(" | ".join(_cell(r.get(c)) for c in cols))
+
+
+def summarize(policy: str, runs: list[dict]) -> dict:
+    """Median and range over seeds of every numeric figure (failed runs are counted, not averaged)."""
+    ok = [r for r in runs if r.get("status") == "completed"]
+    row: dict = {"policy": policy, "failed": len(runs) - len(ok)}
+    for key in ("eval_before", "eval_after", "reward_last_half", "reward_last_half_std",
+                "reward_peak_minus_final", "max_grad_norm", "masked_or_clipped", "max_staleness_seen"):  # fmt: skip
+        values = [float(r[key]) for r in ok]
+        if values:
+            row[key] = (statistics.median(values), min(values), max(values))
+    return row
+
+
+def _cell(value) -> str:
+    if isinstance(value, tuple):
+        med, lo, hi = value
+        return f"{med:.3f} [{lo:.3f}, {hi:.3f}]" if lo != hi else f"{med:.3f}"
+    return str(value)
 
 
 if __name__ == "__main__":
