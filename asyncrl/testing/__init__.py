@@ -2,6 +2,8 @@
 
 - `asyncrl.testing.sglang_server`: a stand-in SGLang HTTP server backed by a real torch model, for
   exercising the `sglang` generator (or any SGLang client) on CPU.
+- `asyncrl.testing.contract`: the contract suite a generator plugin author runs against their own
+  generator (`check_generator`, or the pytest mixin `GeneratorContractTests`).
 - `asyncrl.testing.sglang_engine`: the engine behind it (continuous batching, pause modes, weight
   versions), usable without HTTP.
 """

@@ -6,29 +6,16 @@ import json
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import short_job_args
 
 pytestmark = pytest.mark.slow
 
 
 def _job_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
-    sets = [
-        f'model.path="{model_dir}"',
-        f'run.out_dir="{out_dir}"',
-        'run.name="t"',
-        "learner.groups_per_step=4",
-        "learner.samples_per_group=4",
-        "task.num_eval=16",
-        "sampling.max_new_tokens=4",
-        *extra,
-    ]
-    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
-    for s in sets:
-        args += ["--set", s]
-    return args
+    return short_job_args(model_dir, out_dir, "learner.groups_per_step=4", "task.num_eval=16", *extra)
 
 
 @pytest.mark.timeout(240)

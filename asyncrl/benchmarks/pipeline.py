@@ -1,0 +1,207 @@
+"""`asyncrl bench pipeline`: one workload measured four ways in one run (bench/README.md, "Pipeline").
+
+  gen_only    the generators alone: `learner.sink=true` (the learner records each window to
+              <run>/trajectories.jsonl and trains nothing; versions still advance)
+  learn_only  the learner alone: the same workload replayed from that recording by
+              `asyncrl.benchmarks.replay:ReplayGenerator`, which answers every task at once
+  sync        the whole pipeline, generate-then-train: `mode=sync`, `learner.streaming=off`
+  async       the whole pipeline, overlapped, gradient streaming (the defaults)
+
+Each variant is an `asyncrl launch` subprocess (isolated, evaluation off); the four run interleaved
+in every repeat so that machine noise hits them alike. Throughput is steady state, from the step
+records in metrics.jsonl: samples trained after step `skip` divided by the time from step `skip`'s
+end to the last step's end (process start-up, model loading and pipeline fill are not counted).
+
+The pure parts (figures from records, medians, ratios) are functions here; importing this module
+is cheap, subprocesses and rich load when the command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+VARIANTS = ("gen_only", "learn_only", "sync", "async")
+REPLAY_KIND = "asyncrl.benchmarks.replay:ReplayGenerator"
+RUN_TIMEOUT_S = 3600.0  # one launch; the launcher's own supervision catches hung children sooner
+
+
+# ---------------------------------------------------------------------------- pure figures
+def steady_rate(steps: list[dict], *, skip: int) -> float:
+    """Samples per second over steps after the first `skip`: samples trained in steps
+    skip+1.. divided by the time from the end of step `skip` to the end of the last one.
+
+    `steps` are metrics.jsonl records of type "step" (`step`, `num_trajectories`, `time_s`, the
+    seconds since training began); `skip=0` measures from the start of training.
+    """
+    steps = sorted(steps, key=lambda r: r["step"])
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    if len(steps) <= skip:
+        raise ValueError(f"{len(steps)} step records; need more than skip={skip} (raise --steps)")
+    start_s = steps[skip - 1]["time_s"] if skip > 0 else 0.0
+    samples = sum(r["num_trajectories"] for r in steps[skip:])
+    elapsed_s = steps[-1]["time_s"] - start_s
+    if elapsed_s <= 0 or samples <= 0:
+        raise ValueError(f"no measurable progress after step {skip} ({samples} samples in {elapsed_s:.3f} s)")
+    return samples / elapsed_s
+
+
+def run_figures(records: list[dict], *, skip: int) -> dict[str, float]:
+    """Throughput and stage figures of one run from its metrics.jsonl records.
+
+    sps: steady-state samples/s (`steady_rate`); learner_tail_s: median over the steady steps of
+    `learner/tail_s` (last trajectory of the step's window in -> update done); learner_idle_ratio:
+    the learner's idle seconds over wall seconds in the same window (from the cumulative
+    `learner/idle_s`); gen_busy_ratio: the generators' last `gen/busy_ratio` (cumulative since each
+    generator started), averaged over generators.
+    """
+    steps = [r for r in records if r.get("type") == "step"]
+    out = {"sps": steady_rate(steps, skip=skip)}
+    learner = [r for r in records if r.get("type") == "metrics" and r.get("source") == "learner"]
+    if len(learner) > skip:
+        steady = learner[skip:]
+        out["learner_tail_s"] = statistics.median(r["learner/tail_s"] for r in steady)
+        ref = learner[skip - 1] if skip > 0 else {"learner/idle_s": 0.0, "time_s": 0.0}
+        span_s = learner[-1]["time_s"] - ref["time_s"]
+        if span_s > 0:
+            idle_s = learner[-1]["learner/idle_s"] - ref["learner/idle_s"]
+            out["learner_idle_ratio"] = min(1.0, max(0.0, idle_s / span_s))
+    busy: dict[str, float] = {}
+    for r in records:
+        if r.get("type") == "metrics" and "gen/busy_ratio" in r:
+            busy[r["source"]] = r["gen/busy_ratio"]
+    if busy:
+        out["gen_busy_ratio"] = statistics.fmean(busy.values())
+    return out
+
+
+def summarize(runs: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Per-repeat figures -> the result object: medians of each variant's samples/s, efficiency
+    (async / min(gen_only, learn_only)), speedup (async / sync), per-repeat values, and the async
+    runs' learner tail, learner idle ratio and generator busy ratio (medians).
+
+    `runs[i][variant]` is `run_figures` of repeat i's run of that variant.
+    """
+    if not runs:
+        raise ValueError("no repeats to summarize")
+    per_repeat: list[dict[str, float]] = []
+    for rep in runs:
+        missing = [v for v in VARIANTS if v not in rep]
+        if missing:
+            raise ValueError(f"a repeat lacks variants {missing}")
+        row = {f"{v}_sps": rep[v]["sps"] for v in VARIANTS}
+        row["efficiency"] = row["async_sps"] / min(row["gen_only_sps"], row["learn_only_sps"])
+        row["speedup"] = row["async_sps"] / row["sync_sps"]
+        per_repeat.append(row)
+    med = {f"{v}_sps": statistics.median(r[f"{v}_sps"] for r in per_repeat) for v in VARIANTS}
+    result: dict[str, Any] = {
+        **med,
+        # Ratios of the medians (each repeat's own ratios are in per_repeat).
+        "efficiency": med["async_sps"] / min(med["gen_only_sps"], med["learn_only_sps"]),
+        "speedup": med["async_sps"] / med["sync_sps"],
+        "bound": "generators" if med["gen_only_sps"] < med["learn_only_sps"] else "learner",
+        "balance": min(med["gen_only_sps"], med["learn_only_sps"])
+        / max(med["gen_only_sps"], med["learn_only_sps"]),
+    }
+    for key in ("learner_tail_s", "learner_idle_ratio", "gen_busy_ratio"):
+        values = [rep["async"][key] for rep in runs if key in rep["async"]]
+        if values:
+            result[f"async_{key}"] = statistics.median(values)
+    result["median_efficiency_per_repeat"] = statistics.median(r["efficiency"] for r in per_repeat)
+    result["median_speedup_per_repeat"] = statistics.median(r["speedup"] for r in per_repeat)
+    result["per_repeat"] = per_repeat
+    result["per_run"] = [{v: rep[v] for v in VARIANTS} for rep in runs]
+    return result
+
+
+def variant_sets(variant: str, *, recording: Path | None = None) -> list[str]:
+    """The `--set` overrides that make a run of the workload into `variant` (applied last)."""
+    match variant:
+        case "gen_only":
+            return ["learner.sink=true"]
+        case "learn_only":
+            if recording is None:
+                raise ValueError("learn_only needs the gen_only run's recording")
+            return [
+                f"generators.kind={REPLAY_KIND}",
+                f"generators.options.replay_path={json.dumps(str(recording))}",
+            ]
+        case "sync":
+            return ["mode=sync", "learner.streaming=off"]
+        case "async":
+            return ["mode=async", "learner.streaming=auto"]
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+# ---------------------------------------------------------------------------- the command
+def command(
+    steps: Annotated[int, typer.Option(help="optimizer steps per run (learner.steps)")] = 20,
+    groups_per_step: Annotated[int, typer.Option(help="learner.groups_per_step")] = 32,
+    samples_per_group: Annotated[int, typer.Option(help="learner.samples_per_group")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="sampling.max_new_tokens")] = 5,
+    max_batch_groups: Annotated[int, typer.Option(help="generators.max_batch_groups")] = 8,
+    max_staleness: Annotated[int, typer.Option(help="staleness.max_staleness (async variants)")] = 2,
+    skip: Annotated[int, typer.Option(help="leading steps left out of the steady-state throughput")] = 2,
+    repeats: Annotated[int, typer.Option(help="rounds of the four variants; medians reported")] = 3,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="extra config override for every run, e.g. --set model.path=DIR"),
+    ] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option(help="keep the run directories here (default: a temporary directory)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """Pipeline: generators alone, learner alone, sync and async on one workload."""
+    for name, value, low in (
+        ("--steps", steps, 1),
+        ("--groups-per-step", groups_per_step, 1),
+        ("--samples-per-group", samples_per_group, 2),
+        ("--max-new-tokens", max_new_tokens, 1),
+        ("--max-batch-groups", max_batch_groups, 1),
+        ("--repeats", repeats, 1),
+    ):
+        if value < low:
+            raise typer.BadParameter(f"{name} must be >= {low}, got {value}")
+    if max_staleness < 0 or skip < 0:
+        raise typer.BadParameter("--max-staleness and --skip must be >= 0")
+    if steps <= skip:
+        raise typer.BadParameter(f"--steps ({steps}) must be greater than --skip ({skip})")
+    workload = [
+        f"learner.steps={steps}",
+        f"learner.groups_per_step={groups_per_step}",
+        f"learner.samples_per_group={samples_per_group}",
+        f"sampling.max_new_tokens={max_new_tokens}",
+        f"generators.max_batch_groups={max_batch_groups}",
+        f"staleness.max_staleness={max_staleness}",
+        "generators.num_generators=1",
+        "generators.threads=1",
+        "learner.threads=1",
+        "task.num_eval=0",
+        *(set_ or []),
+    ]
+    from asyncrl.config import ConfigError, load_config
+
+    try:  # fail on a bad --set before any process starts
+        for v in VARIANTS:
+            load_config(None, [*workload, *variant_sets(v, recording=Path("recording.jsonl"))])
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    from asyncrl.benchmarks.pipeline_run import print_table, run_pipeline_bench
+
+    result = run_pipeline_bench(
+        workload,
+        repeats=repeats,
+        skip=skip,
+        out_dir=out_dir,
+        progress=lambda text: typer.echo(text, err=True),
+    )
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        print_table(result)
