@@ -16,16 +16,23 @@ pytestmark = pytest.mark.slow
 
 SELECTABLE = sorted(n for n in POLICIES if all(x in LEARNER_PROVIDES for x in make_policy(n).needs))
 
-OBJECTIVES = {
-    "dr_grpo": ["learner.advantage=dr_grpo", 'learner.agg="seq-mean-token-sum-norm"'],
-    "rloo": ["learner.advantage=rloo", 'learner.agg="seq-mean-token-mean"'],
-    "mc_grpo": ["learner.advantage=mc_grpo", "learner.samples_per_group=5"],
-    "dapo": ["learner.clip_high=0.28", "learner.drop_degenerate_groups=true"],
-    "dual_clip": ["learner.dual_clip=3.0"],
-    "gspo": ["learner.loss=gspo", 'learner.agg="seq-mean-token-mean"'],
-    "cispo": ["learner.loss=cispo"],
-    "kl_k3_loss": ["learner.kl_coef=0.01", "learner.kl_estimator=k3"],
-    "kl_k1_reward": ["learner.kl_coef=0.01", "learner.kl_estimator=k1", "learner.kl_placement=reward"],
+# Objective variants, each run together with one staleness policy (a launched job costs ~20 s of
+# process start-up, so pairs halve the suite's time; the math of every combination is covered by
+# tests/unit/test_trainer.py). Every selectable policy and every variant appears once.
+OBJECTIVES = [
+    ["learner.advantage=dr_grpo", 'learner.agg="seq-mean-token-sum-norm"'],
+    ["learner.advantage=rloo", 'learner.agg="seq-mean-token-mean"'],
+    ["learner.advantage=mc_grpo", "learner.samples_per_group=5"],
+    ["learner.clip_high=0.28", "learner.drop_degenerate_groups=true"],  # DAPO
+    ["learner.dual_clip=3.0"],
+    ["learner.loss=gspo", 'learner.agg="seq-mean-token-mean"'],
+    ["learner.loss=cispo"],
+    ["learner.kl_coef=0.01", "learner.kl_estimator=k3"],
+    ["learner.kl_coef=0.01", "learner.kl_estimator=k1", "learner.kl_placement=reward"],
+]
+assert len(OBJECTIVES) >= len(SELECTABLE), "every policy needs a partner objective"
+
+OPD = {
     # On-policy distillation of the shipped student by the shipped teacher (same tokenizer).
     "opd_reverse_kl": ['model.path=""', "opd.enabled=true"],
     "opd_mc_reverse_kl": [
@@ -37,9 +44,12 @@ OBJECTIVES = {
     "opd_forward_kl": ['model.path=""', "opd.enabled=true", "opd.estimator=forward_kl", "opd.num_samples=3"],
 }
 
-CASES = {f"policy-{p}": [f"staleness.policy={p}"] for p in SELECTABLE} | {
-    f"objective-{k}": v for k, v in OBJECTIVES.items()
-}
+CASES = {
+    f"policy-{p}+{objective[0].split('=')[0].split('.')[-1]}-{k}": [f"staleness.policy={p}", *objective]
+    for k, (p, objective) in enumerate(zip(SELECTABLE, OBJECTIVES, strict=False))
+} | {f"objective-{k}": v for k, v in OPD.items()}
+leftover = OBJECTIVES[len(SELECTABLE) :]
+CASES |= {f"objective-extra-{k}": v for k, v in enumerate(leftover)}
 
 
 @pytest.mark.timeout(200)
