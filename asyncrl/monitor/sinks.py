@@ -9,6 +9,7 @@ nothing here is imported unless `monitor.sinks` names it. Scalars are keyed by l
 from __future__ import annotations
 
 import importlib.util
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 SINK_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
@@ -53,7 +54,7 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
-class _StepKeyed:
+class _StepKeyed(ABC):
     """Tracks the learner step so that every scalar has an x coordinate."""
 
     def __init__(self) -> None:
@@ -66,8 +67,9 @@ class _StepKeyed:
         if values:
             self.write(values, self.step)
 
+    @abstractmethod
     def write(self, values: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Send one record's scalars at `step` to the sink's backend."""
 
 
 class TensorBoardSink(_StepKeyed):

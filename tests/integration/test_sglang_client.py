@@ -48,7 +48,7 @@ async def poll(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # polling with a deadline; the servers run in this loop
 
 
 @pytest.fixture
