@@ -127,6 +127,9 @@ class StalenessConfig(_Section, frozen=True, kw_only=True):
     max_staleness: NonNegInt = 2  # versions between the token's policy and the step that trains on it
     policy: str = "none"  # off-policy correction; see docs/staleness.md for names and parameters
     params: dict[str, float | int | bool | str] = {}  # keyword parameters of the policy
+    # Per-sample freshness score as a loss weight on top of the policy (docs/staleness.md):
+    # None = off; {} = on with defaults; keys lambda_roll, lambda_sup, f_min, self_normalize.
+    freshness: dict[str, float | bool] | None = None
 
 
 class WeightsConfig(_Section, frozen=True, kw_only=True):
@@ -312,7 +315,7 @@ def check_staleness_policy(section: StalenessConfig):
     from asyncrl.staleness.registry import make_policy
 
     try:
-        policy = make_policy(section.policy, **section.params)
+        policy = make_policy(section.policy, freshness=section.freshness, **section.params)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config error at staleness.policy: {exc}") from None
     missing = [n for n in policy.needs if n not in LEARNER_PROVIDES]

@@ -219,7 +219,12 @@ class Objective:
     def needs_whole_batch(policy: StalenessPolicy) -> bool:
         """Corrections computed from the whole batch (M2PO's mask, VCPO's ESS learning-rate scale,
         self-normalised weights): one rank must see every trajectory of the step."""
-        return policy.name in BATCH_GLOBAL or bool(getattr(policy, "self_normalize", False))
+        base = getattr(policy, "base", policy)  # freshness weighting wraps a policy
+        return (
+            base.name in BATCH_GLOBAL
+            or bool(getattr(policy, "self_normalize", False))
+            or bool(getattr(base, "self_normalize", False))
+        )
 
     def stream_loss(
         self, logp_BT: torch.Tensor, corr: Correction, mask_BT: torch.Tensor

@@ -309,7 +309,9 @@ class Trainer:
     def _after_update(self) -> None:
         """Track the new version for the EWMA and snapshot policies."""
         if self.ewma is not None:
-            self.ewma = self.ewma.update(self.model.state_dict(), decay=self.policy.decay)
+            self.ewma = self.ewma.update(
+                self.model.state_dict(), decay=getattr(self.policy, "base", self.policy).decay
+            )
         if "old_train" in self.policy.needs:
             version = self.step + 1
             self.snapshots[version] = _snapshot(self.model)

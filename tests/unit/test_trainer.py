@@ -365,3 +365,24 @@ def test_loss_mask_leaves_masked_tokens_out_of_loss_and_denominator(tiny_model_d
     torch.testing.assert_close(_params(other), _params(ref), rtol=0, atol=1e-12)
     torch.testing.assert_close(_params(streamed_model), _params(ref), rtol=0, atol=1e-10)
     assert a.num_tokens == b.num_tokens == c.num_tokens == sum(len(s.completion_ids) - 1 for s in samples)
+
+
+@pytest.mark.parametrize("self_normalize", [True, False])
+def test_freshness_weighting_is_selectable_and_streams_only_when_local(tiny_model_dir, self_normalize):
+    flag = "true" if self_normalize else "false"
+    sets = [
+        "staleness.policy=tis",
+        f"staleness.freshness.self_normalize={flag}",
+        "staleness.freshness.lambda_roll=2.0",
+    ]
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=0.5, seed=5)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    _batch_step(ref, samples, *sets)
+    trainer, result = _stream_step(model, samples, *sets)
+    assert trainer.policy.name == "tis+freshness"
+    assert ("batch-global" in trainer.fallback) == self_normalize  # the batch mean couples samples
+    torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
+    plain = copy.deepcopy(base)
+    _batch_step(plain, samples, "staleness.policy=tis")
+    assert not torch.allclose(_params(plain), _params(ref))  # the weights changed the update
