@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 FORMAT = 1
+KEEP = 2  # learner checkpoints kept on disk (each holds the model and the optimizer state)
 _NAME_RE = re.compile(r"^learner-(\d{8,})\.pt$")
 
 
@@ -57,6 +58,9 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer) -> Path:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    # Keep the newest KEEP: the launcher's half of the newest may not be written yet.
+    for old in learner_checkpoint_versions(run_dir)[:-KEEP]:
+        learner_checkpoint_path(run_dir, old).unlink(missing_ok=True)
     return path
 
 
