@@ -131,8 +131,7 @@ class StepLoop:
                 for sample in fresh:
                     trainer.offer(sample)
                 offered += len(fresh)
-                if trainer.has_work():
-                    await self._busy(trainer.work)
+                if trainer.has_work() and await self._busy(trainer.work):
                     continue
                 if offered == expected:
                     break

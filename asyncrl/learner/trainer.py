@@ -182,6 +182,8 @@ class Trainer:
         return [g for g, w in self.waiting.items() if w and len(self.members[g]) == self.group_size]
 
     def _streamable_now(self, gid: int) -> bool:
+        if not self.acc.is_open(gid) and self.acc.free_group_slots == 0:
+            return False  # back-pressure: no S0/S1 buffers for another group now
         return any(s.traj_id not in self.deferred for s in self.waiting[gid])
 
     # ------------------------------------------------------------------ streaming
@@ -202,10 +204,8 @@ class Trainer:
             return True
         for gid, waiting in self.waiting.items():
             for sample in waiting:
-                if sample.traj_id in self.deferred:
-                    continue
-                if not self.acc.is_open(gid) and self.acc.free_group_slots == 0:
-                    continue  # back-pressure: it waits for its group like a deferred one
+                if sample.traj_id in self.deferred or not self._streamable_now(gid):
+                    continue  # waits for its group (sign-dependent clip, or back-pressure)
                 if self._stream_one(sample):
                     waiting.remove(sample)
                 else:
