@@ -76,6 +76,9 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     groups_per_step: PosInt = 32
     samples_per_group: Annotated[int, Meta(ge=2)] = 8
     lr: PosFloat = 3e-4
+    # "adamw" (betas 0.9/0.99) or plain "sgd" (the update is -lr times the clipped gradient, which
+    # makes a run's final weights a direct readout of its gradient; the DP parity test uses it).
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     max_grad_norm: PosFloat = 1.0
     # The objective (docs/algorithms.md): advantage estimator, policy loss, aggregation, KL.

@@ -56,6 +56,7 @@ def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Tr
         Objective.from_config(config),
         check_staleness_policy(config.staleness),
         lr=lrn.lr,
+        optimizer=lrn.optimizer,
         weight_decay=lrn.weight_decay,
         max_grad_norm=lrn.max_grad_norm,
         temperature=config.sampling.temperature,

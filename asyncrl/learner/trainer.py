@@ -103,6 +103,7 @@ class Trainer:
         *,
         lr: float,
         weight_decay: float,
+        optimizer: str = "adamw",
         max_grad_norm: float,
         temperature: float,
         pad_token_id: int,
@@ -125,7 +126,10 @@ class Trainer:
         self.max_open_groups = max_open_groups
         self.max_staleness = max_staleness
         self.process_group = process_group
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        if optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         self.reference = None
         if objective.uses_reference:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
