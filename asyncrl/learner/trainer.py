@@ -129,7 +129,9 @@ class Trainer:
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+            )
         self.reference = None
         if objective.uses_reference:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
