@@ -143,7 +143,8 @@ def run_child(
             code = 1
         finally:
             ctrl.close()
-            zctx.term()
+            # destroy, not term: a socket some code path left open must not block the exit.
+            zctx.destroy(linger=0)
         return code
 
     sys.exit(uvloop.run(amain()))

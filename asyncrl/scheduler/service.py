@@ -553,7 +553,8 @@ class Launcher:
             if self.monitor_hub is not None:  # --- monitor teardown: final snapshot, close PUB
                 self.monitor_hub.close()
             ctrl.close()
-            zctx.term()
+            # destroy, not term: a socket some code path left open must not block the exit.
+            zctx.destroy(linger=0)
             self.metrics_file.close()
         if self.failure is not None:
             raise RunFailed(self.failure)
