@@ -1,5 +1,12 @@
-"""The learner's half of a resumable checkpoint: model, optimizer, RNG and version, plus what the
-staleness policy tracks (the EWMA of the weights, the snapshots of recent versions).
+"""The learner's half of a resumable checkpoint: model, optimizer, RNG and version, what the
+staleness policy tracks (the EWMA of the weights, the snapshots of recent versions), and the
+buffered trajectories: those received for later steps and not trained yet (in async mode the
+generators run ahead, so the learner holds part of the next windows when it checkpoints).
+
+On resume the held trajectories go back into the learner's buffer exactly as they were (same
+tokens, behavior log-probs and versions), so the resumed run trains on the samples the interrupted
+one had; the launcher re-admits their groups all the same, and the regenerated copies are dropped
+by traj_id (counted as `learner/resume_regenerated`, not as duplicates).
 
 Place in the data flow: the learner service calls `save_learner_checkpoint` after publishing
 version v when v is a multiple of `run.checkpoint_every`, on the last step, and when it is told to
@@ -14,12 +21,16 @@ unpickles tensors and plain containers only, never arbitrary objects.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from asyncrl.learner.step import TrainSample
 
 FORMAT = 1
 KEEP = 2  # learner checkpoints kept on disk (each holds the model and the optimizer state)
@@ -37,8 +48,17 @@ def learner_checkpoint_versions(run_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _NAME_RE.match(p.name)))
 
 
-def save_learner_checkpoint(run_dir: Path, version: int, trainer) -> Path:
-    """Atomically write the trainer's state after `version` updates."""
+def _held_state(step: int, sample: TrainSample) -> dict:
+    fields = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
+    fields["prompt_ids"] = [int(t) for t in sample.prompt_ids]
+    return {"step": step, "sample": fields}
+
+
+def save_learner_checkpoint(
+    run_dir: Path, version: int, trainer, held: Iterable[tuple[int, TrainSample]] = ()
+) -> Path:
+    """Atomically write the trainer's state after `version` updates, with the (step, sample)
+    pairs the learner holds for later steps."""
     path = learner_checkpoint_path(run_dir, version)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
@@ -52,6 +72,7 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer) -> Path:
         if trainer.ewma is None
         else {"params": trainer.ewma.params, "total": trainer.ewma.total},
         "snapshots": {str(v): s for v, s in trainer.snapshots.items()},
+        "held": [_held_state(step, sample) for step, sample in held],
     }
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
@@ -64,8 +85,9 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer) -> Path:
     return path
 
 
-def load_learner_checkpoint(run_dir: Path, version: int, trainer) -> None:
-    """Restore a trainer (built from the same config and model) to `version`."""
+def load_learner_checkpoint(run_dir: Path, version: int, trainer) -> list[tuple[int, TrainSample]]:
+    """Restore a trainer (built from the same config and model) to `version`; returns the held
+    (step, sample) pairs to put back into the learner's buffer."""
     from asyncrl.staleness.ewma import EwmaParams
 
     path = learner_checkpoint_path(run_dir, version)
@@ -84,3 +106,4 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer) -> None:
     if state["ewma"] is not None:
         trainer.ewma = EwmaParams(state["ewma"]["params"], float(state["ewma"]["total"]))
     trainer.snapshots = {int(v): s for v, s in state["snapshots"].items()}
+    return [(int(h["step"]), TrainSample(**h["sample"])) for h in state.get("held", [])]

@@ -81,6 +81,8 @@ class StepLoop:
         self.window_size = window_size
         self.sink = sink
         self.inbox: dict[int, list[TrainSample]] = {}
+        self.taken_step = -1  # the step being trained and what it took from the inbox so far
+        self.taken: list[TrainSample] = []
         self.received: dict[int, int] = {}  # trajectories received per step
         self.last_arrival: dict[int, float] = {}  # when each step's last trajectory arrived
         self.arrived = asyncio.Event()
@@ -95,6 +97,13 @@ class StepLoop:
         if self.received[step] == self.window_size(step):
             self.last_arrival[step] = time.perf_counter()
         self.arrived.set()
+
+    def held(self, after_step: int) -> list[tuple[int, TrainSample]]:
+        """Loop thread: the (step, sample) pairs received for steps after `after_step` and not
+        trained into an applied update, in arrival order (what a checkpoint must keep). Includes
+        what an unfinished step `after_step + 1` had already taken from the inbox."""
+        out = [(self.taken_step, s) for s in self.taken] if self.taken_step > after_step else []
+        return out + [(step, s) for step in sorted(self.inbox) if step > after_step for s in self.inbox[step]]
 
     def stop(self) -> None:
         self.stopping = True
@@ -116,6 +125,7 @@ class StepLoop:
         """Train step `step` and apply its update; None when stopping first."""
         trainer = self.trainer
         trainer.begin_step(step)
+        self.taken_step, self.taken = step, []
         expected = self.window_size(step)
         whole_window = self.sink is not None or bool(trainer.fallback)
         offered = 0
@@ -123,12 +133,14 @@ class StepLoop:
             if whole_window:
                 if len(self.inbox.get(step, ())) == expected:
                     samples = self.inbox.pop(step, [])
+                    self.taken.extend(samples)
                     if self.sink is not None:
                         return await asyncio.to_thread(self.sink, step, samples)
                     await self._busy(trainer.batch_backward, samples)
                     break
             else:
                 fresh = self.inbox.pop(step, [])
+                self.taken.extend(fresh)
                 for sample in fresh:
                     trainer.offer(sample)
                 offered += len(fresh)

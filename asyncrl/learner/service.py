@@ -83,10 +83,19 @@ class LearnerService:
         self.seen: set[int] = set()
         self.num_duplicates = 0
         self.num_invalid = 0
+        self.restored: set[int] = set()  # traj ids put back from the checkpoint on resume
+        self.num_regenerated = 0  # re-admitted copies of restored trajectories, dropped
         self.start_version = int(ctx.extra.get("resume_version", "0"))
         self.version = self.start_version
         if self.start_version:
-            load_learner_checkpoint(ctx.run_dir, self.start_version, self.trainer)
+            held = load_learner_checkpoint(ctx.run_dir, self.start_version, self.trainer)
+            for step, sample in held:
+                self.seen.add(sample.traj_id)
+                self.restored.add(sample.traj_id)
+                self.loop.add(step, sample)
+            log.info(
+                "learner: resumed at version %d with %d buffered trajectories", self.start_version, len(held)
+            )
             drop_published_from(self.weights_root(), self.start_version)
 
     async def data_loop(self) -> None:
@@ -94,6 +103,9 @@ class LearnerService:
             _, msg, tensors = await self.data.recv()
             if not isinstance(msg, Trajectory):
                 log.error("learner: %s on the trajectory socket; dropped", type(msg).__name__)
+                continue
+            if msg.traj_id in self.restored:
+                self.num_regenerated += 1  # the checkpoint's copy is kept
                 continue
             if msg.traj_id in self.seen:
                 self.num_duplicates += 1
@@ -179,7 +191,10 @@ class LearnerService:
             every = self.ctx.config.run.checkpoint_every
             if step == self.cfg.steps - 1 or (every and self.version % every == 0):
                 # Before StepDone: the launcher writes its half of the checkpoint on receiving it.
-                await asyncio.to_thread(save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer)
+                held = loop.held(after_step=step)  # on the loop thread, before the data loop adds more
+                await asyncio.to_thread(
+                    save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer, held
+                )
             if step == self.cfg.steps - 1:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
@@ -216,6 +231,8 @@ class LearnerService:
                         "learner/deferred": float(result.deferred),
                         "learner/stream_peak_bytes": float(result.peak_stream_bytes),
                         "learner/duplicates": float(self.num_duplicates),
+                        "learner/resume_restored": float(len(self.restored)),
+                        "learner/resume_regenerated": float(self.num_regenerated),
                         "learner/invalid_trajectories": float(self.num_invalid),
                         "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
                         "learner/publish_s": published.publish_s,
@@ -252,8 +269,9 @@ class LearnerService:
                     # Stopped early (Ctrl-C or a failure elsewhere): keep what was trained.
                     path = learner_checkpoint_path(self.ctx.run_dir, self.version)
                     if not path.exists():
+                        held = self.loop.held(after_step=self.version - 1)
                         await asyncio.to_thread(
-                            save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer
+                            save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer, held
                         )
                 await ctrl  # finished training: wait for the launcher's Shutdown
                 for t in loops:

@@ -59,6 +59,7 @@ STARTUP_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
 # What the launcher's control socket accepts from children; any other type is rejected and counted.
+INTERRUPTED_RUN = "(interrupted run)"  # ledger generator id of tasks re-admitted on resume
 CONTROL_ACCEPT = (Hello, TaskDone, WeightsPublished, WeightsLoaded, StepDone, Metrics, Heartbeat, Fatal)
 
 
@@ -77,7 +78,8 @@ class RunState:
 
     total_steps: int
     max_staleness_bound: int
-    started: float = field(default_factory=time.perf_counter)
+    launched: float = field(default_factory=time.perf_counter)  # the clock of every record's time_s
+    started: float = field(default_factory=time.perf_counter)  # reset when training starts
     step: int = 0
     policy_version: int = 0
     trajectories_generated: int = 0
@@ -285,7 +287,7 @@ class Launcher:
         self.reporter.event(text)
 
     def write_record(self, kind: str, payload: dict) -> None:
-        record = {**payload, "type": kind, "time_s": round(self.state.elapsed_s, 4)}
+        record = {**payload, "type": kind, "time_s": round(time.perf_counter() - self.state.launched, 4)}
         line = json.dumps(record)
         self.metrics_file.write(line + "\n")
         # --- monitor hook: the same record to the PUB socket and the dashboard (asyncrl/monitor/stream.py)
@@ -301,30 +303,56 @@ class Launcher:
         """Re-queued tasks first, then newly admitted groups, each to a serving generator."""
         if self.state.phase != "training" or self.finished.is_set():
             return
-        while self.pool.serving() and (task := self.book.pop_requeued()) is not None:
-            await self.assign(ctrl, task)
         loaded = self.min_loaded_version()
         if loaded is None:
             return
-        s = self.cfg.sampling
-        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+        # A task waits while its step is beyond the bound for the loaded weights (only the groups
+        # re-admitted on resume can be, until the generators load the resumed version).
+        max_step = loaded + self.cfg.effective_max_staleness
+        while self.book.requeued and self.book.open[self.book.requeued[0]].step <= max_step:
+            await self.assign(ctrl, self.book.pop_requeued())
         for j in self.admission.admit(loaded):
-            problem = self.task.train_problem(j)
-            task = PromptTask(
-                task_id=j,
-                group_id=j,
-                prompt_ids=self._tokenizer(problem.prompt)["input_ids"],
-                num_samples=self.cfg.learner.samples_per_group,
-                sampling=sampling,
-                dataset_index=j,
-                step=step_of(j, groups_per_step=self.cfg.learner.groups_per_step),
-                answer=problem.answer,
-            )
-            self.book.admit(task)
-            self.state.groups_admitted += 1
-            self.state.groups_in_flight += 1
-            self.task_started[j] = time.perf_counter()
+            task = self.admit(j)
             await self.assign(ctrl, task)
+
+    def admit(self, j: int) -> PromptTask:
+        """Group j's PromptTask, admitted to the task book (not sent anywhere yet)."""
+        s = self.cfg.sampling
+        problem = self.task.train_problem(j)
+        task = PromptTask(
+            task_id=j,
+            group_id=j,
+            prompt_ids=self._tokenizer(problem.prompt)["input_ids"],
+            num_samples=self.cfg.learner.samples_per_group,
+            sampling=SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
+            ),
+            dataset_index=j,
+            step=step_of(j, groups_per_step=self.cfg.learner.groups_per_step),
+            answer=problem.answer,
+        )
+        self.book.admit(task)
+        self.state.groups_admitted += 1
+        self.state.groups_in_flight += 1
+        self.task_started[j] = time.perf_counter()
+        return task
+
+    def readmit_checkpointed(self) -> None:
+        """Resume: admit again, before the learner starts, every group the interrupted run had
+        admitted past v*B (queued for the generators). The learner may hold whole windows of them
+        from its checkpoint and train those steps before any generator is up; their StepDone
+        must find the groups in the book. The staleness bound holds: they were admitted for
+        versions <= v + K, and the generators serve version v before they get any."""
+        from asyncrl.scheduler.checkpoint import checkpoint_dir
+
+        path = checkpoint_dir(self.run_dir) / f"launcher-{self.resume_version:08d}.json"
+        admitted = msgspec.json.decode(path.read_bytes())["admission"]["num_admitted"]
+        # In the ledger they were in flight on the interrupted run's generators, now gone, so
+        # they are re-queued (trajectories restored by the learner may arrive for them).
+        for j in range(self.admission.num_admitted, admitted):
+            self.book.dispatched(self.admit(j).task_id, INTERRUPTED_RUN)
+        self.book.generator_failed(INTERRUPTED_RUN)
+        self.admission.num_admitted = max(self.admission.num_admitted, admitted)
 
     async def assign(self, ctrl: Endpoint, task: PromptTask) -> None:
         """Send `task` to the serving generator with the fewest outstanding tasks; with none
@@ -477,6 +505,8 @@ class Launcher:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if self.resume_version:
+            self.readmit_checkpointed()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.interrupt)
