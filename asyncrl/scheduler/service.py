@@ -137,8 +137,8 @@ class Launcher:
             samples_per_group=config.learner.samples_per_group,
         )
         # Resuming at version v: groups [0, v*B) were trained; every later group is admitted again
-        # from the prompt stream (samples generated but not trained before the stop are
-        # regenerated, from the same per-sample seeds).
+        # from the prompt stream (`readmit_checkpointed` first, for those the interrupted run had
+        # admitted); the learner keeps the trajectories its checkpoint held and drops their copies.
         self.resume_version = resume_version
         self.admission.num_admitted = resume_version * config.learner.groups_per_step
         self.book.num_steps_trained = resume_version
