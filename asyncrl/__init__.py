@@ -14,7 +14,9 @@ Data flow (one machine by default; every socket on loopback):
       |                                            gradient, one update per step; ranks 1..R-1
       |                                            (learner/ranks.py) get their groups forwarded;
       |                                            publishes each version (transport/publisher.py:
-      |                                            safetensors shards or a broadcast group)
+      |                                            safetensors shards or a broadcast group; with
+      |                                            generators.kind=sglang the SGLang servers are the
+      |                                            group's ranks: transport/sglang_dist.py)
 
 | loop | consumes | produces | waits for | unblocked by |
 |---|---|---|---|---|

@@ -63,7 +63,10 @@ def launch(
     from asyncrl.scheduler.service import RunFailed
 
     try:
-        resolve_generator(cfg.generators.kind)
+        generator_cls = resolve_generator(cfg.generators.kind)
+        check = getattr(generator_cls, "check_config", None)
+        if check is not None:  # the plugin's own options, before any process starts
+            check(cfg)
     except ValueError as exc:
         _fail(str(exc))
     from asyncrl.monitor.live import Dashboard, PlainReporter

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from asyncrl.messages import PromptTask
+from asyncrl.messages import PromptTask, WeightsPublished
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,7 @@ class GeneratorContext:
     inflight: str = "keep"  # weights.inflight: keep, retract or abort (for generators that can)
     opd: Any = None  # asyncrl.config.OpdConfig: when enabled, rollouts carry the teacher's scores
     options: dict[str, Any] = field(default_factory=dict)
+    run_dir: str = ""  # the run directory (logs/ for server logs); empty outside `asyncrl launch`
 
 
 @runtime_checkable
@@ -97,6 +98,20 @@ class StagedWeights(Protocol):
 
     def apply_pending(self) -> bool:
         """Apply an offered version now (called between batches, off the event loop)."""
+
+
+@runtime_checkable
+class GroupWeights(Protocol):
+    """Optional: generators whose inference servers are themselves ranks of the learner's weight
+    update group (the sglang generator with `weights.transport = "broadcast"`). The service hands
+    them every broadcast announcement they are a member of, in order, instead of receiving the
+    bytes itself, and acks the version once `receive_broadcast` returns. Catch-up shards still go
+    to `load_weights`. A generator class may also define `check_config(config)`, which
+    `asyncrl launch` calls before any process starts (ValueError = a config error).
+    """
+
+    async def receive_broadcast(self, msg: WeightsPublished) -> None:
+        """Have the servers take `msg.version` over the group (joining it on the founding one)."""
 
 
 ENTRY_POINT_GROUP = "asyncrl.generators"

@@ -33,7 +33,7 @@ from collections import deque
 import torch
 import zmq
 
-from asyncrl.generators.base import GeneratorContext, Rollout, StagedWeights, resolve_generator
+from asyncrl.generators.base import GeneratorContext, GroupWeights, Rollout, StagedWeights, resolve_generator
 from asyncrl.messages import (
     Metrics,
     PromptTask,
@@ -159,13 +159,15 @@ class GeneratorService:
                 inflight=cfg.weights.inflight,
                 opd=cfg.opd,
                 options=dict(cfg.generators.options),
+                run_dir=str(ctx.run_dir),
             )
         )
         self.staged = isinstance(self.gen, StagedWeights)
-        if cfg.weights.kind == "broadcast" and not self.staged:
+        self.group_member = isinstance(self.gen, GroupWeights)  # its servers receive, not this process
+        if cfg.weights.kind == "broadcast" and not (self.staged or self.group_member):
             raise ValueError(
-                f"generator {cfg.generators.kind!r} has no offer_weights(), which "
-                "weights.transport=broadcast needs; use weights.transport=shards"
+                f"generator {cfg.generators.kind!r} has no offer_weights() (nor receive_broadcast()), "
+                "which weights.transport=broadcast needs; use weights.transport=shards"
             )
         self.num_opd_samples = cfg.opd.num_samples if cfg.opd.enabled else 0
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
@@ -265,7 +267,12 @@ class GeneratorService:
     async def load(self, msg: WeightsPublished) -> bool:
         """Fetch and hand over one version; False (old weights kept) when it cannot be loaded."""
         try:
-            if self.staged:
+            if self.group_member and msg.transport == "broadcast":
+                # No model lock: the servers pause themselves (generators.options.pause_mode).
+                await self.gen.receive_broadcast(msg)
+                self.fetched_version = msg.version
+                self.on_applied(msg.version)
+            elif self.staged:
                 state = await asyncio.to_thread(self.receiver.fetch, msg)
                 self.gen.offer_weights(msg.version, state, self.on_applied_threadsafe)
                 self.fetched_version = msg.version
@@ -404,7 +411,7 @@ class GeneratorService:
         finally:
             self.receiver.close()
             self.data.close()
-        await self.gen.close()
+            await self.gen.close()  # also on failure: a generator may own server processes
 
 
 async def main(ctx: ChildContext) -> None:

@@ -3,24 +3,39 @@
 Place in the data flow: the generator service hands it PromptTasks; it sends one native /generate
 per sample (`input_ids`, `return_logprob`) to the least-loaded healthy server, reads the sampled
 ids, behavior log-probs and per-token weight versions (`meta_info.weight_versions` spans) from
-the answer, scores the completion with the task's verifier and returns Rollouts. When the learner
-publishes safetensors shards, `load_weights` fans out pause -> /update_weights_from_disk ->
-/model_info check -> continue to every server (SGLANG_API.md section 6).
+the answer, scores the completion with the task's verifier and returns Rollouts. It attaches to
+running servers (`urls`) or starts them itself (`launch`, `sglang_launch.py`; stopped on close).
+Weights: safetensors shards go pause -> /update_weights_from_disk -> /model_info check ->
+continue on every server (SGLANG_API.md section 6); with weights.transport=broadcast the servers
+join the learner's weight update group and take every version over it (`sglang_group.py`, the
+learner's side in `transport/sglang_dist.py`).
 
-Options (`generators.options.*`, all optional but `urls`):
+Options (`generators.options.*`; either `urls` or `launch`, the rest optional; checked by
+`sglang_options.py` when the job is loaded):
 
 | option | default | meaning |
 |---|---|---|
-| `urls` | - | comma-separated `http://HOST:PORT` of the servers (one per GPU, or routers) |
+| `urls` | - | comma-separated `http://HOST:PORT` of running servers (one per GPU, or routers) |
+| `launch` | - | start this many servers instead, one per GPU, on free loopback ports |
+| `model_path` | the job's model | launch: `--model-path` of the servers |
+| `launch_command` | `python -m sglang.launch_server` | launch: the server program (`python` = this interpreter) |
+| `launch_args` | `""` | launch: more server flags, e.g. `"--disable-cuda-graph --log-level warning"` |
+| `gpus` | CUDA_VISIBLE_DEVICES or `0..N-1` | launch: comma-separated device per server (its CUDA_VISIBLE_DEVICES) |
+| `mem_fraction_static` | server default | launch: `--mem-fraction-static` |
 | `max_concurrency` | 64 | samples in flight at once over all servers |
 | `request_timeout_s` | 600 | one /generate (a paused server holds requests) |
-| `startup_timeout_s` | 120 | wait for every server's /health at setup |
+| `startup_timeout_s` | 120 (urls), 600 (launch) | wait for every server's /health (/health_generate when launched) |
 | `health_interval_s` | 2 | how often a quarantined server is checked for readmission |
 | `max_retries` | 2 | re-issues of one sample after server failures before the batch fails |
 | `pause_mode` | from `weights.inflight` | `in_place` (keep), `retract` (retract) or `abort` (abort) |
 | `verify_shards` | true | sha256-check the shards before servers load them |
 | `extra_sampling_params` | `{}` | JSON object merged into `sampling_params` (e.g. `{"top_k": 20}`) |
 | `ignore_eos` | false | sample to `max_new_tokens` (benchmarks) |
+
+Launched servers get `--model-path`, `--host 127.0.0.1`, `--port`, `--weight-version 0`
+(and `--mem-fraction-static`), then `launch_args`; their logs are `<run>/logs/sglang-<generator>-<i>.log`
+and `<run>/logs/sglang-<generator>.json` lists their urls and pids. With `launch` and with
+weights.transport=broadcast, generators.num_generators must be 1.
 
 No duplicates: a sample is one coroutine that produces exactly one Rollout. A request that fails
 (connection refused or cut, timeout, 5xx) is abandoned (best-effort /abort_request of its rid) and
@@ -33,8 +48,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,72 +67,15 @@ from asyncrl.generators.sglang_client import (
     decode_update,
     wait_until_healthy,
 )
-from asyncrl.messages import PromptTask
+from asyncrl.generators.sglang_options import OPTIONS, PAUSE_MODES, check_config, parse_options
+from asyncrl.messages import PromptTask, WeightsPublished
 
 log = logging.getLogger(__name__)
 
-OPTIONS: dict[str, type | tuple[type, ...]] = {
-    "urls": str,
-    "max_concurrency": int,
-    "request_timeout_s": (int, float),
-    "startup_timeout_s": (int, float),
-    "health_interval_s": (int, float),
-    "max_retries": int,
-    "pause_mode": str,
-    "verify_shards": bool,
-    "extra_sampling_params": str,
-    "ignore_eos": bool,
-}
-PAUSE_MODES = {"keep": "in_place", "retract": "retract", "abort": "abort"}
+__all__ = ["OPTIONS", "PAUSE_MODES", "SGLangGenerator", "parse_options", "segment_seed", "verify_shards"]
+
 CONTROL_TIMEOUT_S = 600.0  # pause waits for in-flight requests; a disk load reads the whole model
 MAX_ABORTS_PER_SAMPLE = 1000  # a server paused in abort mode forever would otherwise spin
-
-
-def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
-    """Checked options with defaults; ValueError naming the bad option and the valid ones."""
-    for key, value in options.items():
-        if key not in OPTIONS:
-            raise ValueError(
-                f"generators.options.{key} is not an sglang generator option; valid: {', '.join(OPTIONS)}"
-            )
-        if not isinstance(value, OPTIONS[key]) or (isinstance(value, bool) and OPTIONS[key] is not bool):
-            raise ValueError(f"generators.options.{key} = {value!r} has the wrong type")
-    out: dict[str, Any] = {
-        "max_concurrency": 64,
-        "request_timeout_s": 600.0,
-        "startup_timeout_s": 120.0,
-        "health_interval_s": 2.0,
-        "max_retries": 2,
-        "pause_mode": PAUSE_MODES.get(inflight, "retract"),
-        "verify_shards": True,
-        "extra_sampling_params": "{}",
-        "ignore_eos": False,
-        **options,
-    }
-    out["urls"] = [u.strip() for u in str(options.get("urls", "")).split(",") if u.strip()]
-    if not out["urls"]:
-        raise ValueError(
-            "the sglang generator needs server URLs: --set generators.options.urls=http://127.0.0.1:30000,..."
-        )
-    if out["pause_mode"] not in ("in_place", "retract", "abort"):
-        raise ValueError(
-            f"generators.options.pause_mode must be in_place, retract or abort, got {out['pause_mode']!r}"
-        )
-    for key in ("max_concurrency", "request_timeout_s", "startup_timeout_s", "health_interval_s"):
-        if out[key] <= 0:
-            raise ValueError(f"generators.options.{key} must be > 0, got {out[key]}")
-    if out["max_retries"] < 0:
-        raise ValueError(f"generators.options.max_retries must be >= 0, got {out['max_retries']}")
-    try:
-        extra = json.loads(out["extra_sampling_params"])
-    except ValueError as exc:
-        raise ValueError(f"generators.options.extra_sampling_params is not JSON: {exc}") from None
-    if not isinstance(extra, dict):
-        raise ValueError(
-            "generators.options.extra_sampling_params must be a JSON object, e.g. '{\"top_k\": 20}'"
-        )
-    out["extra_sampling_params"] = extra
-    return out
 
 
 def segment_seed(base_seed: int, num_tokens_so_far: int) -> int:
@@ -138,8 +96,18 @@ class SGLangGenerator:
         self._weights: tuple[int, str] | None = None  # (version, directory) the servers should hold
         self._weights_lock: asyncio.Lock | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._launched: list = []  # sglang_launch.ServerProcess, when the generator started them
+        self._ready_lock: asyncio.Lock | None = None
+        self._ready = False
+        self._group = None  # sglang_group.GroupUpdater, once the servers joined a weight update group
+        self._closed = False
         self.num_reissues = 0
         self.num_aborted_segments = 0
+
+    @staticmethod
+    def check_config(config: Any) -> None:
+        """`asyncrl launch` calls this before any process starts: options and their conflicts."""
+        check_config(config)
 
     def setup(self, ctx: GeneratorContext) -> None:
         from transformers import AutoTokenizer
@@ -152,16 +120,68 @@ class SGLangGenerator:
             raise ValueError(
                 "the sglang generator does not score with an OPD teacher yet; use generators.kind=torch"
             )
-        self.fleet = Fleet(
-            self.opts["urls"],
-            max_workers=self.opts["max_concurrency"] + 2 * len(self.opts["urls"]),
-            health_interval_s=float(self.opts["health_interval_s"]),
-            wait_timeout_s=float(self.opts["request_timeout_s"]),
+        # Launch first: the servers load their model while this process loads its tokenizer. The
+        # wait for them is in `_servers_ready`, after Hello, so a slow start never looks like a
+        # generator that hangs.
+        try:
+            urls = self._launch(ctx) if self.opts["launch"] else self.opts["urls"]
+            self.fleet = Fleet(
+                urls,
+                max_workers=self.opts["max_concurrency"] + 2 * len(urls),
+                health_interval_s=float(self.opts["health_interval_s"]),
+                wait_timeout_s=float(self.opts["request_timeout_s"]),
+            )
+            self.fleet.on_readmit = self._bring_up_to_date
+            self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
+            self._reward = make_reward(ctx.task.kind)
+        except BaseException:
+            if self._launched:  # nobody will call close() on a generator whose setup failed
+                from asyncrl.generators.sglang_launch import stop_servers
+
+                stop_servers(self._launched)
+            raise
+        if not self._launched:
+            wait_until_healthy([s.url for s in self.fleet.servers], float(self.opts["startup_timeout_s"]))
+            self._ready = True
+
+    def _launch(self, ctx: GeneratorContext) -> list[str]:
+        from asyncrl.generators.sglang_launch import LaunchSpec, launch_servers, write_record
+
+        log_dir = (
+            Path(ctx.run_dir) / "logs" if ctx.run_dir else Path(tempfile.mkdtemp(prefix="asyncrl-sglang-"))
         )
-        self.fleet.on_readmit = self._bring_up_to_date
-        self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
-        self._reward = make_reward(ctx.task.kind)
-        wait_until_healthy([s.url for s in self.fleet.servers], float(self.opts["startup_timeout_s"]))
+        name = f"sglang-{ctx.generator_id}"
+        spec = LaunchSpec(
+            command=tuple(self.opts["launch_command"]),
+            model_path=self.opts["model_path"] or ctx.model_path,
+            num_servers=self.opts["launch"],
+            log_dir=log_dir,
+            name=name,
+            gpus=self.opts["gpus"],
+            extra_args=tuple(self.opts["launch_args"]),
+            mem_fraction_static=self.opts["mem_fraction_static"],
+        )
+        self._launched = launch_servers(spec)
+        write_record(self._launched, log_dir / f"{name}.json")
+        return [s.url for s in self._launched]
+
+    async def _servers_ready(self) -> None:
+        """Launched servers: wait (once) until all answer /health_generate; on failure stop them."""
+        if self._ready:
+            return
+        from asyncrl.generators.sglang_launch import stop_servers, wait_ready
+
+        if self._ready_lock is None:
+            self._ready_lock = asyncio.Lock()
+        async with self._ready_lock:
+            if self._ready:
+                return
+            try:
+                await asyncio.to_thread(wait_ready, self._launched, float(self.opts["startup_timeout_s"]))
+            except BaseException:
+                await asyncio.to_thread(stop_servers, self._launched)
+                raise
+            self._ready = True
 
     @property
     def version(self) -> int:
@@ -312,6 +332,7 @@ class SGLangGenerator:
             pass
 
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
+        await self._servers_ready()
         if self._slots is None:
             self._slots = asyncio.Semaphore(int(self.opts["max_concurrency"]))
         jobs = [self._sample(task, k) for task in tasks for k in range(task.num_samples)]
@@ -383,6 +404,7 @@ class SGLangGenerator:
     async def load_weights(self, version: int, location: str) -> None:
         from asyncrl.transport.retention import version_dir
 
+        await self._servers_ready()
         if self.opts["verify_shards"]:
             await asyncio.to_thread(verify_shards, Path(location), version)
         directory = str(version_dir(Path(location), version))
@@ -414,9 +436,40 @@ class SGLangGenerator:
             self._weights = (version, directory)
             self._version = version
 
+    async def receive_broadcast(self, msg: WeightsPublished) -> None:
+        """weights.transport=broadcast: the servers take version `msg.version` over the learner's
+        weight update group, joining it on the founding announcement (`sglang_group.py`)."""
+        from asyncrl.generators.sglang_group import GroupUpdater
+
+        assert self._ctx is not None
+        await self._servers_ready()
+        async with self._lock():
+            if self._group is None:
+                group = GroupUpdater(
+                    self.fleet.call, generator_id=self._ctx.generator_id, pause_mode=self.opts["pause_mode"]
+                )
+                # Every server is a rank: quarantined ones too (the learner sends to all of them).
+                await group.join(msg, self.fleet.servers)
+                self._group = group
+            await self._group.update(msg)
+            self._weights = None  # no directory holds this version: readmission cannot push it
+            self._version = msg.version
+
     async def close(self) -> None:
-        if hasattr(self, "fleet"):
-            await self.fleet.close()
+        """Leave the weight update group, stop the HTTP side, stop launched servers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._group is not None:
+                await self._group.leave()
+            if hasattr(self, "fleet"):
+                await self.fleet.close()
+        finally:
+            if self._launched:
+                from asyncrl.generators.sglang_launch import stop_servers
+
+                await asyncio.to_thread(stop_servers, self._launched)
 
 
 def verify_shards(root: Path, version: int) -> None:

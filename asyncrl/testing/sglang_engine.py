@@ -78,17 +78,26 @@ def version_spans(labels: list[str]) -> list[dict[str, Any]]:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, *, weight_version: str = "default", threads: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        weight_version: str = "default",
+        threads: int = 1,
+        skip_tokenizer_init: bool = False,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(threads)
         self.model_path = str(model_dir)
         self.initial_path = self.model_path
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError):
-            self.tokenizer = None  # like --skip-tokenizer-init: no text, no stop strings
+        self.tokenizer = None  # as with --skip-tokenizer-init: no text in or out, no stop strings
+        if not skip_tokenizer_init:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            except (OSError, ValueError):
+                pass
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_ids = self._eos_ids()
@@ -243,44 +252,75 @@ class Engine:
             files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
             if not files:
                 return False, f"Failed to get weights iterator: no *.safetensors files in {model_path}.", 0
-            params = self.model.state_dict()
             state: dict[str, torch.Tensor] = {}
             try:
                 for f in files:
                     state.update(load_file(f))
             except (OSError, ValueError, RuntimeError) as exc:  # a truncated or corrupt file
                 return False, f"Failed to update weights: {exc}. Rolling back to the original weights.", 0
-            for name, t in state.items():
-                if name not in params or params[name].shape != t.shape:
-                    why = (
-                        "is not a parameter of the model"
-                        if name not in params
-                        else (f"has shape {list(t.shape)}, the model has {list(params[name].shape)}")
-                    )
-                    return (
-                        False,
-                        f"Failed to update weights: {name} {why}. Rolling back to the original weights.",
-                        0,
-                    )
-            with torch.no_grad():
-                for name, t in state.items():
-                    params[name].copy_(t)
+            problem = self._mismatch(state)
+            if problem:
+                return False, f"Failed to update weights: {problem}. Rolling back to the original weights.", 0
+            self._copy_in(state)
             self.model_path = model_path
-            message = "Succeeded to update model weights."
-            if weight_version is not None:
-                self.weight_version = weight_version
-                message += f" Weight version updated to {weight_version}."
-            num_paused = len(self.running)
-            if flush_cache and self.paused == "in_place" and self.running:
-                return (
-                    False,
-                    (
-                        "Weights were updated, but the cache was not flushed because requests are still "
-                        "running or queued; pass flush_cache=false or pause in retract mode."
-                    ),
-                    num_paused,
-                )
-            return True, message, num_paused
+            return self._loaded("Succeeded to update model weights.", weight_version, flush_cache)
+
+    def update_weights_from_tensors(
+        self,
+        state: dict[str, torch.Tensor],
+        *,
+        weight_version: str | None,
+        abort_all: bool,
+        flush_cache: bool,
+    ) -> tuple[bool, str, int]:
+        """The load half of /update_weights_from_distributed (the tensors were received already):
+        (success, message, num_paused_requests)."""
+        body = {"names": list(state), "weight_version": weight_version, "flush_cache": flush_cache}
+        with self._exclusive("update_weights_from_distributed", body, abort_all):
+            problem = self._mismatch(state)
+            if problem:
+                return False, f"Failed to update weights: {problem}. Please discard the whole weights.", 0
+            self._copy_in(state)
+            return self._loaded("Succeeded to update parameter online.", weight_version, flush_cache)
+
+    def _mismatch(self, state: dict[str, torch.Tensor]) -> str:
+        """Why `state` cannot be loaded into the model ("" if it can): an unknown name or a shape."""
+        params = self.model.state_dict()
+        for name, t in state.items():
+            if name not in params:
+                return f"{name} is not a parameter of the model"
+            if params[name].shape != t.shape:
+                return f"{name} has shape {list(t.shape)}, the model has {list(params[name].shape)}"
+        return ""
+
+    def _copy_in(self, state: dict[str, torch.Tensor]) -> None:
+        params = self.model.state_dict()
+        with torch.no_grad():
+            for name, t in state.items():
+                params[name].copy_(t)
+
+    def _loaded(self, message: str, weight_version: str | None, flush_cache: bool) -> tuple[bool, str, int]:
+        """Under `_exclusive`, after a load: the version label and SGLang's cache-flush rule."""
+        if weight_version is not None:
+            self.weight_version = weight_version
+            message += f" Weight version updated to {weight_version}."
+        num_paused = len(self.running)
+        if flush_cache and self.paused == "in_place" and self.running:
+            return (
+                False,
+                (
+                    "Weights were updated, but the cache was not flushed because requests are still "
+                    "running or queued; pass flush_cache=false or pause in retract mode."
+                ),
+                num_paused,
+            )
+        return True, message, num_paused
+
+    def weights_by_name(self, name: str) -> torch.Tensor | None:
+        """A parameter's current values (a copy), or None for an unknown name."""
+        t = self.model.state_dict().get(name)
+        with self.cond:
+            return None if t is None else t.detach().clone()
 
     def update_weight_version(self, new_version: str, *, abort_all: bool) -> None:
         body = {"new_version": new_version, "abort_all_requests": abort_all}

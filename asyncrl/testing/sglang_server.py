@@ -10,14 +10,23 @@ Implemented: POST|PUT /generate (input_ids or text, batches and n, return_logpro
 logprob_start_len, top_logprobs_num, return_sampling_mask, the strict sampling_params contract and
 its error shapes), /pause_generation, /continue_generation, /abort_request,
 /update_weights_from_disk, /update_weight_version, /begin_weight_update, /end_weight_update
-(the session rules of the distributed and tensor updates, which themselves answer 400 here),
-/flush_cache, GET /health, /health_generate, /ready, /model_info, /server_info (and their /get_*
-aliases), /v1/loads; /get_weight_version is 404 as in 0.5.21+. Not implemented: streaming (400),
-torch.distributed weight groups, multimodal inputs, LoRA.
+(and the session rule: updates from the group or from tensors outside a session are 400),
+/init_weights_update_group, /update_weights_from_distributed (gloo only; tensors really arrive
+over the group and are loaded into the model, `sglang_groups.py`), /destroy_weights_update_group,
+/get_weights_by_name, /flush_cache, GET /health, /health_generate, /ready, /model_info,
+/server_info (and their /get_* aliases), /v1/loads; /get_weight_version is 404 as in 0.5.21+.
+Not implemented: streaming (400), /update_weights_from_tensor (400), the flattened_bucket load
+format, multimodal inputs, LoRA.
 
 Run it as a process (prints `SGLANG_STANDIN_URL http://127.0.0.1:PORT` once it listens):
 
     python -m asyncrl.testing.sglang_server --model-path DIR --port 0 [--weight-version 0]
+
+It takes the flags asyncrl passes to `python -m sglang.launch_server` when it launches servers
+(`--host`, `--skip-tokenizer-init`, `--log-level`, `--tp-size 1`), ignores GPU-only ones
+(`--mem-fraction-static`, `--disable-cuda-graph`, ...) and warns about unknown ones, so
+`generators.options.launch_command="python -m asyncrl.testing.sglang_server"` launches it through
+the same code path as a real server.
 
 or in-process: `with StandInServer(model_dir) as server: ... server.url ...`. In-process tests
 can also inject faults (`server.faults.append("disconnect")`: the next /generate is cut after its
@@ -39,10 +48,29 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from asyncrl.testing.sglang_engine import Engine, EngineRequest, new_request, version_spans
+from asyncrl.testing.sglang_groups import GroupError, WeightGroups
 from asyncrl.testing.sglang_params import ContractError, RequestError, parse_sampling_params
 
 log = logging.getLogger(__name__)
 SERVER_VERSION = "0.5.23-standin"
+# sglang.launch_server flags that mean nothing on the CPU stand-in: accepted, ignored.
+IGNORED_FLAGS_WITH_VALUE = (
+    "--mem-fraction-static",
+    "--base-gpu-id",
+    "--dtype",
+    "--context-length",
+    "--attention-backend",
+    "--random-seed",
+    "--max-running-requests",
+    "--chunked-prefill-size",
+)
+IGNORED_SWITCHES = (
+    "--enable-deterministic-inference",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--trust-remote-code",
+    "--enable-metrics",
+)
 
 
 class _Reply(Exception):
@@ -77,8 +105,12 @@ class StandInServer:
         port: int = 0,
         weight_version: str = "default",
         threads: int = 1,
+        skip_tokenizer_init: bool = False,
     ) -> None:
-        self.engine = Engine(model_dir, weight_version=weight_version, threads=threads)
+        self.engine = Engine(
+            model_dir, weight_version=weight_version, threads=threads, skip_tokenizer_init=skip_tokenizer_init
+        )
+        self.groups = WeightGroups()
         self.faults: collections.deque[str] = collections.deque()  # "disconnect" or "error500"
         self.healthy = True
         self.started = time.time()
@@ -101,6 +133,7 @@ class StandInServer:
         self.engine.close()
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.groups.close()
 
     def __enter__(self) -> StandInServer:
         return self.start()
@@ -206,17 +239,54 @@ class StandInServer:
                 name = path.lstrip("/")
                 if not e.session_open:
                     message = f"{name} must run between begin_weight_update() and end_weight_update()"
-                else:
-                    message = (
-                        f"{name} is not implemented by the stand-in server; use update_weights_from_disk"
-                    )
-                raise _Reply(400, {"success": False, "message": message})
-            case "/init_weights_update_group" | "/destroy_weights_update_group":
-                message = "the stand-in server has no torch.distributed weight-update group"
-                raise _Reply(400, {"success": False, "message": message})
+                    raise _Reply(400, {"success": False, "message": message})
+                if name == "update_weights_from_tensor":
+                    message = f"{name} is not implemented by the stand-in server; use update_weights_from_distributed"
+                    raise _Reply(400, {"success": False, "message": message})
+                return self.update_from_distributed(body)
+            case "/init_weights_update_group":
+                return self._group_call(lambda: self.groups.init(body))
+            case "/destroy_weights_update_group":
+                name = str(body.get("group_name", "weight_update_group"))
+                return self._group_call(lambda: self.groups.destroy(name))
+            case "/get_weights_by_name":
+                return self.weights_by_name(body)
             case "/flush_cache":
                 return self.flush_cache()
         raise _Reply(404, {"detail": "Not Found"})
+
+    # ------------------------------------------------------------------ weight groups
+    def _group_call(self, action: Any) -> Any:
+        try:
+            message = action()
+        except GroupError as exc:
+            raise _Reply(400, {"success": False, "message": str(exc)}) from None
+        return {"success": True, "message": message}
+
+    def update_from_distributed(self, body: dict[str, Any]) -> Any:
+        """Receive the listed tensors over the group, then load them (SGLANG_API.md 2.4)."""
+        try:
+            state = self.groups.receive(body)
+        except GroupError as exc:
+            raise _Reply(400, {"success": False, "message": str(exc)}) from None
+        version = body.get("weight_version")
+        ok, message, _ = self.engine.update_weights_from_tensors(
+            state,
+            weight_version=None if version is None else str(version),
+            abort_all=bool(body.get("abort_all_requests", False)),
+            flush_cache=bool(body.get("flush_cache", True)),
+        )
+        raise _Reply(200 if ok else 400, {"success": ok, "message": message})
+
+    def weights_by_name(self, body: dict[str, Any]) -> Any:
+        """The first `truncate_size` rows (elements of a 1-D tensor) of a parameter, as JSON."""
+        name = body.get("name")
+        t = self.engine.weights_by_name(name) if isinstance(name, str) else None
+        if t is None:
+            raise _Reply(400, {"error": {"message": f"Parameter {name!r} not found in the model."}})
+        truncate = body.get("truncate_size", 100)
+        values = t.tolist()
+        return values[:truncate] if isinstance(values, list) and isinstance(truncate, int) else values
 
     # ------------------------------------------------------------------ /generate
     def generate(self, body: dict[str, Any], handler: _Handler) -> Any:
@@ -390,11 +460,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         try:
-            if method == "GET":
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            if method == "GET" and path != "/get_weights_by_name":
                 result = self.server_ref.get(path)
             else:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
                 try:
                     body = json.loads(raw) if raw.strip() else {}
                 except json.JSONDecodeError as exc:
@@ -424,7 +494,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="A stand-in SGLang server on a torch model (asyncrl.testing)."
+        description="A stand-in SGLang server on a torch model (asyncrl.testing). Takes the flags "
+        "asyncrl passes to `python -m sglang.launch_server`; GPU-only flags are accepted and ignored."
     )
     parser.add_argument(
         "--model-path", "--model", dest="model", required=True, help="Hugging Face model directory"
@@ -433,10 +504,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parser.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: token ids only")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    for flag in IGNORED_FLAGS_WITH_VALUE:
+        parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    for flag in IGNORED_SWITCHES:
+        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    args, unknown = parser.parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.tp_size != 1:
+        parser.error(
+            f"the stand-in server runs one process per model: --tp-size must be 1, got {args.tp_size}"
+        )
+    if unknown:
+        log.warning("ignoring flags the stand-in server does not know: %s", " ".join(unknown))
     server = StandInServer(
-        args.model, host=args.host, port=args.port, weight_version=args.weight_version, threads=args.threads
+        args.model,
+        host=args.host,
+        port=args.port,
+        weight_version=args.weight_version,
+        threads=args.threads,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -239,6 +239,10 @@ def make_publisher(
     )
     if w.kind == "shards":
         return shards
+    from asyncrl.transport.sglang_dist import make_sglang_publisher, uses_sglang_group
+
+    if uses_sglang_group(config):  # the SGLang servers are the group's ranks (sglang_dist.py)
+        return make_sglang_publisher(config, generator_ids=ids, catchup=shards if w.catchup_shards else None)
     return BroadcastPublisher(
         generator_ids=ids,
         bucket_bytes=w.bucket_bytes,

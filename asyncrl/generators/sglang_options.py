@@ -1,0 +1,175 @@
+"""The `sglang` generator's options (`generators.options.*`): types, defaults and checks.
+
+Place in the data flow: pure. `parse_options` runs in the generator's `setup` and, through
+`check_config`, in `asyncrl launch` before any process starts, so a misspelled or inconsistent
+option fails at load time with the option's name. The learner's weight publisher asks
+`servers_per_generator` how many group ranks each generator brings (`transport/sglang_dist.py`).
+The options table for users is at the top of `sglang.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "urls": str,
+    "launch": int,
+    "model_path": str,
+    "launch_command": str,
+    "launch_args": str,
+    "gpus": (str, int),  # `--set generators.options.gpus=3` arrives as an int
+    "mem_fraction_static": (int, float),
+    "max_concurrency": int,
+    "request_timeout_s": (int, float),
+    "startup_timeout_s": (int, float),
+    "health_interval_s": (int, float),
+    "max_retries": int,
+    "pause_mode": str,
+    "verify_shards": bool,
+    "extra_sampling_params": str,
+    "ignore_eos": bool,
+}
+PAUSE_MODES = {"keep": "in_place", "retract": "retract", "abort": "abort"}
+DEFAULT_LAUNCH_COMMAND = "python -m sglang.launch_server"
+ATTACH_STARTUP_TIMEOUT_S = 120.0  # running servers only need to answer /health
+LAUNCH_STARTUP_TIMEOUT_S = 600.0  # a real server loads the model and captures CUDA graphs first
+# Flags the launcher sets itself (one value per server); launch_args must not repeat them.
+MANAGED_FLAGS = ("--model-path", "--model", "--host", "--port", "--weight-version")
+LAUNCH_ONLY = ("model_path", "launch_command", "launch_args", "gpus", "mem_fraction_static")
+
+
+def _check_types(options: dict[str, Any]) -> None:
+    for key, value in options.items():
+        if key not in OPTIONS:
+            raise ValueError(
+                f"generators.options.{key} is not an sglang generator option; valid: {', '.join(OPTIONS)}"
+            )
+        if not isinstance(value, OPTIONS[key]) or (isinstance(value, bool) and OPTIONS[key] is not bool):
+            raise ValueError(f"generators.options.{key} = {value!r} has the wrong type")
+
+
+def _split_command(key: str, text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"generators.options.{key} cannot be split into arguments: {exc}") from None
+
+
+def _parse_launch(out: dict[str, Any]) -> None:
+    """The launch options in place: commands as argv lists, GPUs as a tuple (or None = automatic)."""
+    if out["launch"] < 1:
+        raise ValueError(f"generators.options.launch must be >= 1 (servers to start), got {out['launch']}")
+    command = _split_command("launch_command", out.get("launch_command", DEFAULT_LAUNCH_COMMAND))
+    if not command:
+        raise ValueError("generators.options.launch_command is empty; e.g. 'python -m sglang.launch_server'")
+    out["launch_command"] = command
+    args = _split_command("launch_args", out.get("launch_args", ""))
+    managed = [a for a in args if a.split("=", 1)[0] in MANAGED_FLAGS]
+    if managed:
+        raise ValueError(
+            f"generators.options.launch_args must not set {', '.join(managed)}: the generator sets "
+            "--model-path (generators.options.model_path), --host, --port and --weight-version itself"
+        )
+    out["launch_args"] = args
+    gpus = None
+    if "gpus" in out:
+        gpus = tuple(g.strip() for g in str(out["gpus"]).split(",") if g.strip())
+        if len(gpus) != out["launch"]:
+            raise ValueError(
+                f"generators.options.gpus lists {len(gpus)} devices for launch = {out['launch']} servers; "
+                "give one CUDA device per server, e.g. gpus='0,1'"
+            )
+    out["gpus"] = gpus
+    fraction = out.get("mem_fraction_static")
+    if fraction is not None and not 0 < fraction < 1:
+        raise ValueError(f"generators.options.mem_fraction_static must be in (0, 1), got {fraction}")
+    out["mem_fraction_static"] = fraction
+    out.setdefault("model_path", "")
+
+
+def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
+    """Checked options with defaults; ValueError naming the bad option and the valid ones.
+
+    Exactly one of `urls` (attach to running servers) and `launch` (start that many) is given.
+    """
+    _check_types(options)
+    out: dict[str, Any] = {
+        "max_concurrency": 64,
+        "request_timeout_s": 600.0,
+        "health_interval_s": 2.0,
+        "max_retries": 2,
+        "pause_mode": PAUSE_MODES.get(inflight, "retract"),
+        "verify_shards": True,
+        "extra_sampling_params": "{}",
+        "ignore_eos": False,
+        **options,
+    }
+    urls = [u.strip() for u in str(options.get("urls", "")).split(",") if u.strip()]
+    launching = "launch" in options
+    if launching and urls:
+        raise ValueError(
+            "generators.options.urls and generators.options.launch exclude each other: attach to "
+            "running servers (urls) or let the generator start them (launch = N)"
+        )
+    if not launching and not urls:
+        raise ValueError(
+            "the sglang generator needs servers: --set generators.options.urls=http://127.0.0.1:30000,... "
+            "(running servers) or --set generators.options.launch=N (start N servers, one per GPU)"
+        )
+    out["urls"] = urls
+    if launching:
+        _parse_launch(out)
+    else:
+        given = [k for k in LAUNCH_ONLY if k in options]
+        if given:
+            raise ValueError(
+                f"generators.options.{given[0]} applies only with generators.options.launch "
+                "(the generator starts the servers); remove it or set launch = N"
+            )
+        out["launch"] = 0
+    out.setdefault("startup_timeout_s", LAUNCH_STARTUP_TIMEOUT_S if launching else ATTACH_STARTUP_TIMEOUT_S)
+    if out["pause_mode"] not in ("in_place", "retract", "abort"):
+        raise ValueError(
+            f"generators.options.pause_mode must be in_place, retract or abort, got {out['pause_mode']!r}"
+        )
+    for key in ("max_concurrency", "request_timeout_s", "startup_timeout_s", "health_interval_s"):
+        if out[key] <= 0:
+            raise ValueError(f"generators.options.{key} must be > 0, got {out[key]}")
+    if out["max_retries"] < 0:
+        raise ValueError(f"generators.options.max_retries must be >= 0, got {out['max_retries']}")
+    try:
+        extra = json.loads(out["extra_sampling_params"])
+    except ValueError as exc:
+        raise ValueError(f"generators.options.extra_sampling_params is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "generators.options.extra_sampling_params must be a JSON object, e.g. '{\"top_k\": 20}'"
+        )
+    out["extra_sampling_params"] = extra
+    return out
+
+
+def servers_per_generator(opts: dict[str, Any]) -> int:
+    """How many servers (and weight-update group ranks: tp_size 1 each) one generator drives."""
+    return opts["launch"] or len(opts["urls"])
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """The options of `config` (an `asyncrl.config.Config`) checked against the rest of the job;
+    ValueError naming the conflicting keys."""
+    opts = parse_options(dict(config.generators.options), config.weights.inflight)
+    num_generators = config.generators.num_generators
+    if opts["launch"] and num_generators > 1:
+        raise ValueError(
+            "generators.options.launch starts the servers of one generator process, which drives all "
+            f"of them; use generators.num_generators = 1 (got {num_generators}) and launch = N servers"
+        )
+    if config.weights.kind == "broadcast" and num_generators > 1:
+        raise ValueError(
+            "weights.transport = 'broadcast' with the sglang generator joins its servers to the "
+            "learner's weight update group, which one generator process drives; use "
+            f"generators.num_generators = 1 (got {num_generators})"
+        )
+    return opts
