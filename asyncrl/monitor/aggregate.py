@@ -84,7 +84,8 @@ class RunView:
         self.phase = "-"
         self.status: str | None = None  # from summary.json or the final snapshot
         self.final = False
-        self.time_s = 0.0  # latest record time (the launcher's clock; training time once training)
+        self.time_s = 0.0  # latest record time (the launcher's clock, from launch)
+        self.train_t0 = 0.0  # the record time at which training started: rates count from there
         self.training = False
         # progress
         self.step = 0
@@ -143,9 +144,12 @@ class RunView:
         if not self.training and (
             kind in ("task", "step") or (kind == "launcher" and record.get("phase") == "training")
         ):
-            # The launcher's clock restarts at 0 when training starts: elapsed and rates count from there.
+            # Elapsed time and rates count from the start of training. (Runs recorded before the
+            # launcher's clock ran on from launch restarted it at 0 here; both read the same.)
             self.training = True
             self.time_s = 0.0
+            t = record.get("time_s")
+            self.train_t0 = float(t) if isinstance(t, int | float) else 0.0
         t = record.get("time_s")
         if isinstance(t, int | float):
             self.time_s = max(self.time_s, float(t))
@@ -356,13 +360,15 @@ class RunView:
         return self.total_steps * self.groups_per_step * self.samples_per_group
 
     def elapsed_s(self) -> float:
-        return self.time_s
+        """Seconds of training so far (launch time before training starts)."""
+        return max(0.0, self.time_s - self.train_t0)
 
     def samples_per_s(self) -> float | None:
         """Trained samples per second over the whole run so far."""
-        if self.first_step_time is None or self.time_s <= 0:
+        elapsed = self.elapsed_s()
+        if self.first_step_time is None or elapsed <= 0:
             return None
-        return self.trajectories_trained / self.time_s
+        return self.trajectories_trained / elapsed
 
     def recent_samples_per_s(self) -> float | None:
         """Trained samples per second over the last STEP_WINDOW steps."""
@@ -372,7 +378,8 @@ class RunView:
         return sum(list(self.step_sizes)[1:]) / span if span > 0 else None
 
     def tokens_per_s(self) -> float | None:
-        return self.tokens_generated / self.time_s if self.time_s > 0 and self.tokens_generated else None
+        elapsed = self.elapsed_s()
+        return self.tokens_generated / elapsed if elapsed > 0 and self.tokens_generated else None
 
     def eta_s(self) -> float | None:
         if self.total_steps is None or len(self.step_times) < 2 or self.final:
@@ -382,9 +389,10 @@ class RunView:
 
     def generator_rates(self, gen: GeneratorStats) -> tuple[float | None, float | None]:
         """(samples/s, tokens/s) of one generator over the run's generation time so far."""
-        if self.time_s <= 0 or gen.samples == 0:
+        elapsed = self.elapsed_s()
+        if elapsed <= 0 or gen.samples == 0:
             return None, None
-        return gen.samples / self.time_s, gen.tokens / self.time_s
+        return gen.samples / elapsed, gen.tokens / elapsed
 
     def error_total(self) -> float:
         return sum(self.error_counts.values())

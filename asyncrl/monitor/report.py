@@ -205,7 +205,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
             f"{_cell(summary.get('eval_before'))} -> {_cell(summary.get('eval_after'))}",
         ),
         ("reward first -> last step", f"{_cell(s['reward'][0])} -> {_cell(s['reward'][-1])}"),
-        ("training wall time (s)", summary.get("train_wall_s", view.time_s)),
+        ("training wall time (s)", summary.get("train_wall_s", view.elapsed_s())),
         ("trained samples/s", summary.get("samples_per_s", view.samples_per_s())),
         ("generated tokens/s", summary.get("tokens_per_s", view.tokens_per_s())),
         ("max staleness (bound)", f"{view.max_staleness} ({_cell(view.staleness_bound, 'd')})"),

@@ -254,3 +254,25 @@ def test_replayed_summary_sets_status_and_held_out_accuracy():
     assert "status completed" in text
     assert "held-out acc before 0.180 after 0.930" in text
     assert "ETA -" in text  # a finished run has no ETA
+
+
+def test_rates_count_from_the_start_of_training_on_the_launch_clock():
+    # Records carry seconds since launch; start-up (8 s here) is not part of training.
+    view = view_of(
+        [
+            {"type": "event", "time_s": 1.0, "text": "started learner"},
+            {"type": "launcher", "time_s": 8.0, "phase": "training"},
+            {"type": "step", "time_s": 10.0, "step": 0, "num_trajectories": 100},
+        ]
+    )
+    assert view.elapsed_s() == 2.0
+    assert view.samples_per_s() == 50.0
+    # A run recorded with the older clock (restarted at 0 when training began) reads the same.
+    old = view_of(
+        [
+            {"type": "event", "time_s": 7.5, "text": "started learner"},
+            {"type": "launcher", "time_s": 0.0, "phase": "training"},
+            {"type": "step", "time_s": 2.0, "step": 0, "num_trajectories": 100},
+        ]
+    )
+    assert old.elapsed_s() == 2.0 and old.samples_per_s() == 50.0
