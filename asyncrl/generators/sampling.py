@@ -39,6 +39,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from asyncrl.learner.logprobs import nucleus_keep
+
 InflightMode = Literal["keep", "retract", "abort"]
 INFLIGHT_MODES: tuple[str, ...] = ("keep", "retract", "abort")
 
@@ -98,11 +100,9 @@ def left_pad(prompt_ids: Sequence[Sequence[int]], pad_token_id: int) -> tuple[to
 
 
 def _nucleus_logprobs(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Log-probs renormalised over the smallest set whose mass reaches top_p (others -inf)."""
-    sorted_BV, order_BV = logp_BV.sort(dim=-1, descending=True)
-    mass_before_BV = sorted_BV.exp().cumsum(dim=-1) - sorted_BV.exp()
-    keep_sorted_BV = mass_before_BV < top_p  # the top token is always kept
-    keep_BV = torch.zeros_like(keep_sorted_BV).scatter(-1, order_BV, keep_sorted_BV)
+    """Log-probs renormalised over the smallest set whose mass reaches top_p (others -inf); the
+    learner renormalises its own log-probs over the same rule (`nucleus_keep`)."""
+    keep_BV = nucleus_keep(logp_BV, top_p)
     kept_BV = torch.where(keep_BV, logp_BV, torch.full_like(logp_BV, -torch.inf))
     return kept_BV - torch.logsumexp(kept_BV, dim=-1, keepdim=True)
 

@@ -15,6 +15,13 @@ is O(C * V) on top of the weight gradient, whatever T is.
 
 Numerics: logits may come out of the matmul in bf16; everything over the vocab (logsumexp, softmax,
 entropy) runs in float32 (float64 for float64 inputs). Outputs have that accumulation dtype.
+
+Top-p: generators sample from the nucleus (the smallest set of most likely tokens whose mass
+reaches top_p, renormalised) and record that distribution's log-probs. With `top_p < 1` the log-prob
+here is renormalised the same way over the model's own nucleus (`nucleus_keep`, the rule the
+generators use), with the target always counted in, so the ratio pi / mu is 1 on-policy; the
+nucleus is a constant of the backward (no gradient flows through which tokens are in it). The
+entropy stays that of the full distribution.
 """
 
 from __future__ import annotations
@@ -49,10 +56,34 @@ def check_chunk_size(chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
-def _stats_from_scaled_logits(z_CV: torch.Tensor, targets_C: torch.Tensor) -> TokenLogprobs:
-    """Log-prob of the target and entropy from already temperature-scaled float logits."""
+def check_top_p(top_p: float) -> None:
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def nucleus_keep(logp_CV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """bool [C, V]: the smallest set of most likely tokens whose probability mass reaches
+    `top_p` (a token is kept while the mass strictly before it is < top_p; the top one always)."""
+    sorted_CV, order_CV = logp_CV.sort(dim=-1, descending=True)
+    p_sorted_CV = sorted_CV.exp()
+    keep_sorted_CV = (p_sorted_CV.cumsum(dim=-1) - p_sorted_CV) < top_p
+    return torch.zeros_like(keep_sorted_CV).scatter(-1, order_CV, keep_sorted_CV)
+
+
+def _stats_from_scaled_logits(
+    z_CV: torch.Tensor, targets_C: torch.Tensor, top_p: float = 1.0
+) -> TokenLogprobs:
+    """Log-prob of the target (over the top-p nucleus when top_p < 1) and entropy from already
+    temperature-scaled float logits."""
     lse_C = torch.logsumexp(z_CV, dim=-1)
-    logp_C = z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
+    if top_p < 1.0:
+        keep_CV = nucleus_keep(z_CV.detach() - lse_C.detach()[:, None], top_p)
+        keep_CV.scatter_(-1, targets_C[:, None], True)
+        lse_kept_C = torch.logsumexp(z_CV.masked_fill(~keep_CV, -torch.inf), dim=-1)
+        logp_C = z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_kept_C
+    else:
+        logp_C = z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
     p_CV = torch.exp(z_CV - lse_C[:, None])
     # Entries masked to -inf (e.g. by a bias) have p == 0: clean z before the product so that
     # neither the value nor the gradient sees 0 * -inf.
@@ -63,17 +94,18 @@ def _stats_from_scaled_logits(z_CV: torch.Tensor, targets_C: torch.Tensor) -> To
 
 
 def logprobs_from_logits(
-    logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float = 1.0
+    logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0
 ) -> TokenLogprobs:
     """Log-probs of `targets_T` and entropies from full logits (small cases and references).
 
     Materialises float32 [T, V]; use `token_logprobs` for long sequences or large vocabularies.
     """
     check_temperature(temperature)
+    check_top_p(top_p)
     acc = accumulation_dtype(logits_TV.dtype)
     vocab = logits_TV.shape[-1]
     z_NV = logits_TV.reshape(-1, vocab).to(acc) / temperature
-    out = _stats_from_scaled_logits(z_NV, targets_T.reshape(-1))
+    out = _stats_from_scaled_logits(z_NV, targets_T.reshape(-1), top_p)
     return TokenLogprobs(out.logp.reshape(targets_T.shape), out.entropy.reshape(targets_T.shape))
 
 
@@ -83,9 +115,10 @@ def _chunk_logprobs(
     bias_V: torch.Tensor | None,
     targets_C: torch.Tensor,
     temperature: float,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype)) / temperature
-    out = _stats_from_scaled_logits(z_CV, targets_C)
+    out = _stats_from_scaled_logits(z_CV, targets_C, top_p)
     return out.logp, out.entropy
 
 
@@ -97,6 +130,7 @@ def token_logprobs(
     bias_V: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    top_p: float = 1.0,
 ) -> TokenLogprobs:
     """Log-probs of `targets_T` under softmax((hidden @ weight.T + bias) / temperature), and entropies.
 
@@ -107,6 +141,7 @@ def token_logprobs(
     """
     check_temperature(temperature)
     check_chunk_size(chunk_size)
+    check_top_p(top_p)
     if hidden_TD.shape[:-1] != targets_T.shape:
         raise ValueError(f"hidden {tuple(hidden_TD.shape)} does not match targets {tuple(targets_T.shape)}")
     flat_hidden_TD = hidden_TD.reshape(-1, hidden_TD.shape[-1])
@@ -122,6 +157,7 @@ def token_logprobs(
             bias_V,
             flat_targets_T[start : start + chunk_size],
             temperature,
+            top_p,
         )
         if needs_grad:
             logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
@@ -148,8 +184,10 @@ def causal_lm_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    top_p: float = 1.0,
 ) -> TokenLogprobs:
     """Log-probs (and entropies) of every input token given its prefix, aligned with `input_ids_BT`.
+    With top_p < 1 the log-probs are over each position's nucleus (see the module docstring).
 
     Position t holds log pi(x_t | x_<t); position 0 (no prefix) holds 0 and must be masked out.
     Sequences are right-padded (causal attention keeps real tokens independent of the padding).
@@ -160,7 +198,7 @@ def causal_lm_logprobs(
     targets_BS = input_ids_BT[:, 1:]
     if chunk_size is None:
         logits_BSV = model(input_ids=input_ids_BT).logits[:, :-1]
-        out = logprobs_from_logits(logits_BSV, targets_BS, temperature=temperature)
+        out = logprobs_from_logits(logits_BSV, targets_BS, temperature=temperature, top_p=top_p)
     else:
         config = getattr(model, "config", None)
         for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
@@ -177,6 +215,7 @@ def causal_lm_logprobs(
             bias_V=head.bias,
             temperature=temperature,
             chunk_size=chunk_size,
+            top_p=top_p,
         )
     return TokenLogprobs(_shift_to_inputs(out.logp), _shift_to_inputs(out.entropy))
 

@@ -60,6 +60,7 @@ def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Tr
         weight_decay=lrn.weight_decay,
         max_grad_norm=lrn.max_grad_norm,
         temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
         pad_token_id=pad_token_id,
         group_size=lrn.samples_per_group,
         micro_batch_size=lrn.micro_batch_size,

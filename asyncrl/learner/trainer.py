@@ -106,6 +106,7 @@ class Trainer:
         optimizer: str = "adamw",
         max_grad_norm: float,
         temperature: float,
+        top_p: float = 1.0,
         pad_token_id: int,
         group_size: int,
         micro_batch_size: int,
@@ -120,6 +121,7 @@ class Trainer:
         self.lr = lr
         self.max_grad_norm = max_grad_norm
         self.temperature = max(temperature, 1e-6)
+        self.top_p = top_p  # the generators' nucleus: log-probs are renormalised over it
         self.pad_token_id = pad_token_id
         self.group_size = group_size
         self.micro_batch_size = micro_batch_size
@@ -222,7 +224,7 @@ class Trainer:
 
     def _stream_one(self, sample: TrainSample) -> bool:
         batch = pack([sample], pad_token_id=self.pad_token_id)
-        logp_1L = causal_lm_logprobs(self.model, batch.input_ids_BL, temperature=self.temperature).logp
+        logp_1L = self._logp(self.model, batch.input_ids_BL)
         corr = self._correct(batch, logp_1L.detach(), torch.ones(1, dtype=self.dtype))
         found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
         if found is None:
@@ -354,7 +356,7 @@ class Trainer:
         self.totals.add_stats(stats, tokens)
 
     def _logp(self, model, ids_BL: torch.Tensor) -> torch.Tensor:
-        return causal_lm_logprobs(model, ids_BL, temperature=self.temperature).logp
+        return causal_lm_logprobs(model, ids_BL, temperature=self.temperature, top_p=self.top_p).logp
 
     def _backward_chunk(
         self, samples: Sequence[TrainSample], adv_B: torch.Tensor, keep_B: torch.Tensor

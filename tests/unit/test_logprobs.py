@@ -263,3 +263,45 @@ def test_causal_lm_logprobs_rejects_softcapped_logits(tiny_llama):
             causal_lm_logprobs(tiny_llama, torch.zeros(1, 3, dtype=torch.long), chunk_size=2)
     finally:
         tiny_llama.config.final_logit_softcapping = None
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_learner_logprobs_over_the_nucleus_match_the_generators_on_policy(tiny_model_dir, top_p, chunk_size):
+    """With top_p < 1 the generator records nucleus log-probs; the learner's recomputation over its
+    own nucleus gives the same numbers on-policy (ratio 1), the plain softmax does not."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.generators.sampling import generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[1, 5, 6, 14, 7], [1, 9, 14, 11, 17]]
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens=6,
+        temperature=0.8,
+        top_p=top_p,
+        eos_token_id=2,
+        pad_token_id=0,
+        rng=torch.Generator().manual_seed(1),
+    )
+    for prompt, ids, behavior in zip(prompts, out.completion_ids, out.logprobs, strict=True):
+        seq = torch.tensor([prompt + list(ids)])
+        n = len(ids)
+        ours = causal_lm_logprobs(model, seq, temperature=0.8, top_p=top_p, chunk_size=chunk_size).logp[
+            0, -n:
+        ]
+        full = causal_lm_logprobs(model, seq, temperature=0.8, chunk_size=chunk_size).logp[0, -n:]
+        torch.testing.assert_close(ours, torch.tensor(behavior), rtol=0, atol=1e-5)
+        assert bool((full < ours - 1e-3).all())  # the full softmax puts less mass on each token
+
+
+def test_nucleus_logprob_gradient_is_finite_for_a_token_outside_the_nucleus():
+    logits = torch.tensor([[4.0, 3.0, -2.0, -5.0]], requires_grad=True)
+    out = logprobs_from_logits(logits, torch.tensor([3]), top_p=0.5)  # token 3 is far outside
+    out.logp.sum().backward()
+    # Renormalised over {0, 3}: the target is always counted in, so the value stays finite.
+    expected = -5.0 - torch.logsumexp(torch.tensor([4.0, -5.0]), 0)
+    assert float(out.logp) == pytest.approx(float(expected), abs=1e-6)
+    assert bool(torch.isfinite(logits.grad).all()) and float(logits.grad[0, 1]) == 0.0
