@@ -106,6 +106,10 @@ class StepLoop:
         out = [(self.taken_step, s) for s in self.taken] if self.taken_step > after_step else []
         return out + [(step, s) for step in sorted(self.inbox) if step > after_step for s in self.inbox[step]]
 
+    def depth(self) -> tuple[int, int]:
+        """(trajectories waiting in the inbox, windows they belong to): the learner's buffer."""
+        return sum(len(v) for v in self.inbox.values()), sum(1 for v in self.inbox.values() if v)
+
     def stop(self) -> None:
         self.stopping = True
         self.arrived.set()

@@ -199,6 +199,7 @@ class LearnerService:
                 # The launcher ends the run on the last StepDone: the final model must exist by then.
                 await asyncio.to_thread(self.save_final)
             step_idle = loop.idle_s - idle_before
+            held, windows = loop.depth()
             await self.ctx.ctrl.send(
                 StepDone(
                     step=step,
@@ -236,6 +237,9 @@ class LearnerService:
                         "learner/invalid_trajectories": float(self.num_invalid),
                         "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
                         "learner/publish_s": published.publish_s,
+                        # Received for later steps (async: the generators' lead), not trained yet.
+                        "buffer/held_trajectories": float(held),
+                        "buffer/held_windows": float(windows),
                     },
                 )
             )

@@ -96,6 +96,7 @@ def test_held_covers_later_windows_and_what_an_unfinished_step_took():
     loop.add(4, b)
     loop.add(2, c)  # a window already trained: not kept
     assert [(s, x.traj_id) for s, x in loop.held(after_step=2)] == [(3, 1), (4, 2)]
+    assert loop.depth() == (3, 3)  # what the learner reports as buffer/held_*
 
     async def take_then_stop():
         # Whole-window mode waits for all 4 of step 3; fill it, so the loop takes them, then stop
