@@ -38,6 +38,7 @@ from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write
 from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
 from asyncrl.staleness.ewma import EwmaParams
 from asyncrl.staleness.exact import assemble_old_train_logp, versions_needed
+from asyncrl.staleness.freshness import freshness_score
 
 
 class StalenessViolation(AssertionError):
@@ -339,7 +340,17 @@ class Trainer:
                 **self._policy_inputs(batch),
             )
         )
-        return self.policy.correct(token_batch)
+        corr = self.policy.correct(token_batch)
+        if math.isnan(float(corr.stats.mean_freshness)):
+            # Freshness is a metric whether or not it weights the loss: the same score
+            # (staleness/freshness.py, default lambdas) over this batch's sequences.
+            valid_B = mask.any(dim=1)
+            f_B = freshness_score(
+                logp_now_BL.detach(), token_batch.logp_behav_BT, mask, lambda_roll=1.0, lambda_sup=1.0
+            )
+            mean_f = f_B[valid_B].mean() if bool(valid_B.any()) else f_B.new_tensor(float("nan"))
+            corr = corr._replace(stats=corr.stats._replace(mean_freshness=mean_f))
+        return corr
 
     def _account(
         self, batch: PackedBatch, samples, stats: dict[str, float], *, tokens: float, clipped: float

@@ -386,3 +386,13 @@ def test_freshness_weighting_is_selectable_and_streams_only_when_local(tiny_mode
     plain = copy.deepcopy(base)
     _batch_step(plain, samples, "staleness.policy=tis")
     assert not torch.allclose(_params(plain), _params(ref))  # the weights changed the update
+
+
+def test_freshness_is_reported_whether_or_not_it_weights_the_loss(tiny_model_dir):
+    """Every step reports the mean freshness score of what it trained: 1 on-policy, below 1
+    for samples whose behavior log-probs drifted from the current policy."""
+    base = _model(tiny_model_dir)
+    fresh = _batch_step(copy.deepcopy(base), _samples(base, stale=0.0))
+    stale = _batch_step(copy.deepcopy(base), _samples(base, stale=1.0))
+    assert fresh.policy_stats["mean_freshness"] == pytest.approx(1.0, abs=1e-6)  # float32 behavior
+    assert 0.0 < stale.policy_stats["mean_freshness"] < 0.99
