@@ -47,6 +47,27 @@ def _wait_for(predicate, timeout_s, what):
         time.sleep(0.05)  # polling the file system for the run's progress
 
 
+def _run_then_kill_the_learner(tiny_model_dir, tmp_path, sets) -> tuple:
+    """Start a job, SIGKILL its learner once the first checkpoint exists; (run_dir, exit code,
+    output) of the launcher, which must end on its own."""
+    run_dir = tmp_path / "crash"
+    proc = subprocess.Popen(
+        short_job_args(tiny_model_dir, tmp_path, *sets, name="crash"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _wait_for((run_dir / "checkpoints" / "launcher-00000002.json").exists, 200, "the first checkpoint")
+        learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
+        os.kill(learner_pid, signal.SIGKILL)  # the launcher started it; this test started the launcher
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return run_dir, proc.returncode, out
+
+
 def test_learner_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, pid_alive):
     whole = subprocess.run(
         short_job_args(tiny_model_dir, tmp_path, *SETS, name="whole"),
@@ -56,23 +77,8 @@ def test_learner_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir,
     )
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
-    run_dir = tmp_path / "crash"
-    proc = subprocess.Popen(
-        short_job_args(tiny_model_dir, tmp_path, *SETS, name="crash"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        checkpoint = run_dir / "checkpoints" / "launcher-00000002.json"
-        _wait_for(checkpoint.exists, 200, "the first checkpoint")
-        learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
-        os.kill(learner_pid, signal.SIGKILL)  # the launcher started it; this test started the launcher
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1 and "learner" in out, out
+    run_dir, code, out = _run_then_kill_the_learner(tiny_model_dir, tmp_path, SETS)
+    assert code == 1 and "learner" in out, out
     first = json.loads((run_dir / "summary.json").read_text())
     assert first["status"] == "failed" and first["policy_versions"] < STEPS
 
@@ -119,22 +125,8 @@ def test_async_resume_trains_the_checkpointed_buffer_and_loses_nothing(tiny_mode
     when it checkpoints. The resumed learner puts them back and drops their regenerated copies;
     the ledger shows every group of steps v..STEPS-1 trained exactly once."""
     sets = [s for s in SETS if s not in ("mode=sync", "learner.streaming=off")] + ["mode=async"]
-    run_dir = tmp_path / "crash"
-    proc = subprocess.Popen(
-        short_job_args(tiny_model_dir, tmp_path, *sets, name="crash"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        _wait_for((run_dir / "checkpoints" / "launcher-00000002.json").exists, 200, "the first checkpoint")
-        learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
-        os.kill(learner_pid, signal.SIGKILL)  # the launcher started it; this test started the launcher
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, out
+    run_dir, code, out = _run_then_kill_the_learner(tiny_model_dir, tmp_path, sets)
+    assert code == 1, out
     from asyncrl.config import load_resolved_config
     from asyncrl.scheduler.job import resume_point
 
