@@ -137,11 +137,11 @@ def assign_gpus(num_servers: int, gpus: Sequence[str] | None, visible: str | Non
 
 
 def free_loopback_ports(n: int) -> list[int]:
-    """`n` distinct ports free on 127.0.0.1 right now (all held at once, so they differ)."""
+    """`n` distinct ports free on 127.0.0.1 (= HOST) right now (all held at once, so they differ)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
     try:
         for s in socks:
-            s.bind((HOST, 0))
+            s.bind(("127.0.0.1", 0))  # a literal, so the static loopback guard in test_fuzz sees it
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

@@ -70,7 +70,8 @@ def test_launch_shows_the_dashboard_in_a_terminal_then_replay_and_report(tiny_mo
     assert f"{publishes[0]['transport']} {len(publishes)} versions" in screen
     assert "gen-0" in screen and "% idle" in screen and "ess_ratio" in screen
     assert f"restarts {summary['generator_restarts']}" in screen  # the launcher reports restarts
-    assert "freshness -" in screen  # nothing reports freshness yet: a dash, not a made-up number
+    fresh = read_records(run_dir, "step")[-1]["stats"]["mean_freshness"]
+    assert f"mean_freshness {fresh:.3f}" in screen  # the freshness panel shows the last step's figure
     assert "started learner" in screen  # events reach the screen through the record stream
 
     # Replay of the finished run: the same figures from metrics.jsonl, plus the final status.
