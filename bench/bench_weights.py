@@ -2,7 +2,7 @@
 (asyncrl/benchmarks/weights.py, implementation in asyncrl/benchmarks/weights_run.py).
 
     python bench/bench_weights.py --json
-    python bench/bench_weights.py --num-params 20000000 --generators 1 --repeats 3
+    python bench/bench_weights.py --num-params 20000000 --generators 1 --repeats 9
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """`asyncrl bench weights`: time from publish to every generator holding the new weights, for
 safetensors shards and the broadcast group, with 1 and 2 generators, against the memcpy bandwidth
-measured in the same run (bench/README.md explains each figure and what bounds it).
+measured in the same run, and next to what bounds each transport on this machine (sha256 per
+core, file writes and reads, one loopback TCP stream, all measured in the same run).
+bench/README.md explains each figure.
 
 Importing this module is cheap: torch and the transports load when the command runs
 (`asyncrl.benchmarks.weights_run`).
@@ -24,10 +26,10 @@ def command(
     generators: Annotated[
         list[int] | None, typer.Option(help="generator counts (repeat the flag); default 1 and 2")
     ] = None,
-    repeats: Annotated[
-        int, typer.Option(help="timed rounds per figure after one warm-up; medians reported")
-    ] = 3,
-    max_shard_bytes: Annotated[int, typer.Option(help="tensor bytes per safetensors shard")] = 64 << 20,
+    repeats: Annotated[int, typer.Option(help="timed rounds per figure after warm-up; medians reported")] = 5,
+    max_shard_bytes: Annotated[
+        int, typer.Option(help="tensor bytes per safetensors shard (default: as weights.max_shard_bytes)")
+    ] = 512 << 20,
     bucket_bytes: Annotated[int, typer.Option(help="broadcast bucket size")] = 4 << 20,
     shard_root: Annotated[
         Path | None, typer.Option(help="where shards are written (default: /dev/shm)")
@@ -54,16 +56,54 @@ def command(
         typer.echo(json.dumps(result, indent=2))
         return
     memcpy = result["memcpy_gbps"]
-    typer.echo(f"{result['bytes'] / _GB:.3f} GB in {result['num_tensors']} tensors; memcpy {memcpy:.2f} GB/s")
+    b = result["bounds"]
+    cores = result["num_cpus"]
+
+    def vs(gbps: float) -> str:
+        return f"{gbps:.2f} GB/s ({gbps / memcpy:.2f}x memcpy)"
+
+    typer.echo(
+        f"{result['bytes'] / _GB:.3f} GB in {result['num_tensors']} tensors; memcpy {memcpy:.2f} GB/s "
+        f"(one thread); medians of {result['repeats']} rounds"
+    )
+    typer.echo(
+        f"bounds, one core each: sha256 {b['sha256_gbps_per_core']:.2f} GB/s; file write "
+        f"{b['file_write_new_gbps']:.2f} GB/s new, {b['file_write_recycled_gbps']:.2f} recycled; file read "
+        f"{b['file_read_gbps']:.2f} GB/s; loopback TCP stream {b['loopback_tcp_gbps']:.2f} GB/s "
+        f"({b['loopback_tcp_cpu_s_per_gb']:.2f} CPU-s/GB)"
+    )
+    gb = result["bytes"] / _GB
     for n, r in result["detail"]["shards"].items():
+        bound = r["bound"]
         typer.echo(
-            f"shards    x{n}: {r['gbps']:.2f} GB/s ({r['gbps'] / memcpy:.2f}x memcpy); publish "
-            f"{r['publish_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s; cpu {r['cpu_s']:.2f} s"
+            f"shards    x{n}: {vs(r['gbps'])}; publish {r['publish_gbps']:.2f} GB/s "
+            f"(new files: {r['publish_fresh_gbps']:.2f}), load {r['load_gbps']:.2f} GB/s; "
+            f"cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, {r['cpu_s'] / cores / r['total_s']:.0%} "
+            f"of {cores} cores)"
+        )
+        typer.echo(
+            f"  as a generator takes it (fresh tensors, then copied into its parameters): "
+            f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
+        )
+        typer.echo(
+            f"  bound: {1 + int(n)} sha256 passes ({bound['hash_cpu_s']:.2f} CPU-s) + copies "
+            f"({bound['copy_cpu_s']:.2f}) on {cores} cores -> {vs(bound['gbps'])}; sha256 alone -> "
+            f"{vs(bound['hash_only_gbps'])}"
         )
     for n, r in result["detail"]["broadcast"].items():
+        bound = r["bound"]
         typer.echo(
-            f"broadcast x{n}: {r['gbps']:.2f} GB/s ({r['gbps'] / memcpy:.2f}x memcpy); cpu {r['cpu_s']:.2f} s"
+            f"broadcast x{n}: {vs(r['gbps'])}; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, "
+            f"sender {r['sender_cpu_s']:.2f})"
+        )
+        typer.echo(
+            f"  as a generator takes it (fresh tensors, then copied into its parameters): "
+            f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
+        )
+        typer.echo(
+            f"  bound: {n} loopback TCP stream(s) from rank 0 ({bound['cpu_s']:.2f} CPU-s) -> {vs(bound['gbps'])}"
         )
     typer.echo(
-        f"load average (1 min) at the end: {result['load_average_1min']:.2f} on {result['num_cpus']} CPUs"
+        f"load average (1 min): {result['load_average_1min_start']:.2f} at the start, "
+        f"{result['load_average_1min']:.2f} at the end, on {cores} CPUs"
     )

@@ -7,19 +7,29 @@ asyncrl.transport.broadcast) on this machine. The parent process plays learner r
 or broadcasts; spawned processes play generators and load into tensors they already hold (as a
 generator loads into its model's parameters). Process start-up is outside every timed region.
 
-Figures (GB/s = 1e9 bytes/s, one copy of the weights as the unit of work):
-  memcpy_gbps     torch copy of a buffer of the same size, warm (destination already touched)
-  shards_gbps     bytes / (publish (write + sha256 + fsync + rename) + the slowest reader's verified load)
+Figures (GB/s = 1e9 bytes/s, one copy of the weights as the unit of work; medians over rounds):
+  memcpy_gbps     torch copy of a buffer of the same size, one thread, warm (destination touched)
+  shards_gbps     bytes / (publish (write + sha256 + rename, as ShardPublisher does) + the slowest
+                  reader's verified load), in the steady state of retention (keep_last 2, pruned
+                  versions recycled); `publish_fresh_gbps` is a publish that had to create its files
   broadcast_gbps  bytes / (broadcast until every receiver holds all bytes, confirmed by an all-reduce)
+  generator_gbps  (detail) the same, with each generator taking the weights as a real one does:
+                  into fresh tensors (`WeightsReceiver.fetch` / `receive_tensors`), then copied
+                  into its parameters, the fresh tensors dropped; the figures above load straight
+                  into the tensors a generator holds, which is the transports' own speed
   cpu_s           CPU seconds of all processes for one update (wall figures move with other load on
                   the machine; CPU seconds much less so)
+  bounds          what limits the two transports, measured in the same run (fastest of the
+                  repeats), one core each: sha256, tmpfs writes (new and recycled files) and
+                  reads, one loopback TCP stream
 
     asyncrl bench weights --json
-    asyncrl bench weights --num-params 20000000 --generators 1 --generators 2 --repeats 3
+    asyncrl bench weights --num-params 20000000 --generators 1 --generators 2 --repeats 5
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -27,6 +37,7 @@ import shutil
 import socket
 import statistics
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -35,24 +46,32 @@ from pathlib import Path
 import msgspec
 import torch
 
-from asyncrl.messages import TensorMeta
+from asyncrl.messages import TensorMeta, WeightsPublished
 from asyncrl.transport.broadcast import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
     receive_tensors,
     tensor_metas,
+    uses_point_to_point,
 )
-from asyncrl.transport.shards import read_shards, version_dir, write_shards
+from asyncrl.transport.publisher import MAX_SHARD_BYTES
+from asyncrl.transport.receiver import WeightsReceiver
+from asyncrl.transport.retention import VersionRetention, prune
+from asyncrl.transport.shards import read_shards, write_shards
 
 logger = logging.getLogger(__name__)
 
 HIDDEN = 1024
 MATRIX_PARAMS = 4 * HIDDEN * HIDDEN  # one [4096, 1024] bf16 matrix = 8 MiB, like a mid-size MLP weight
-DEFAULT_SHARD_BYTES = 64 << 20
+DEFAULT_SHARD_BYTES = MAX_SHARD_BYTES  # what runs use (weights.max_shard_bytes)
 DEFAULT_BUCKET_BYTES = 4 << 20  # gloo: tensors of 4 MiB or more go alone, without copies
 GROUP_TIMEOUT_S = 300.0
+P2P = uses_point_to_point("gloo")  # as BroadcastPublisher and WeightsReceiver decide on a CPU group
+KEEP_LAST = 2  # weights.keep_last's default: retention as in a run
 _GB = 1e9
+_CHUNK_BYTES = 4 << 20  # what shards.py writes and reads per call
+_BOUND_BYTES_MAX = 256 << 20  # the bounds are per-byte rates: no need to measure them on more
 
 
 def make_state_dict(num_params: int) -> dict[str, torch.Tensor]:
@@ -88,6 +107,123 @@ def measure_memcpy_gbps(num_bytes: int, *, repeats: int) -> float:
     return num_bytes / statistics.median(times) / _GB
 
 
+def _best_rate(num_bytes: int, run: object, *, repeats: int) -> float:
+    """GB/s of the fastest of `repeats` timed calls of `run()`: a bound is what the machine can do,
+    so other load on it should not lower the bound (it lowers the medians of the figures)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return num_bytes / min(times) / _GB
+
+
+def measure_sha256_gbps(num_bytes: int, *, repeats: int) -> float:
+    """hashlib sha256 on one core, in the chunks shards.py hashes."""
+    view = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
+
+    def run() -> None:
+        hasher = hashlib.sha256()
+        for start in range(0, num_bytes, _CHUNK_BYTES):
+            hasher.update(view[start : start + _CHUNK_BYTES])
+
+    return _best_rate(num_bytes, run, repeats=repeats)
+
+
+def measure_file_gbps(num_bytes: int, directory: Path, *, repeats: int) -> dict[str, float]:
+    """One thread writing a new file, overwriting an existing one, and reading one into memory."""
+    src = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
+    dst = memoryview(torch.zeros(num_bytes, dtype=torch.uint8).numpy())
+    path = directory / "bound-probe"
+
+    def write(flags: int) -> None:
+        fd = os.open(path, os.O_WRONLY | flags, 0o644)
+        try:
+            for start in range(0, num_bytes, _CHUNK_BYTES):
+                os.write(fd, src[start : start + _CHUNK_BYTES])
+        finally:
+            os.close(fd)
+
+    def read() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pos = 0
+            while pos < num_bytes:
+                pos += os.readv(fd, [dst[pos : pos + _CHUNK_BYTES]])
+        finally:
+            os.close(fd)
+
+    try:
+        new_times = []
+        for _ in range(repeats):  # the unlink is not timed: pruning happens off the critical path
+            path.unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            write(os.O_CREAT | os.O_EXCL)
+            new_times.append(time.perf_counter() - t0)
+        return {
+            "write_new_gbps": num_bytes / min(new_times) / _GB,
+            "write_recycled_gbps": _best_rate(num_bytes, lambda: write(0), repeats=repeats),
+            "read_gbps": _best_rate(num_bytes, read, repeats=repeats),
+        }
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def measure_loopback_tcp(num_bytes: int, *, chunk_bytes: int, repeats: int) -> dict[str, float]:
+    """One TCP stream over 127.0.0.1 (a sending and a receiving thread; the kernel does the work, as
+    for gloo's connections): GB/s and CPU seconds per GB of both ends together."""
+    src = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
+    dst = memoryview(torch.zeros(num_bytes, dtype=torch.uint8).numpy())
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    received_bytes = [0]
+
+    def drain() -> None:
+        pos = 0
+        while pos < num_bytes:
+            n = receiver.recv_into(dst[pos : pos + chunk_bytes])
+            if n == 0:
+                break  # the sender is gone; the caller sees the short count
+            pos += n
+        received_bytes[0] = pos
+
+    times, cpu_times = [], []
+    try:
+        for _ in range(repeats):
+            drainer = threading.Thread(target=drain, name="bench-tcp-drain")
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            drainer.start()
+            for start in range(0, num_bytes, chunk_bytes):
+                sender.sendall(src[start : start + chunk_bytes])
+            drainer.join()
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - cpu0)
+            if received_bytes[0] != num_bytes:
+                raise RuntimeError(f"loopback probe received {received_bytes[0]} of {num_bytes} bytes")
+    finally:
+        sender.close()
+        receiver.close()
+    return {
+        "gbps": num_bytes / min(times) / _GB,
+        "cpu_s_per_gb": min(cpu_times) / (num_bytes / _GB),
+    }
+
+
+def measure_bounds(num_bytes: int, shard_dir: Path, *, bucket_bytes: int, repeats: int) -> dict[str, float]:
+    probe_bytes = min(num_bytes, _BOUND_BYTES_MAX)
+    files = measure_file_gbps(probe_bytes, shard_dir, repeats=repeats)
+    tcp = measure_loopback_tcp(probe_bytes, chunk_bytes=bucket_bytes, repeats=repeats)
+    return {
+        "sha256_gbps_per_core": measure_sha256_gbps(probe_bytes, repeats=repeats),
+        "file_write_new_gbps": files["write_new_gbps"],
+        "file_write_recycled_gbps": files["write_recycled_gbps"],
+        "file_read_gbps": files["read_gbps"],
+        "loopback_tcp_gbps": tcp["gbps"],
+        "loopback_tcp_cpu_s_per_gb": tcp["cpu_s_per_gb"],
+    }
+
+
 # ---------------------------------------------------------------------------------------------- children
 
 
@@ -99,18 +235,35 @@ def _recv(conn: Connection) -> dict:
     return msgspec.json.decode(conn.recv_bytes())
 
 
-def shard_reader(conn: Connection, root: str) -> None:
-    """A generator that loads announced versions; the first load allocates, later ones load in place."""
+def _apply(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """What the torch generator's `apply_pending` does with offered weights: copy into the model."""
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
+def shard_reader(conn: Connection, root: str, reader_id: str) -> None:
+    """A generator that loads announced versions, two ways per version: `load` reads into the
+    tensors it holds (the transport's own speed); `fetch` does what a generator does (verified
+    fresh tensors from `WeightsReceiver.fetch`, then copied into its parameters and dropped)."""
     try:
         torch.set_num_threads(1)
+        receiver = WeightsReceiver(reader_id)
         params: dict[str, torch.Tensor] | None = None
         _send(conn, op="ready")
-        while (msg := _recv(conn))["op"] == "load":
+        while (msg := _recv(conn))["op"] in ("load", "fetch"):
             t0, cpu0 = time.perf_counter(), time.process_time()
-            if params is None:
+            if params is None:  # the first version allocates
                 params = read_shards(Path(root), msg["version"])
-            else:
+            elif msg["op"] == "load":
                 read_shards(Path(root), msg["version"], out=params)
+            else:
+                announcement = WeightsPublished(
+                    version=msg["version"], transport="safetensors", location=root, num_bytes=0
+                )
+                state = receiver.fetch(announcement)
+                _apply(params, state)
+                del state  # as the generator drops it: freeing is part of the cost
             _send(conn, op="done", load_s=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
     except Exception:  # tell the parent instead of leaving it waiting
         _send(conn, op="error", traceback=traceback.format_exc())
@@ -120,7 +273,9 @@ def shard_reader(conn: Connection, root: str) -> None:
 def broadcast_receiver(
     conn: Connection, rank: int, world_size: int, port: int, group_name: str, bucket_bytes: int, rounds: int
 ) -> None:
-    """A generator in the weight group: receives `rounds` updates, the first into fresh tensors."""
+    """A generator in the weight group: receives two updates per round, one into the tensors it
+    holds and one as a generator does (fresh tensors, as `WeightsReceiver` gets them, then copied
+    into its parameters); the first round's first update allocates."""
     try:
         torch.set_num_threads(1)
         metas = msgspec.json.decode(conn.recv_bytes(), type=list[TensorMeta])
@@ -134,14 +289,20 @@ def broadcast_receiver(
         )
         params = None
         done = torch.zeros(1)
-        cpu_s = []
+        cpu_s, generator_cpu_s = [], []
         for _ in range(rounds):
             cpu0 = time.process_time()
-            params = receive_tensors(group, metas, bucket_bytes=bucket_bytes, out=params)
+            params = receive_tensors(group, metas, bucket_bytes=bucket_bytes, out=params, p2p=P2P)
             torch.distributed.all_reduce(done, group=group)  # tells rank 0 every byte has arrived
-            cpu_s.append(time.process_time() - cpu0)
+            cpu1 = time.process_time()
+            state = receive_tensors(group, metas, bucket_bytes=bucket_bytes, p2p=P2P)
+            _apply(params, state)
+            del state
+            torch.distributed.all_reduce(done, group=group)
+            cpu_s.append(cpu1 - cpu0)
+            generator_cpu_s.append(time.process_time() - cpu1)
         destroy_weight_update_group(group)
-        _send(conn, op="finished", cpu_s=cpu_s)
+        _send(conn, op="finished", cpu_s=cpu_s, generator_cpu_s=generator_cpu_s)
     except Exception:
         _send(conn, op="error", traceback=traceback.format_exc())
         raise
@@ -178,46 +339,78 @@ def _stop(procs: list[mp.Process]) -> None:
 def bench_shards(
     sd: dict[str, torch.Tensor], root: Path, *, num_readers: int, repeats: int, max_shard_bytes: int
 ) -> dict:
+    """Publish and load `repeats` timed versions after warm-up, with retention as a run has it.
+
+    Warm-up: version 0 (readers allocate their tensors) up to version KEEP_LAST, the first one
+    pruned; from then on every publish finds the pruned version's files to overwrite, as a run does
+    after its first few steps. The warm-up publishes after version 0 created new files: their median
+    is `publish_fresh_gbps`.
+    """
     ctx = mp.get_context("spawn")
-    started = [_start(ctx, shard_reader, str(root), name=f"shard-reader-{i}") for i in range(num_readers)]
+    started = [
+        _start(ctx, shard_reader, str(root), f"reader-{i}", name=f"shard-reader-{i}")
+        for i in range(num_readers)
+    ]
     procs, conns = [p for p, _ in started], [c for _, c in started]
+    retention = VersionRetention(KEEP_LAST)
+    for i in range(num_readers):
+        retention.register(f"reader-{i}")
     num_bytes = num_bytes_of(sd)
-    rounds = []
+    num_warmup = KEEP_LAST + 1
+    rounds, fresh_publish_s = [], []
     try:
         for conn in conns:
             _expect(conn, "ready")
-        for version in range(repeats + 1):  # version 0 warms up (readers allocate their tensors)
+        for version in range(num_warmup + repeats):
             t0, cpu0 = time.perf_counter(), time.process_time()
-            write_shards(sd, root, version, max_shard_bytes=max_shard_bytes)
+            write_shards(sd, root, version, max_shard_bytes=max_shard_bytes, fsync=False)  # as ShardPublisher
             t1, publish_cpu_s = time.perf_counter(), time.process_time() - cpu0
+            retention.publish(version)
             for conn in conns:
                 _send(conn, op="load", version=version)
             loads = [_expect(conn, "done") for conn in conns]
             t2 = time.perf_counter()
-            if version > 0:
+            for conn in conns:
+                _send(conn, op="fetch", version=version)
+            fetches = [_expect(conn, "done") for conn in conns]
+            t3 = time.perf_counter()
+            for i in range(num_readers):  # acks; pruning is off the critical path, as in a run
+                retention.ack(f"reader-{i}", version)
+            prune(root, retention, keep_spare=True)
+            if version >= num_warmup:
                 rounds.append(
                     {
                         "publish_s": t1 - t0,
                         "load_s": max(m["load_s"] for m in loads),
                         "total_s": t2 - t0,
+                        "publish_cpu_s": publish_cpu_s,
+                        "load_cpu_s": sum(m["cpu_s"] for m in loads),
                         "cpu_s": publish_cpu_s + sum(m["cpu_s"] for m in loads),
+                        "generator_s": (t1 - t0) + (t3 - t2),
+                        "generator_cpu_s": publish_cpu_s + sum(m["cpu_s"] for m in fetches),
                     }
                 )
-            if version > 0:  # keep the tmpfs footprint at two versions
-                shutil.rmtree(version_dir(root, version - 1))
+            elif version > 0:
+                fresh_publish_s.append(t1 - t0)
         for conn in conns:
             _send(conn, op="stop")
     finally:
         _stop(procs)
-    publish_s = statistics.median(r["publish_s"] for r in rounds)
-    load_s = statistics.median(r["load_s"] for r in rounds)
-    total_s = statistics.median(r["total_s"] for r in rounds)
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
     return {
-        "gbps": num_bytes / total_s / _GB,
-        "publish_gbps": num_bytes / publish_s / _GB,
-        "load_gbps": num_bytes / load_s / _GB,
-        "total_s": total_s,
-        "cpu_s": statistics.median(r["cpu_s"] for r in rounds),
+        "gbps": num_bytes / median("total_s") / _GB,
+        "publish_gbps": num_bytes / median("publish_s") / _GB,
+        "publish_fresh_gbps": num_bytes / statistics.median(fresh_publish_s) / _GB,
+        "load_gbps": num_bytes / median("load_s") / _GB,
+        "total_s": median("total_s"),
+        "cpu_s": median("cpu_s"),
+        "publish_cpu_s": median("publish_cpu_s"),
+        "load_cpu_s": median("load_cpu_s"),
+        "generator_gbps": num_bytes / median("generator_s") / _GB,
+        "generator_cpu_s": median("generator_cpu_s"),
         "rounds": rounds,
     }
 
@@ -266,23 +459,57 @@ def bench_broadcast(
             timeout_s=GROUP_TIMEOUT_S,
         )
         done = torch.zeros(1)
-        sender_cpu_s = []
+        sender_cpu_s, generator_times_s, generator_sender_cpu_s = [], [], []
         for _ in range(rounds):
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            broadcast_tensors(group, sd, bucket_bytes=bucket_bytes)
-            torch.distributed.all_reduce(done, group=group)
-            times_s.append(time.perf_counter() - t0)
-            sender_cpu_s.append(time.process_time() - cpu0)
+            for times, cpu_times in ((times_s, sender_cpu_s), (generator_times_s, generator_sender_cpu_s)):
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                broadcast_tensors(group, sd, bucket_bytes=bucket_bytes, p2p=P2P)
+                torch.distributed.all_reduce(done, group=group)
+                times.append(time.perf_counter() - t0)
+                cpu_times.append(time.process_time() - cpu0)
         destroy_weight_update_group(group)
-        receiver_cpu_s = [_expect(conn, "finished")["cpu_s"] for conn in conns]
+        finished = [_expect(conn, "finished") for conn in conns]
     finally:
         _stop(procs)
-    cpu_s = [sender_cpu_s[i] + sum(r[i] for r in receiver_cpu_s) for i in range(1, rounds)]
+
+    def total_cpu_s(sender: list[float], key: str) -> float:
+        return statistics.median(sender[i] + sum(m[key][i] for m in finished) for i in range(1, rounds))
+
     return {
         "gbps": num_bytes / statistics.median(times_s[1:]) / _GB,
         "total_s": statistics.median(times_s[1:]),
-        "cpu_s": statistics.median(cpu_s),
+        "cpu_s": total_cpu_s(sender_cpu_s, "cpu_s"),
+        "sender_cpu_s": statistics.median(sender_cpu_s[1:]),
+        "generator_gbps": num_bytes / statistics.median(generator_times_s[1:]) / _GB,
+        "generator_cpu_s": total_cpu_s(generator_sender_cpu_s, "generator_cpu_s"),
         "rounds_s": times_s[1:],
+    }
+
+
+def shards_bound(bounds: dict[str, float], *, num_bytes: int, num_readers: int, num_cpus: int) -> dict:
+    """What shards can reach here: the writer and every reader each hash all bytes (sha256 is
+    sequential within a file; files go in parallel), the writer writes them once (into recycled
+    files) and every reader copies them once; on `num_cpus` cores that work takes at least its CPU
+    time divided by the cores."""
+    gb = num_bytes / _GB
+    hash_s = (1 + num_readers) * gb / bounds["sha256_gbps_per_core"]
+    copy_s = gb / bounds["file_write_recycled_gbps"] + num_readers * gb / bounds["file_read_gbps"]
+    return {
+        "hash_cpu_s": hash_s,
+        "copy_cpu_s": copy_s,
+        "gbps": gb / ((hash_s + copy_s) / num_cpus),
+        "hash_only_gbps": gb / (hash_s / num_cpus),
+    }
+
+
+def broadcast_bound(bounds: dict[str, float], *, num_bytes: int, num_receivers: int, num_cpus: int) -> dict:
+    """What the gloo group can reach here: every receiver gets its own TCP stream from rank 0, no
+    faster than one loopback stream, and the streams' kernel work shares the cores."""
+    gb = num_bytes / _GB
+    cpu_s = num_receivers * gb * bounds["loopback_tcp_cpu_s_per_gb"]
+    return {
+        "cpu_s": cpu_s,
+        "gbps": min(bounds["loopback_tcp_gbps"], gb / (cpu_s / num_cpus)),
     }
 
 
@@ -290,31 +517,44 @@ def run_weights_bench(
     *,
     num_params: int = 100_000_000,
     num_generators_list: tuple[int, ...] = (1, 2),
-    repeats: int = 3,
+    repeats: int = 5,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     shard_root: Path | None = None,
 ) -> dict:
-    """Measure memcpy, shards and broadcast; top-level figures are medians for num_generators_list[0]."""
+    """Measure memcpy, the bounds, shards and broadcast; top-level figures are medians for
+    num_generators_list[0]."""
     if repeats < 1 or not num_generators_list or min(num_generators_list) < 1:
         raise ValueError("repeats and every generator count must be >= 1")
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(1)  # copies and hashing here are single-stream, like the library's callers
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     sd = make_state_dict(num_params)
     num_bytes = num_bytes_of(sd)
     memcpy = measure_memcpy_gbps(num_bytes, repeats=max(11, repeats))  # short: more samples
     base = shard_root or (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
     detail: dict[str, dict[str, dict]] = {"shards": {}, "broadcast": {}}
-    for n in num_generators_list:
-        root = Path(tempfile.mkdtemp(prefix="asyncrl-bench-weights-", dir=base))
-        try:
+    root = Path(tempfile.mkdtemp(prefix="asyncrl-bench-weights-", dir=base))
+    try:
+        bounds = measure_bounds(num_bytes, root, bucket_bytes=bucket_bytes, repeats=max(5, repeats))
+        for n in num_generators_list:
+            shard_dir = root / f"x{n}"
+            shard_dir.mkdir()
             detail["shards"][str(n)] = bench_shards(
-                sd, root, num_readers=n, repeats=repeats, max_shard_bytes=max_shard_bytes
+                sd, shard_dir, num_readers=n, repeats=repeats, max_shard_bytes=max_shard_bytes
             )
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        detail["broadcast"][str(n)] = bench_broadcast(
-            sd, num_receivers=n, repeats=repeats, bucket_bytes=bucket_bytes
-        )
+            detail["shards"][str(n)]["bound"] = shards_bound(
+                bounds, num_bytes=num_bytes, num_readers=n, num_cpus=num_cpus
+            )
+            shutil.rmtree(shard_dir)
+            detail["broadcast"][str(n)] = bench_broadcast(
+                sd, num_receivers=n, repeats=repeats, bucket_bytes=bucket_bytes
+            )
+            detail["broadcast"][str(n)]["bound"] = broadcast_bound(
+                bounds, num_bytes=num_bytes, num_receivers=n, num_cpus=num_cpus
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     first = str(num_generators_list[0])
     shards_gbps = detail["shards"][first]["gbps"]
     broadcast_gbps = detail["broadcast"][first]["gbps"]
@@ -327,10 +567,13 @@ def run_weights_bench(
         "broadcast_gbps": broadcast_gbps,
         "shards_vs_memcpy": shards_gbps / memcpy,
         "broadcast_vs_memcpy": broadcast_gbps / memcpy,
+        "bounds": bounds,
         "max_shard_bytes": max_shard_bytes,
         "bucket_bytes": bucket_bytes,
+        "repeats": repeats,
         "shard_root": str(base),
-        "num_cpus": os.cpu_count(),
+        "num_cpus": num_cpus,
+        "load_average_1min_start": load_start,
         "load_average_1min": os.getloadavg()[0],
         "detail": detail,
     }

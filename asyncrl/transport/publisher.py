@@ -38,7 +38,12 @@ MAX_SHARD_BYTES = 512 * 1024 * 1024
 
 
 class ShardPublisher:
-    """Versioned safetensors shards under `weights_dir` (see `shards.py`), last K kept."""
+    """Versioned safetensors shards under `weights_dir` (see `shards.py`), last K kept.
+
+    With `recycle` (the default) the newest pruned version stays as a hidden spare whose files the
+    next publish overwrites (`retention.prune(..., keep_spare=True)`): on tmpfs, writing into new
+    files costs about 2.5 times the CPU of overwriting old ones (docs/weights.md).
+    """
 
     transport = "safetensors"
 
@@ -51,8 +56,10 @@ class ShardPublisher:
         generator_ids: Iterable[str],
         max_shard_bytes: int = MAX_SHARD_BYTES,
         catchup: bool = False,
+        recycle: bool = True,
     ) -> None:
         self.weights_dir = weights_dir
+        self.recycle = recycle
         self.extra_files = dict(extra_files)
         self.max_shard_bytes = max_shard_bytes
         self.catchup = catchup  # announcements are marked as copies of broadcast versions
@@ -78,6 +85,7 @@ class ShardPublisher:
             extra_files=self.extra_files,
             num_threads=None,  # hashlib and os.write release the GIL: shards go in parallel
             fsync=False,
+            reuse_spare=self.recycle,
         )
         return WeightsPublished(
             version=version,
@@ -92,7 +100,7 @@ class ShardPublisher:
         """Loop thread: a generator holds `version`; delete what nobody can still need."""
         if version > 0:
             self.retention.ack(generator_id, version)
-            prune(self.weights_dir, self.retention)
+            prune(self.weights_dir, self.retention, keep_spare=self.recycle)
 
     def close(self) -> None:
         pass
@@ -186,7 +194,11 @@ class BroadcastPublisher:
         return msg
 
     async def _send(self, items: list, world_size: int, backend: str) -> None:
-        from asyncrl.transport.broadcast import broadcast_tensors, init_weight_update_group
+        from asyncrl.transport.broadcast import (
+            broadcast_tensors,
+            init_weight_update_group,
+            uses_point_to_point,
+        )
 
         if self.group is None:
             self.group = await asyncio.to_thread(
@@ -200,7 +212,13 @@ class BroadcastPublisher:
                 timeout_s=self.timeout_s,
                 store=self._store,
             )
-        await asyncio.to_thread(broadcast_tensors, self.group, items, bucket_bytes=self.bucket_bytes)
+        await asyncio.to_thread(
+            broadcast_tensors,
+            self.group,
+            items,
+            bucket_bytes=self.bucket_bytes,
+            p2p=uses_point_to_point(backend),
+        )
 
     def on_loaded(self, generator_id: str, version: int) -> None:
         """Members may ack a version before its catch-up shards exist: retention hears it then."""

@@ -73,7 +73,7 @@ class WeightsReceiver:
         return read_shards(Path(msg.location), msg.version, verify=True, num_threads=self.num_read_threads)
 
     def _receive(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
-        from asyncrl.transport.broadcast import init_weight_update_group, receive_tensors
+        from asyncrl.transport.broadcast import init_weight_update_group, receive_tensors, uses_point_to_point
 
         if self.group is None:
             host, _, port = msg.location.rpartition(":")
@@ -90,7 +90,11 @@ class WeightsReceiver:
             )
         device = "cuda" if msg.group_backend == "nccl" else "cpu"
         received = receive_tensors(
-            self.group, list(msg.tensors), bucket_bytes=msg.bucket_bytes, device=device
+            self.group,
+            list(msg.tensors),
+            bucket_bytes=msg.bucket_bytes,
+            device=device,
+            p2p=uses_point_to_point(msg.group_backend or "gloo"),
         )
         if device != "cpu":
             received = {n: t.cpu() for n, t in received.items()}

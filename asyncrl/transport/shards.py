@@ -17,18 +17,26 @@ Layout of one version directory (the standard Hugging Face sharded checkpoint, p
 Publication is atomic: everything is written and fsynced in a hidden temporary directory under `root`
 and then renamed to `v{version:08d}`, so a reader never sees a half-written version. Checksums are
 computed while writing (each chunk is hashed and written while it is hot in cache), never by reading
-files back. Shard files are written by this module directly in the safetensors format (8-byte
-little-endian header length, JSON header padded to 8 bytes, raw little-endian tensor bytes) so that
-tensor memory goes to the file with no intermediate serialized copy (raw bytes are written as they lie
-in memory, so like safetensors itself this assumes a little-endian host).
+files back. sha256 dominates the cost and is sequential within a file, so shards are planned even
+and as many as a multiple of the threads (`shard_plan.py`), and each thread hashes its own files.
+The temporary directory is a pruned version's recycled directory when retention kept one
+(`retention.prune(..., keep_spare=True)`): its files are overwritten in place, which on tmpfs
+costs far less than allocating new pages.
+
+Shard files are written by this module directly in the safetensors format (8-byte little-endian
+header length, JSON header padded to 8 bytes, raw little-endian tensor bytes) so that tensor memory
+goes to the file with no intermediate serialized copy (raw bytes are written as they lie in memory,
+so like safetensors itself this assumes a little-endian host).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
 import struct
@@ -53,12 +61,14 @@ from asyncrl.transport.manifest import (
     safetensors_code,
 )
 from asyncrl.transport.retention import (
+    claim_spare,
     latest_version,
     list_versions,
     remove_incomplete,
     temporary_dir,
     version_dir,
 )
+from asyncrl.transport.shard_plan import largest_first, plan_shards
 
 __all__ = [
     "ManifestFile",
@@ -68,6 +78,7 @@ __all__ = [
     "collect_config_files",
     "dtype_from_name",
     "dtype_name",
+    "fresh_cpu_bytes",
     "latest_version",
     "list_versions",
     "plan_shards",
@@ -82,6 +93,8 @@ logger = logging.getLogger(__name__)
 
 # Hashing and writing go chunk by chunk so that a chunk is still in cache for the second pass.
 _CHUNK_BYTES = 4 << 20
+# Fresh buffers from this size on get transparent huge pages (`fresh_cpu_bytes`): one huge page.
+_HUGE_PAGE_MIN_BYTES = 2 << 20
 # The safetensors header is padded so that tensor data starts 8-byte aligned.
 _HEADER_ALIGN_BYTES = 8
 # Files in a model directory that `collect_config_files` never copies (weights and our own outputs).
@@ -113,26 +126,20 @@ def collect_config_files(model_dir: Path) -> dict[str, bytes]:
 # ---------------------------------------------------------------------------------------------- write
 
 
-def plan_shards(sizes_bytes: list[int], *, max_shard_bytes: int) -> list[list[int]]:
-    """Split tensors (by index, in order) into shards of at most `max_shard_bytes` tensor bytes.
+def fresh_cpu_bytes(num_bytes: int) -> torch.Tensor:
+    """A new uint8 CPU tensor of `num_bytes` (contents undefined), cheap to fill for the first time.
 
-    Greedy in state-dict order, like transformers' `save_pretrained`; a tensor larger than the limit
-    gets a shard of its own.
+    Memory fresh from `torch.empty` takes a page fault per 4 KiB page when first written: filling
+    200 MB that way cost 4x the copy itself. Buffers of `_HUGE_PAGE_MIN_BYTES` or more are mapped
+    with transparent huge pages where the kernel allows them (`madvise` or `always` mode; else this
+    is plain memory, as from `torch.empty`). The mapping lives as long as any view of the tensor.
     """
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-    shards: list[list[int]] = []
-    current: list[int] = []
-    current_bytes = 0
-    for i, size in enumerate(sizes_bytes):
-        if current and current_bytes + size > max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += size
-    if current:
-        shards.append(current)
-    return shards
+    if num_bytes < _HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(num_bytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # THP "never" or not built in: plain pages
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -169,14 +176,26 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[written:]
 
 
-def _write_shard_file(path: Path, entries: list[tuple[str, torch.Tensor]], *, fsync: bool) -> ManifestFile:
+def _open_shard(path: Path, *, reuse: bool) -> int:
+    if reuse:
+        try:
+            return os.open(path, os.O_WRONLY)
+        except PermissionError:  # not ours to rewrite after all: write a new file instead
+            os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _write_shard_file(
+    path: Path, entries: list[tuple[str, torch.Tensor]], *, fsync: bool, reuse: bool = False
+) -> ManifestFile:
+    """Write and hash one shard; with `reuse`, `path` is a recycled file, overwritten and cut to size."""
     # Largest element size first: with no padding between tensors every offset stays aligned to its
     # own element size (sizes are powers of two), which zero-copy readers rely on.
     entries = sorted(entries, key=lambda e: -e[1].element_size())
     entries = [(name, _as_cpu_contiguous(t)) for name, t in entries]
     hasher = hashlib.sha256()
     size_bytes = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = _open_shard(path, reuse=reuse)
     try:
         header = memoryview(_header_bytes(entries))
         hasher.update(header)
@@ -191,6 +210,8 @@ def _write_shard_file(path: Path, entries: list[tuple[str, torch.Tensor]], *, fs
                 hasher.update(chunk)  # releases the GIL: shards are hashed in parallel threads
                 _write_all(fd, chunk)
             size_bytes += len(data)
+        if reuse:
+            os.ftruncate(fd, size_bytes)  # the recycled file may have been longer
         if fsync:
             os.fsync(fd)
     finally:
@@ -236,6 +257,7 @@ def write_shards(
     extra_files: Mapping[str, bytes] | None = None,
     num_threads: int | None = None,
     fsync: bool = True,
+    reuse_spare: bool = True,
 ) -> ShardManifest:
     """Publish `state_dict` (Hugging Face names) atomically as `root/v{version:08d}`.
 
@@ -243,8 +265,11 @@ def write_shards(
     memory one shard at a time); contiguous CPU tensors are written with no copy. `extra_files`
     (file name -> bytes, e.g. from `collect_config_files`) are written alongside so the directory is a
     complete `from_pretrained` / SGLang `update_weights_from_disk` model directory. Shards are written
-    by up to `num_threads` threads (default: CPU count). Raises FileExistsError if the version is
-    already published and ValueError for bad input; on any failure nothing is published.
+    by up to `num_threads` threads (default: CPU count), each hashing a shard as it writes it; the
+    shards are planned even, and as many as a multiple of the threads, so the threads finish
+    together. With `reuse_spare`, a spare left by `retention.prune(..., keep_spare=True)` is taken
+    and its files overwritten rather than new ones created. Raises FileExistsError if the version
+    is already published and ValueError for bad input; on any failure nothing is published.
     """
     root = Path(root)
     final_dir = version_dir(root, version)
@@ -265,27 +290,31 @@ def write_shards(
         raise FileExistsError(f"weights version {version} is already published at {final_dir}")
 
     sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
-    plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes)
+    max_threads = _num_threads(num_threads, len(names))
+    plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes, num_parallel=max_threads)
     num_shards = len(plan)
     file_names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
 
     root.mkdir(parents=True, exist_ok=True)
     tmp_dir = temporary_dir(root, f"v{version:08d}")
-    tmp_dir.mkdir()
     try:
-        with ThreadPoolExecutor(
-            _num_threads(num_threads, num_shards), thread_name_prefix="write-shard"
-        ) as pool:
-            futures = [
-                pool.submit(
+        if reuse_spare:
+            reused = claim_spare(root, tmp_dir, file_names)
+        else:
+            tmp_dir.mkdir()
+            reused = set()
+        with ThreadPoolExecutor(min(max_threads, num_shards), thread_name_prefix="write-shard") as pool:
+            futures = {
+                s: pool.submit(
                     _write_shard_file,
-                    tmp_dir / file_name,
-                    [(names[i], state_dict[names[i]]) for i in idx],
+                    tmp_dir / file_names[s],
+                    [(names[i], state_dict[names[i]]) for i in plan[s]],
                     fsync=fsync,
+                    reuse=file_names[s] in reused,
                 )
-                for file_name, idx in zip(file_names, plan, strict=True)
-            ]
-            shard_files = tuple(f.result() for f in futures)
+                for s in largest_first([sum(sizes[i] for i in idx) for idx in plan])
+            }
+            shard_files = tuple(futures[s].result() for s in range(num_shards))
         file_of = {names[i]: file_names[s] for s, idx in enumerate(plan) for i in idx}
         total_size_bytes = sum(sizes)
         index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
@@ -449,7 +478,7 @@ def _read_shard_file(
         header, data_start = _read_header(fd, hasher, corrupt, size_bytes)
         entries = _check_entries(header, expected, corrupt, size_bytes - data_start)
         if out is None:
-            buf = torch.empty(size_bytes - data_start, dtype=torch.uint8)
+            buf = fresh_cpu_bytes(size_bytes - data_start)
             _read_exact(fd, memoryview(buf.numpy()), hasher, corrupt)
             for t, begin, end in entries:
                 dtype = dtype_from_name(t.dtype)
@@ -526,9 +555,10 @@ def read_shards(
         return tensors
 
     num_workers = _num_threads(num_threads, len(manifest.files))
+    order = largest_first([f.size_bytes for f in manifest.files])
     with ThreadPoolExecutor(num_workers, thread_name_prefix="read-shard") as pool:
         loaded: dict[str, torch.Tensor] = {}
-        for part in pool.map(load, manifest.files):
+        for part in pool.map(load, [manifest.files[i] for i in order]):
             loaded.update(part)
     if verify:
         for record in manifest.extra_files:

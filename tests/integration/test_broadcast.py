@@ -126,6 +126,7 @@ def test_plan_rejects_bad_input_and_fingerprints_differ() -> None:
     assert layout_fingerprint(plan) == layout_fingerprint(plan_buckets(metas, bucket_bytes=64))
     assert layout_fingerprint(plan) != layout_fingerprint(plan_buckets(metas, bucket_bytes=8))
     assert layout_fingerprint(plan) != layout_fingerprint(plan_buckets(metas[::-1], bucket_bytes=64))
+    assert layout_fingerprint(plan) != layout_fingerprint(plan, p2p=True) > 0
 
 
 def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
@@ -134,21 +135,21 @@ def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
     return tensor_metas(tensors)
 
 
-def run_exchange(pg: object, rank: int, *, bucket_bytes: int, into: bool) -> list[str]:
+def run_exchange(pg: object, rank: int, *, bucket_bytes: int, into: bool, p2p: bool = False) -> list[str]:
     """Rank 0 sends weights(); other ranks receive; returns the names that arrived wrong."""
     from asyncrl.transport.broadcast import broadcast_tensors, receive_tensors
 
     expected = weights()
     if rank == 0:
-        broadcast_tensors(pg, expected, bucket_bytes=bucket_bytes)
+        broadcast_tensors(pg, expected, bucket_bytes=bucket_bytes, p2p=p2p)
         return []
     if into:  # existing tensors, one of them non-contiguous (received through staging)
         out = {n: torch.full_like(t, 3) for n, t in expected.items()}
         out["model.layers.1.transposed"] = torch.zeros(9, 11).t()
-        got = receive_tensors(pg, metas_of(expected), bucket_bytes=bucket_bytes, out=out)
+        got = receive_tensors(pg, metas_of(expected), bucket_bytes=bucket_bytes, out=out, p2p=p2p)
         bad = [n for n in expected if got[n] is not out[n]]
     else:
-        got = receive_tensors(pg, metas_of(expected), bucket_bytes=bucket_bytes)
+        got = receive_tensors(pg, metas_of(expected), bucket_bytes=bucket_bytes, p2p=p2p)
         bad = []
     bad += [n for n, t in expected.items() if not same_bits(got[n], t)]
     if list(got) != list(expected):
@@ -187,6 +188,19 @@ def worker(rank: int, port: int, dp_port: int | None, results: mp.Queue) -> None
         report["dp_world"] = (dist.get_rank(), dist.get_world_size())
         report["name_taken"] = _group_name_is_taken("weight_update_group")
     report["bad_large_buckets"] = run_exchange(pg, rank, bucket_bytes=1 << 20, into=rank == 1)
+    # Point to point (what gloo groups use): more buckets in flight than staging slots, both ways.
+    # Buckets of 256 bytes leave the non-contiguous tensor (396 bytes) alone in a staged bucket
+    # larger than any shared one: regression, the staging buffer was sized by shared buckets only
+    # and the view into it failed.
+    report["bad_p2p"] = run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES // 16, into=rank == 1, p2p=True)
+    report["bad_p2p"] += run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES, into=rank == 2, p2p=True)
+    report["bad_p2p"] += run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES // 16, into=rank == 2)
+    # A receiver that broadcasts while the others send point to point: an error everywhere, no hang.
+    try:
+        run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES, into=False, p2p=rank != 1)
+        report["p2p_mismatch_error"] = ""
+    except ValueError as e:
+        report["p2p_mismatch_error"] = str(e)
     # A receiver planning with a different bucket size must make every rank fail, not hang.
     try:
         run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES * (2 if rank == 2 else 1), into=False)
@@ -253,9 +267,13 @@ def run_ranks(target: Callable[..., None], world_size: int, *extra: object) -> l
 @pytest.mark.timeout(120)
 def test_receivers_get_bitwise_identical_tensors() -> None:
     reports = run_ranks(worker, 3, *free_ports(1), None)
-    assert [(r["bad_small_buckets"], r["bad_large_buckets"]) for r in reports] == [([], [])] * 3
-    # the third exchange planned different buckets on rank 2: every rank raised instead of hanging
+    assert [(r["bad_small_buckets"], r["bad_large_buckets"], r["bad_p2p"]) for r in reports] == [
+        ([], [], [])
+    ] * 3
+    # an exchange planned different buckets on rank 2, another mixed p2p and broadcast: every rank
+    # raised instead of hanging
     assert all("layout differs" in r["mismatch_error"] for r in reports), reports
+    assert all("layout differs" in r["p2p_mismatch_error"] for r in reports), reports
 
 
 @pytest.mark.slow

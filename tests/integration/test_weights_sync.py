@@ -20,7 +20,7 @@ import torch
 
 from asyncrl.messages import WeightsPublished
 from asyncrl.transport.publisher import BroadcastPublisher, ShardPublisher
-from asyncrl.transport.retention import list_versions
+from asyncrl.transport.retention import list_versions, spare_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 GENERATORS = ("gen-0", "gen-1")
@@ -117,11 +117,16 @@ def shard_publisher(root: Path, *, catchup: bool = False) -> ShardPublisher:
 
 
 def test_shards_give_every_generator_bitwise_identical_weights(tmp_path, generators) -> None:
+    """From version 3 on each version is written into the files of a pruned one (recycled)."""
+
     async def scenario() -> None:
         publisher = shard_publisher(tmp_path)
-        for version in (1, 2):
+        for version in (1, 2, 3, 4):
             replies = await publish_and_collect(publisher, generators, version)
             assert [r["digest"] for r in replies] == [digest(state(version))] * len(GENERATORS)
+            for gid in GENERATORS:
+                publisher.on_loaded(gid, version)
+        assert list_versions(tmp_path) == [4] and len(spare_dirs(tmp_path)) == 1
 
     asyncio.run(scenario())
 

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncrl.transport.retention import VersionRetention, prune
+from asyncrl.transport.retention import VersionRetention, prune, remove_incomplete, spare_dirs
 from asyncrl.transport.shards import list_versions, version_dir
 
 
@@ -81,6 +81,25 @@ def test_prune_deletes_only_deletable_directories(tmp_path: Path) -> None:
     assert list_versions(tmp_path) == [4, 5]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000004", "v00000005"]  # no leftovers
     assert prune(tmp_path, r) == [] and r.published == [4, 5]
+
+
+def test_prune_keeps_one_spare_and_remove_incomplete_clears_it(tmp_path: Path) -> None:
+    r = VersionRetention(keep_last=1)
+    for v in range(1, 5):
+        version_dir(tmp_path, v).mkdir(parents=True)
+        (version_dir(tmp_path, v) / "model-00001-of-00001.safetensors").write_bytes(b"x")
+        r.publish(v)
+    r.ack("gen", 3)
+    assert prune(tmp_path, r, keep_spare=True) == [1, 2]
+    (spare,) = spare_dirs(tmp_path)  # the first pruned version; the second was deleted
+    assert (spare / "model-00001-of-00001.safetensors").read_bytes() == b"x"
+    assert list_versions(tmp_path) == [3, 4]
+    r.ack("gen", 4)
+    assert prune(tmp_path, r, keep_spare=True) == [3]
+    assert spare_dirs(tmp_path) == [spare]  # one spare at most
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([spare.name, "v00000004"])
+    assert remove_incomplete(tmp_path) == [spare]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000004"]
 
 
 def test_prune_tolerates_an_already_deleted_directory(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from asyncrl.transport.shards import (
     ShardManifest,
     WeightsCorruptError,
     collect_config_files,
+    fresh_cpu_bytes,
     latest_version,
     list_versions,
     plan_shards,
@@ -27,6 +29,8 @@ from asyncrl.transport.shards import (
     version_dir,
     write_shards,
 )
+
+INDEX = "model.safetensors.index.json"
 
 
 def state_dict() -> dict[str, torch.Tensor]:
@@ -67,6 +71,23 @@ def test_round_trip_is_bitwise_and_keeps_order(tmp_path: Path) -> None:
     assert len(manifest.files) > 1
     assert_same(read_shards(tmp_path, 3), sd)
     assert_same(read_shards(tmp_path, 3, verify=False), sd)
+
+
+def test_large_shards_are_read_into_huge_page_buffers_bitwise(tmp_path: Path) -> None:
+    """Fresh read buffers of 2 MiB or more come from `fresh_cpu_bytes` (an anonymous mapping with
+    transparent huge pages where the kernel allows them); tensors are views that keep it alive."""
+    g = torch.Generator().manual_seed(5)
+    sd = {"big": torch.randn(1 << 20, generator=g), "small": torch.randn(3, generator=g).to(torch.bfloat16)}
+    write_shards(sd, tmp_path, 1, max_shard_bytes=16 << 20)
+    got = read_shards(tmp_path, 1)
+    assert_same(got, sd)
+    big = got.pop("big")
+    del got
+    assert same_bits(big, sd["big"])  # still valid with the other views gone
+    buf = fresh_cpu_bytes(3 << 20)
+    assert buf.dtype == torch.uint8 and buf.shape == (3 << 20,) and not buf.is_shared()
+    buf.fill_(7)
+    assert int(buf[-1]) == 7 and fresh_cpu_bytes(10).numel() == 10
 
 
 def test_read_into_existing_tensors(tmp_path: Path) -> None:
@@ -246,6 +267,133 @@ def test_plan_shards_is_greedy_in_order() -> None:
     assert plan_shards([4, 4, 4, 10, 1, 1], max_shard_bytes=8) == [[0, 1], [2], [3], [4, 5]]
     assert plan_shards([], max_shard_bytes=8) == []
     assert plan_shards([0, 0, 9], max_shard_bytes=8) == [[0, 1], [2]]
+
+
+_MIB = 1 << 20
+
+
+def test_plan_shards_is_even_and_a_multiple_of_the_threads() -> None:
+    """Regression: greedy filling gave 3 shards of 67/59/59 MB and one of 16 MB for two threads (one
+    thread hashed 117 MB while the other idled after 83), and with the 512 MiB default a model under
+    512 MiB was one file, hashed by one thread while the other core idled."""
+    assert plan_shards([1] * 10, max_shard_bytes=6) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # not 6 + 4
+    sizes = [50 * _MIB] + [8 * _MIB, 4096] * 18  # the bench's model: an embedding, matrices, norms
+
+    def shard_mib(plan: list[list[int]]) -> list[float]:
+        return [sum(sizes[i] for i in shard) / _MIB for shard in plan]
+
+    two = shard_mib(plan_shards(sizes, max_shard_bytes=512 * _MIB, num_parallel=2))
+    assert len(two) == 2 and max(two) - min(two) <= 8
+    four = shard_mib(plan_shards(sizes, max_shard_bytes=64 * _MIB, num_parallel=2))  # 3 at the limit
+    assert len(four) == 4 and max(four) <= 64 and max(four) - min(four) <= 8
+    # too little to be worth a second file, whatever the threads
+    assert plan_shards([1000] * 4, max_shard_bytes=1 << 30, num_parallel=2) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="num_parallel"):
+        plan_shards([1], max_shard_bytes=8, num_parallel=0)
+
+
+def _greedy(sizes: list[int], limit: int) -> list[list[int]]:
+    """Reference: fill each shard up to the limit, in order."""
+    plan: list[list[int]] = []
+    for i, size in enumerate(sizes):
+        if plan and sum(sizes[j] for j in plan[-1]) + size <= limit:
+            plan[-1].append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes_mib=st.lists(st.integers(0, 40), max_size=30),
+    limit_mib=st.integers(1, 100),
+    num_parallel=st.integers(1, 4),
+)
+def test_plan_shards_keeps_order_and_limit_and_never_worsens_the_largest_shard(
+    sizes_mib: list[int], limit_mib: int, num_parallel: int
+) -> None:
+    sizes = [m * _MIB for m in sizes_mib]
+    limit = limit_mib * _MIB
+    plan = plan_shards(sizes, max_shard_bytes=limit, num_parallel=num_parallel)
+    greedy = _greedy(sizes, limit)
+    assert [i for shard in plan for i in shard] == list(range(len(sizes)))
+    assert all(shard and (sum(sizes[i] for i in shard) <= limit or len(shard) == 1) for shard in plan)
+    largest = max((sum(sizes[i] for i in shard) for shard in plan), default=0)
+    assert largest <= max((sum(sizes[i] for i in shard) for shard in greedy), default=0)
+    step = num_parallel if sum(sizes) >= num_parallel * 8 * _MIB else 1
+    assert len(greedy) <= len(plan) <= -(-len(greedy) // step) * step
+
+
+def reversed_bytes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Same names, dtypes and shapes, other bits: every tensor's bytes in reverse order."""
+    out = {}
+    for name, t in sd.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).flip(0)
+        out[name] = raw.view(t.dtype).reshape(t.shape) if t.numel() else t.clone()
+    return out
+
+
+def recycle_version(root: Path, version: int) -> Path:
+    """Prune `version` with keep_spare, as ShardPublisher does once every generator moved past it."""
+    from asyncrl.transport.retention import VersionRetention, prune, spare_dirs
+
+    retention = VersionRetention(keep_last=1)
+    retention.publish(version)
+    retention.publish(version + 1)  # need not exist on disk: only `version` is pruned
+    retention.ack("gen", version + 1)
+    assert prune(root, retention, keep_spare=True) == [version]
+    (spare,) = spare_dirs(root)
+    return spare
+
+
+def test_a_pruned_version_is_rewritten_in_place_for_the_next_one(tmp_path: Path) -> None:
+    sd = state_dict()
+    write_shards(sd, tmp_path, 1, max_shard_bytes=600, extra_files={"config.json": b"{}"})
+    spare = recycle_version(tmp_path, 1)
+    assert list_versions(tmp_path) == []
+    inodes = sorted(p.stat().st_ino for p in spare.glob("*.safetensors"))
+    new = reversed_bytes(sd)
+    manifest = write_shards(new, tmp_path, 3, max_shard_bytes=600)
+    vdir = version_dir(tmp_path, 3)
+    assert sorted(p.stat().st_ino for p in vdir.glob("*.safetensors")) == inodes  # no new files
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the spare was used up
+    names = [f.name for f in manifest.files]
+    assert sorted(p.name for p in vdir.iterdir()) == sorted([*names, "manifest.json", INDEX])
+    for record in manifest.files:  # nothing of the old version's bytes survives, not even a tail
+        data = (vdir / record.name).read_bytes()
+        assert len(data) == record.size_bytes and hashlib.sha256(data).hexdigest() == record.sha256
+    assert_same(read_shards(tmp_path, 3), new)
+    loaded = {}
+    for name in names:
+        loaded.update(load_file(vdir / name))
+    assert all(same_bits(loaded[n], t) for n, t in new.items())
+
+
+@pytest.mark.parametrize("old_max_shard_bytes", [64, 1 << 20])  # more files than needed; fewer
+def test_a_spare_of_another_shape_still_gives_an_exact_version(
+    tmp_path: Path, old_max_shard_bytes: int
+) -> None:
+    sd = state_dict()
+    write_shards(sd, tmp_path, 1, max_shard_bytes=old_max_shard_bytes)
+    spare = recycle_version(tmp_path, 1)
+    kept = tmp_path / "kept-elsewhere.safetensors"
+    first = sorted(spare.glob("*.safetensors"))[0]
+    os.link(first, kept)  # e.g. someone's snapshot: a hard-linked file must not change
+    kept_bytes = kept.read_bytes()
+    new = reversed_bytes(sd)
+    manifest = write_shards(new, tmp_path, 3, max_shard_bytes=600)
+    assert len(manifest.files) > 1
+    assert kept.read_bytes() == kept_bytes
+    vdir = version_dir(tmp_path, 3)
+    assert sorted(p.name for p in vdir.glob("*.safetensors")) == [f.name for f in manifest.files]
+    assert_same(read_shards(tmp_path, 3), new)
+
+
+def test_a_spare_is_left_alone_without_reuse(tmp_path: Path) -> None:
+    write_shards(state_dict(), tmp_path, 1, max_shard_bytes=600)
+    spare = recycle_version(tmp_path, 1)
+    write_shards(state_dict(), tmp_path, 3, max_shard_bytes=600, reuse_spare=False)
+    assert spare.is_dir() and list_versions(tmp_path) == [3]
 
 
 def test_manifest_from_json_rejects_garbage() -> None:
