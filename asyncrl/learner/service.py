@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -352,7 +353,8 @@ def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:
         return "wrong tensor dtypes"
     if not 0 <= msg.sample_index < msg.num_samples or not 0 <= msg.step < num_steps:
         return f"sample {msg.sample_index}/{msg.num_samples} for step {msg.step} is out of range"
-    if not bool(torch.isfinite(logps).all()) or bool((logps > 0).any()):
+    lowest, highest = torch.aminmax(logps)  # one reduction: NaN propagates into both
+    if not (math.isfinite(float(lowest)) and float(highest) <= 0):
         return "behavior log-probs must be finite and <= 0"
     if not msg.prompt_ids or len(msg.prompt_ids) + len(ids) > MAX_SEQUENCE_TOKENS:
         return "empty prompt or sequence too long"

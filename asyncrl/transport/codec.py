@@ -33,6 +33,14 @@ DTYPES: dict[str, torch.dtype] = {
 # A header larger than this is not one of ours (prompts are token lists; tensors travel apart).
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_FRAMES = 64
+_ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
+
+# Received frames are read-only buffers that `_tensor_from` wraps without copying (callers treat
+# the tensors as read-only); torch warns about that on every wrap. One filter, scoped to this
+# module and that message, instead of a catch_warnings block per tensor (a third of decode's time).
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
+)
 
 
 class MalformedFrame(ValueError):
@@ -108,15 +116,11 @@ def _tensor_from(ref: TensorRef, frame: Any) -> torch.Tensor:
         raise MalformedFrame(f"negative tensor shape {ref.shape}")
     numel = math.prod(ref.shape)
     buf = _as_buffer(frame)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[ref.dtype]
     if len(buf) != numel * itemsize:
         raise MalformedFrame(
             f"tensor frame has {len(buf)} bytes, {ref.dtype}{list(ref.shape)} needs {numel * itemsize}"
         )
     if numel == 0:
         return torch.empty(ref.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # The buffer is the received frame itself (zero-copy); callers treat it as read-only.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-    return flat.view(dtype).reshape(ref.shape)
+    return torch.frombuffer(buf, dtype=dtype).reshape(ref.shape)
