@@ -24,19 +24,17 @@ gave up) the group is dropped and shards carry every later version.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import msgspec
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
-from asyncrl.messages import TensorMeta, WeightsPublished
+from asyncrl.messages import WeightsPublished
+from asyncrl.transport.broadcast import host_store, init_weight_update_group, tensor_metas
 
 log = logging.getLogger(__name__)
 
@@ -47,54 +45,6 @@ Announce = Callable[[WeightsPublished], Awaitable[None]]
 
 def tensor_list(state: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.detach()) for name, t in state.items()]
-
-
-def metas(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[TensorMeta, ...]:
-    """Names, dtypes (torch attribute names, as SGLang's `getattr(torch, s)` reads them), shapes."""
-    return tuple(
-        TensorMeta(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape)) for n, t in items
-    )
-
-
-def host_group_store(master_addr: str, *, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """Rank 0's TCPStore on a free port (returned), not waiting for the others to connect."""
-    store = dist.TCPStore(
-        master_addr, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    return store, store.port
-
-
-@contextlib.contextmanager
-def _unbound_default_group() -> Iterator[None]:
-    """While a group is created, keep torch from building it by splitting the learner's default
-    (data-parallel) group's communicator: that split is a collective over ranks the servers are
-    not part of, and would hang."""
-    default_pg = c10d._world.default_pg if dist.is_initialized() else None
-    bound = default_pg.bound_device_id if default_pg is not None else None
-    if bound is None:
-        yield
-        return
-    default_pg.bound_device_id = None
-    try:
-        yield
-    finally:
-        default_pg.bound_device_id = bound
-
-
-def create_trainer_group(
-    store: dist.Store, *, world_size: int, group_name: str, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
-    """Rank 0 of the weight update group (SGLANG_API.md 2.5); blocks until every rank has joined."""
-    if group_name in c10d._world.pg_names.values():
-        raise ValueError(f"a process group named {group_name!r} already exists in this process")
-    timeout = timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore(group_name, store)  # what SGLang's init_custom_process_group does
-    with _unbound_default_group():
-        pg, _ = c10d._new_process_group_helper(
-            world_size, 0, [], dist.Backend(backend), prefixed, group_name=group_name, timeout=timeout
-        )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # `src=0` is this group's rank 0
-    return pg
 
 
 def broadcast_in_order(group: dist.ProcessGroup, items: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -156,7 +106,7 @@ class SGLangGroupPublisher:
         items = tensor_list(state)
         backend = "nccl" if items and items[0][1].is_cuda else "gloo"
         if self._store is None:
-            self._store, port = host_group_store(
+            self._store, port = host_store(
                 self.master_addr, world_size=self.world_size, timeout_s=self.timeout_s
             )
             self._location = f"{self.master_addr}:{port}"
@@ -166,7 +116,7 @@ class SGLangGroupPublisher:
             transport="broadcast",
             location=self._location,
             num_bytes=sum(t.numel() * t.element_size() for _, t in items),
-            tensors=metas(items),
+            tensors=tuple(tensor_metas(items)),
             bucket_bytes=self.bucket_bytes,
             group_name=self.group_name,
             group_backend=backend,
@@ -200,12 +150,16 @@ class SGLangGroupPublisher:
     def _send(self, items: list[tuple[str, torch.Tensor]], backend: str) -> None:
         if self.group is None:
             assert self._store is not None
-            self.group = create_trainer_group(
-                self._store,
+            # SGLANG_API.md 2.5, trainer side: PrefixStore(group_name) over this store, rank 0.
+            self.group = init_weight_update_group(
+                master_addr=self.master_addr,
+                master_port=self._store.port,
+                rank=0,
                 world_size=self.world_size,
                 group_name=self.group_name,
                 backend=backend,
                 timeout_s=self.timeout_s,
+                store=self._store,
             )
             log.info(
                 "weight update group %r formed with %d SGLang ranks", self.group_name, self.world_size - 1
