@@ -135,6 +135,31 @@ class StalenessConfig(_Section, frozen=True, kw_only=True):
     freshness: dict[str, float | bool] | None = None
 
 
+class BufferConfig(_Section, frozen=True, kw_only=True):
+    """Where each step's trajectories come from (docs/buffer.md).
+
+    "window": step s trains exactly the groups admitted for it (their samples, once each); the
+    staleness bound holds by construction and a resume is exact. "pool": every step takes
+    learner.groups_per_step whole groups from a freshness-scored buffer, in `order`; groups past
+    staleness.max_staleness (or under `freshness_floor`) are withheld, down-weighted or dropped
+    (`action`), each counted; a group may be trained again up to `max_replays` times. The other
+    keys apply to "pool" only.
+    """
+
+    mode: Literal["window", "pool"] = "window"
+    order: Literal["fifo", "freshest", "windowed"] = "fifo"
+    window: NonNegInt = 0  # "windowed": groups admitted at versions v - window .. v
+    action: Literal["withhold", "downweight", "drop"] = "withhold"
+    downweight: Annotated[float, Meta(gt=0, lt=1)] = 0.5  # the loss weight of a group past a bound
+    freshness_floor: Annotated[float, Meta(ge=0, le=1)] = 0.0  # 0 = no freshness bound
+    freshness_half_life: PosFloat = 2.0  # staleness at which a group's freshness score halves
+    max_replays: NonNegInt = 0  # extra uses of a group after its first
+    replay_decay: Probability = 0.5  # freshness multiplier per replay
+    # Trajectories held at most; None = twice the admission window ((max_staleness + 1) x
+    # groups_per_step x samples_per_group). Withheld groups are dropped oldest first to make room.
+    max_items: PosInt | None = None
+
+
 class WeightsConfig(_Section, frozen=True, kw_only=True):
     """Weight sync learner -> generators (docs/weights.md)."""
 
@@ -185,6 +210,7 @@ class Config(_Section, frozen=True, kw_only=True):
     learner: LearnerConfig = LearnerConfig()
     staleness: StalenessConfig = StalenessConfig()
     opd: OpdConfig = OpdConfig()
+    buffer: BufferConfig = BufferConfig()
     weights: WeightsConfig = WeightsConfig()
     monitor: MonitorConfig = MonitorConfig()
 
@@ -212,6 +238,42 @@ class Config(_Section, frozen=True, kw_only=True):
                 "learner.advantage = 'mc_grpo' needs an odd learner.samples_per_group (G + 1 rollouts, "
                 f"one is the median pivot); got {lrn.samples_per_group}"
             )
+
+        self._check_buffer()
+
+    def _check_buffer(self) -> None:
+        buf, lrn = self.buffer, self.learner
+        if buf.mode == "window":
+            changed = [
+                f.name
+                for f in msgspec.structs.fields(buf)
+                if f.name != "mode" and getattr(buf, f.name) != f.default
+            ]
+            if changed:
+                raise ValueError(
+                    f"buffer.{changed[0]} applies with buffer.mode = 'pool' only; add --set buffer.mode=pool "
+                    "or remove it"
+                )
+            return
+        if lrn.world_size > 1:
+            raise ValueError("buffer.mode = 'pool' runs one learner rank: use learner.world_size = 1")
+        if lrn.sink:
+            raise ValueError("learner.sink records admission windows: use it with buffer.mode = 'window'")
+        if buf.action == "downweight" and self.opd.enabled:
+            raise ValueError(
+                "buffer.action = 'downweight' weighs advantages, which OPD does not use; use withhold or drop"
+            )
+        if buf.max_items is not None and buf.max_items < self.admission_window_items:
+            raise ValueError(
+                f"buffer.max_items = {buf.max_items} cannot hold the admission window "
+                f"({self.admission_window_items} trajectories: (max_staleness + 1) x groups_per_step x "
+                "samples_per_group); raise it or leave it unset"
+            )
+
+    @property
+    def admission_window_items(self) -> int:
+        lrn = self.learner
+        return (self.effective_max_staleness + 1) * lrn.groups_per_step * lrn.samples_per_group
 
     @property
     def effective_max_staleness(self) -> int:
@@ -297,6 +359,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc)) from None
     policy = check_staleness_policy(config.staleness)
+    if config.buffer.action == "downweight" and "old_train" in policy.needs:
+        raise ConfigError(
+            f"config error at buffer.action: staleness policy {policy.name!r} keeps the last "
+            "max_staleness + 1 versions, and 'downweight' trains groups older than that; use withhold or drop"
+        )
     if config.learner.world_size > 1 and not config.opd.enabled:
         from asyncrl.learner.objective import Objective
 

@@ -163,6 +163,20 @@ class StepDone(_Msg, frozen=True, kw_only=True):
     idle_s: float
     lr_scale: float = 1.0
     stats: dict[str, float] = {}  # staleness-policy diagnostics (ESS, masked fraction, ...)
+    # buffer.mode = "pool" (empty otherwise): groups trained for the first time, and again (replays).
+    groups_trained: list[int] = []
+    groups_replayed: list[int] = []
+
+
+class GroupsLeft(_Msg, frozen=True, kw_only=True):
+    """buffer.mode = "pool": groups that left the learner's buffer (last use, dropped or
+    withheld), sent when it happens (a step's end, or a group withheld as it arrives). The
+    launcher gives their admission credits back once every generator has loaded `version`;
+    `evicted` (reason -> group ids) are the ones dropped without being trained."""
+
+    version: int
+    released: list[int]
+    evicted: dict[str, list[int]] = {}
 
 
 class Metrics(_Msg, frozen=True, kw_only=True):
@@ -199,6 +213,7 @@ Message = (
     | WeightsPublished
     | WeightsLoaded
     | StepDone
+    | GroupsLeft
     | Metrics
     | Heartbeat
     | Fatal

@@ -272,8 +272,13 @@ class Ledger:
             self._counters.num_overtrained += 1
         self._settle(traj, trained=True)
 
-    def replayed(self, traj_id: int) -> None:
-        """A trained trajectory was used again (buffer replay): counted, no state change."""
+    def replayed(self, traj_id: int, *, task_id: int | None = None) -> None:
+        """A trained trajectory was used again (buffer replay): counted, no state change. With
+        `task_id`, a trajectory of a task no longer recorded (compacted, or trained before a
+        resume) is counted too."""
+        if task_id is not None and traj_id not in self._trajs and task_id not in self._tasks:
+            self._counters.num_replays += 1
+            return
         traj = self._traj(traj_id)
         if traj.state != TrajState.TRAINED:
             raise ValueError(
@@ -323,6 +328,10 @@ class Ledger:
             num_overtrained=c.num_overtrained,
             num_duplicated=c.num_duplicate_ids + c.num_duplicate_samples + c.num_overtrained,
         )
+
+    def open_tasks(self) -> list[int]:
+        """Tasks with a sample slot not yet resolved (trained or evicted), sorted."""
+        return sorted(self._open)
 
     def compact(self) -> int:
         """Forget the records of closed tasks (counts are kept); returns how many were forgotten.

@@ -36,99 +36,43 @@ handed out for the last time, or evicted. Every operation is O(log n) amortised 
 from __future__ import annotations
 
 import dataclasses
-import math
-import sys
 from collections import OrderedDict
-from typing import Any, Generic, Literal, NamedTuple, TypeVar
+from typing import Any, Generic, Literal
 
 from asyncrl.buffer.heap import LazyHeap
+from asyncrl.buffer.types import (
+    ACTIONS,
+    BOUND_REASONS,
+    EVICTION_REASONS,
+    MIN_FRESHNESS,
+    ORDERS,
+    UNCHANGED,
+    Action,
+    BufferEvent,
+    BufferFull,
+    BufferItem,
+    BufferStats,
+    GroupBatch,
+    Order,
+    P,
+    freshness_from_staleness,
+)
 
-P = TypeVar("P")
-
-Order = Literal["fifo", "freshest", "windowed"]
-Action = Literal["withhold", "downweight", "drop"]
-ORDERS: tuple[str, ...] = ("fifo", "freshest", "windowed")
-ACTIONS: tuple[str, ...] = ("withhold", "downweight", "drop")
-
-# Bound violations, checked in this order (a group is filed under the first one it violates).
-BOUND_REASONS: tuple[str, ...] = ("staleness", "freshness", "window")
-# Every eviction reason: bounds, a partial group abandoned by the caller, withheld data dropped to
-# make room under the memory bound.
-EVICTION_REASONS: tuple[str, ...] = (*BOUND_REASONS, "abandoned", "reclaimed")
-
-# Smallest freshness a score or a replay decay can produce: freshness lives in (0, 1], and an
-# underflow to 0.0 would leave that interval.
-MIN_FRESHNESS = sys.float_info.min
-
-
-def freshness_from_staleness(staleness: int, *, half_life: float) -> float:
-    """Default freshness score when log-prob drift is unknown: 2^(-staleness / half_life).
-
-    [proposal] ALGORITHMS.md 6.1 scores a sample by its measured drift, exp(-(l_r D_roll + l_s
-    D_sup)). Without log-probs under the current policy, drift is unknown; assuming it grows
-    roughly linearly with the number of optimizer steps since rollout gives an exponential decay
-    in staleness. `half_life` is the staleness at which the score halves. Staleness <= 0 scores
-    1.0; the result is clamped to MIN_FRESHNESS so it stays in (0, 1].
-    """
-    if not half_life > 0:
-        raise ValueError(f"half_life must be > 0, got {half_life}")
-    if staleness <= 0:
-        return 1.0
-    return max(math.exp2(-staleness / half_life), MIN_FRESHNESS)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BufferItem(Generic[P]):
-    """One trajectory as the buffer sees it; `payload` is opaque (a Trajectory plus tensors)."""
-
-    traj_id: int
-    group_id: int
-    num_samples: int  # members of the group; the group is ready when all arrived
-    step: int  # admission step of the group (PromptTask.step)
-    min_version: int  # oldest policy_version among the item's tokens
-    freshness: float  # in (0, 1]
-    num_tokens: int
-    payload: P
-
-
-class GroupBatch(NamedTuple, Generic[P]):
-    """One whole group handed out by `Buffer.sample`."""
-
-    group_id: int
-    items: tuple[BufferItem[P], ...]  # in arrival order
-    weight: float  # 1.0, or `downweight` when a bound is violated and action="downweight"
-    reuse: int  # 0 on first use, k on the k-th replay
-    staleness: int  # learner_version - min(member min_version) at hand-out
-    freshness: float  # min(member freshness) at hand-out (decayed on replays)
-
-
-class BufferStats(NamedTuple):
-    size: int  # items held: pending + ready + withheld
-    num_tokens: int  # tokens held
-    num_pending: int  # items of incomplete groups
-    num_groups_ready: int  # complete groups waiting to be sampled (now or later, if windowed)
-    num_items_ready: int
-    num_groups_withheld: int
-    withheld: int  # items withheld now
-    withheld_by_reason: dict[str, int]  # items withheld now, by reason
-    evicted_by_reason: dict[str, int]  # items dropped since start, by reason
-    downweighted_by_reason: dict[str, int]  # items handed out with weight < 1, by reason
-    replays: int  # group hand-outs that were re-uses
-    num_put: int
-    num_handed_out: int  # items that left by hand-out (a replayed item counts once, at last use)
-    num_released: int  # items moved from withheld back to ready
-    learner_version: int
-
-
-class BufferFull(Exception):
-    """`put` would exceed max_items or max_tokens: back-pressure, retry after a `sample`."""
-
-
-class _Unchanged:
-    """Sentinel type for `set_bounds` arguments left as they are."""
-
-
-UNCHANGED: Any = _Unchanged()
+__all__ = [
+    "ACTIONS",
+    "BOUND_REASONS",
+    "EVICTION_REASONS",
+    "MIN_FRESHNESS",
+    "ORDERS",
+    "UNCHANGED",
+    "Buffer",
+    "BufferEvent",
+    "BufferFull",
+    "BufferItem",
+    "BufferStats",
+    "GroupBatch",
+    "freshness_from_staleness",
+]
 
 
 class _Group:
@@ -154,7 +98,9 @@ class _Group:
         self.num_tokens = 0
         self.min_version = item.min_version
         self.freshness = item.freshness
-        self.where: Literal["pending", "ready", "withheld"] = "pending"
+        # "replaying": handed out, a replay left, re-filed at the next update_version (sample with
+        # defer_replays=True)
+        self.where: Literal["pending", "ready", "withheld", "replaying"] = "pending"
         self.reason: str | None = None  # why withheld
         self.reuse = 0
         self.ready_seq = -1  # completion order; FIFO and tie-breaking key
@@ -169,6 +115,8 @@ class Buffer(Generic[P]):
     max_staleness: None for no staleness bound. freshness_floor: 0.0 for none.
     action: what happens to a group violating a bound ("withhold", "downweight" or "drop").
     max_replays: extra uses of a group after the first; each multiplies freshness by replay_decay.
+    record_events: keep a log of what happened to each group (`drain_events`), for a caller
+      that reports it (the learner's pool mode tells the launcher which groups left the pool).
     max_items / max_tokens: memory bound (None = unbounded). Withheld groups are dropped oldest
       first (reason "reclaimed") before a put is refused; pending groups are never reclaimed, so
       size the bound above the admission window (groups admitted ahead x num_samples).
@@ -188,6 +136,7 @@ class Buffer(Generic[P]):
         max_items: int | None = None,
         max_tokens: int | None = None,
         learner_version: int = 0,
+        record_events: bool = False,
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -241,6 +190,9 @@ class Buffer(Generic[P]):
         self._num_put = 0
         self._num_handed_out = 0
         self._num_released = 0
+        self._deferred: list[_Group] = []  # replays held back until the next update_version
+        self._record_events = record_events
+        self._events: list[BufferEvent] = []
 
     # ----------------------------------------------------------------------------- queries
 
@@ -276,8 +228,11 @@ class Buffer(Generic[P]):
 
     # ----------------------------------------------------------------------------- commands
 
-    def put(self, item: BufferItem[P]) -> bool:
+    def put(self, item: BufferItem[P], *, reuse: int = 0) -> bool:
         """Store one item; returns True when it completed its group.
+
+        `reuse` (restoring `contents()` on resume): uses the group already had, given with its
+        first item.
 
         Raises BufferFull when the memory bound leaves no room (after reclaiming withheld groups)
         and ValueError for a malformed item, a duplicate traj_id, or a group that disagrees with
@@ -316,7 +271,12 @@ class Buffer(Generic[P]):
             self._reclaim(item.num_tokens)
 
         if group is None:
+            if not 0 <= reuse <= self._max_replays:
+                raise ValueError(
+                    f"traj {item.traj_id}: reuse {reuse} not in [0, max_replays={self._max_replays}]"
+                )
             group = self._groups[item.group_id] = _Group(item)
+            group.reuse = reuse
         group.items.append(item)
         group.num_tokens += item.num_tokens
         group.min_version = min(group.min_version, item.min_version)
@@ -334,11 +294,13 @@ class Buffer(Generic[P]):
         self._place(group)
         return True
 
-    def sample(self, num_groups: int = 1) -> list[GroupBatch[P]]:
+    def sample(self, num_groups: int = 1, *, defer_replays: bool = False) -> list[GroupBatch[P]]:
         """Hand out up to `num_groups` whole groups in the configured order (fewer if none ready).
 
         A group with replays left goes back to the ready set after this call, with its freshness
-        multiplied by replay_decay, so it never appears twice in one call.
+        multiplied by replay_decay, so it never appears twice in one call; with `defer_replays`
+        it goes back at the next `update_version` instead, so several calls between two versions
+        (one optimizer step) never hand it out twice either.
         """
         out: list[GroupBatch[P]] = []
         replay: list[_Group] = []
@@ -375,13 +337,39 @@ class Buffer(Generic[P]):
             else:
                 self._forget(group)
                 self._num_handed_out += len(group.items)
+                self._log("consumed", group.group_id)
         for group in replay:
-            self._decay(group)
-            group.reuse += 1
-            group.ready_seq = self._next_seq
-            self._next_seq += 1
-            self._place(group)
+            if defer_replays:
+                group.where = "replaying"
+                self._deferred.append(group)
+            else:
+                self._refile_replay(group)
         return out
+
+    def contents(self) -> list[tuple[BufferItem[P], int]]:
+        """Every item held, with its group's reuse count, as the buffer will offer them at the
+        next version: groups waiting to be replayed (`defer_replays`) are shown re-filed
+        (reuse + 1, freshness decayed). Complete groups in completion order, then pending ones;
+        `put(item, reuse=...)` of these in this order rebuilds an equivalent buffer."""
+        groups = sorted(self._groups.values(), key=lambda g: (g.where == "pending", g.ready_seq))
+        out: list[tuple[BufferItem[P], int]] = []
+        for group in groups:
+            if group.where == "replaying":
+                d = self._replay_decay
+                out.extend(
+                    (dataclasses.replace(i, freshness=max(i.freshness * d, MIN_FRESHNESS)), group.reuse + 1)
+                    for i in group.items
+                )
+            else:
+                out.extend((item, group.reuse) for item in group.items)
+        return out
+
+    def drain_events(self) -> list[BufferEvent]:
+        """What happened to groups since the last call, in order (empty unless record_events):
+        ("consumed", id, "") handed out for the last time; ("evicted", id, reason) dropped;
+        ("withheld", id, reason); ("released", id, "") moved from withheld back to ready."""
+        events, self._events = self._events, []
+        return events
 
     def update_version(self, learner_version: int) -> None:
         """The learner stepped: re-score staleness (and the window) and apply the action.
@@ -391,6 +379,9 @@ class Buffer(Generic[P]):
         if learner_version < self._version:
             raise ValueError(f"learner_version went backwards: {self._version} -> {learner_version}")
         self._version = learner_version
+        deferred, self._deferred = self._deferred, []
+        for group in deferred:
+            self._refile_replay(group)
         self._enforce()
 
     def set_bounds(
@@ -509,6 +500,7 @@ class Buffer(Generic[P]):
         self._num_withheld += len(group.items)
         self._num_tokens_withheld += group.num_tokens
         self._withheld_by_reason[reason] += len(group.items)
+        self._log("withheld", group.group_id, reason)
 
     def _unwithhold(self, group: _Group) -> None:
         assert group.reason is not None
@@ -530,6 +522,18 @@ class Buffer(Generic[P]):
     def _drop(self, group: _Group, reason: str) -> None:
         self._forget(group)
         self._evicted_by_reason[reason] += len(group.items)
+        self._log("evicted", group.group_id, reason)
+
+    def _refile_replay(self, group: _Group) -> None:
+        self._decay(group)
+        group.reuse += 1
+        group.ready_seq = self._next_seq
+        self._next_seq += 1
+        self._place(group)
+
+    def _log(self, kind: str, group_id: int, reason: str = "") -> None:
+        if self._record_events:
+            self._events.append(BufferEvent(kind, group_id, reason))
 
     def _decay(self, group: _Group) -> None:
         decay = self._replay_decay
@@ -564,6 +568,7 @@ class Buffer(Generic[P]):
                 still = self._violation(group)  # passes `reason`, may still fail another bound
                 if still is None:
                     self._num_released += len(group.items)
+                    self._log("released", group.group_id)
                     self._make_ready(group)
                 else:
                     self._withhold(group, still)

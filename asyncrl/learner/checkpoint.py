@@ -48,17 +48,16 @@ def learner_checkpoint_versions(run_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _NAME_RE.match(p.name)))
 
 
-def _held_state(step: int, sample: TrainSample) -> dict:
+def _held_state(step: int, sample: TrainSample, extra: dict | None = None) -> dict:
     fields = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
     fields["prompt_ids"] = [int(t) for t in sample.prompt_ids]
-    return {"step": step, "sample": fields}
+    return {"step": step, "sample": fields, "extra": dict(extra or {})}
 
 
-def save_learner_checkpoint(
-    run_dir: Path, version: int, trainer, held: Iterable[tuple[int, TrainSample]] = ()
-) -> Path:
+def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable[tuple] = ()) -> Path:
     """Atomically write the trainer's state after `version` updates, with the (step, sample)
-    pairs the learner holds for later steps."""
+    pairs the learner holds for later steps (or (step, sample, extra) triples: pool mode keeps
+    each group's reuse count and freshness in `extra`)."""
     path = learner_checkpoint_path(run_dir, version)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
@@ -72,7 +71,7 @@ def save_learner_checkpoint(
         if trainer.ewma is None
         else {"params": trainer.ewma.params, "total": trainer.ewma.total},
         "snapshots": {str(v): s for v, s in trainer.snapshots.items()},
-        "held": [_held_state(step, sample) for step, sample in held],
+        "held": [_held_state(*entry) for entry in held],
     }
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
@@ -85,9 +84,10 @@ def save_learner_checkpoint(
     return path
 
 
-def load_learner_checkpoint(run_dir: Path, version: int, trainer) -> list[tuple[int, TrainSample]]:
+def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: bool = False) -> list[tuple]:
     """Restore a trainer (built from the same config and model) to `version`; returns the held
-    (step, sample) pairs to put back into the learner's buffer."""
+    (step, sample) pairs to put back into the learner's buffer ((step, sample, extra) triples
+    with `extras`)."""
     from asyncrl.staleness.ewma import EwmaParams
 
     path = learner_checkpoint_path(run_dir, version)
@@ -106,4 +106,5 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer) -> list[tuple[
     if state["ewma"] is not None:
         trainer.ewma = EwmaParams(state["ewma"]["params"], float(state["ewma"]["total"]))
     trainer.snapshots = {int(v): s for v, s in state["snapshots"].items()}
-    return [(int(h["step"]), TrainSample(**h["sample"])) for h in state.get("held", [])]
+    held = [(int(h["step"]), TrainSample(**h["sample"]), h.get("extra", {})) for h in state.get("held", [])]
+    return held if extras else [(step, sample) for step, sample, _ in held]

@@ -31,10 +31,11 @@ from asyncrl.learner.checkpoint import (
     save_learner_checkpoint,
 )
 from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, local_window_size, rank_of_group
+from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import RankGroup
 from asyncrl.learner.step import TrainSample, sample_from_message
 from asyncrl.learner.trainer import StepResult
-from asyncrl.messages import Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded
+from asyncrl.messages import GroupsLeft, Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.publisher import make_publisher
 from asyncrl.transport.zmq_io import Endpoint
@@ -70,16 +71,21 @@ class LearnerService:
         )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
-        self.loop = StepLoop(
-            self.trainer,
-            lambda step: local_window_size(
-                step,
-                rank=0,
-                world_size=self.cfg.world_size,
-                groups_per_step=self.cfg.groups_per_step,
-                group_size=self.cfg.samples_per_group,
-            ),
-            sink=self.sink_step if self.cfg.sink else None,
+        self.pool = cfg.buffer.mode == "pool"
+        self.loop = (
+            PoolLoop(self.trainer, cfg)
+            if self.pool
+            else StepLoop(
+                self.trainer,
+                lambda step: local_window_size(
+                    step,
+                    rank=0,
+                    world_size=self.cfg.world_size,
+                    groups_per_step=self.cfg.groups_per_step,
+                    group_size=self.cfg.samples_per_group,
+                ),
+                sink=self.sink_step if self.cfg.sink else None,
+            )
         )
         self.seen: set[int] = set()
         self.num_duplicates = 0
@@ -89,11 +95,16 @@ class LearnerService:
         self.start_version = int(ctx.extra.get("resume_version", "0"))
         self.version = self.start_version
         if self.start_version:
-            held = load_learner_checkpoint(ctx.run_dir, self.start_version, self.trainer)
-            for step, sample in held:
+            held = load_learner_checkpoint(ctx.run_dir, self.start_version, self.trainer, extras=True)
+            for _, sample, _ in held:
                 self.seen.add(sample.traj_id)
                 self.restored.add(sample.traj_id)
-                self.loop.add(step, sample)
+            if self.pool:
+                self.loop.buffer.update_version(self.start_version)
+                self.loop.restore(held)
+            else:
+                for step, sample, _ in held:
+                    self.loop.add(step, sample)
             log.info(
                 "learner: resumed at version %d with %d buffered trajectories", self.start_version, len(held)
             )
@@ -112,7 +123,7 @@ class LearnerService:
                 self.num_duplicates += 1
                 log.error("learner: duplicate trajectory %d dropped", msg.traj_id)
                 continue
-            if msg.step < self.version:
+            if msg.step < self.version and not self.pool:  # pool mode: the buffer's bounds decide
                 log.error(
                     "learner: trajectory %d for past step %d dropped (now at %d)",
                     msg.traj_id,
@@ -139,6 +150,8 @@ class LearnerService:
                 await self.ranks.forward(rank, msg, tensors)
                 continue
             self.loop.add(msg.step, sample_from_message(msg, tensors))
+            if self.pool:
+                await self.send_left()  # a group withheld or dropped as it arrived frees its credit now
 
     async def ctrl_loop(self) -> None:
         while True:
@@ -217,8 +230,11 @@ class LearnerService:
                     idle_s=step_idle,
                     lr_scale=result.lr_scale,
                     stats=result.policy_stats,
+                    **(self.loop.step_report() if self.pool else {}),
                 )
             )
+            if self.pool:
+                await self.send_left()
             await self.ctx.ctrl.send(
                 Metrics(
                     source="learner",
@@ -241,9 +257,15 @@ class LearnerService:
                         # Received for later steps (async: the generators' lead), not trained yet.
                         "buffer/held_trajectories": float(held),
                         "buffer/held_windows": float(windows),
+                        **(self.loop.metrics() if self.pool else {}),
                     },
                 )
             )
+
+    async def send_left(self) -> None:
+        left = self.loop.take_left()
+        if left is not None:
+            await self.ctx.ctrl.send(GroupsLeft(version=self.version, **left))
 
     def weights_root(self) -> Path:
         w = self.ctx.config.weights

@@ -33,6 +33,9 @@ class TrainSample:
     opd_ids: torch.Tensor | None = None
     opd_behavior_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # bool [T]: False = not trained (e.g. tool output)
+    # Loss weight of the trajectory's group (buffer.action = "downweight" past a bound): its
+    # advantages are scaled by it, which scales its policy-gradient terms exactly.
+    weight: float = 1.0
 
 
 class PackedBatch(NamedTuple):

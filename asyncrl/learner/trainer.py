@@ -224,6 +224,8 @@ class Trainer:
         return False
 
     def _stream_one(self, sample: TrainSample) -> bool:
+        if sample.weight != 1.0:
+            return False  # a weighted group trains when complete (its advantages are scaled)
         batch = pack([sample], pad_token_id=self.pad_token_id)
         logp_1L = self._logp(self.model, batch.input_ids_BL)
         corr = self._correct(batch, logp_1L.detach(), torch.ones(1, dtype=self.dtype))
@@ -263,7 +265,7 @@ class Trainer:
             rewards_1N = torch.tensor([[s.reward for s in members]], dtype=torch.float64)
             adv_1N, keep_1N = self.objective.group_advantages(rewards_1N)
             for k, s in enumerate(members):
-                adv_of[s.traj_id] = float(adv_1N[0, k])
+                adv_of[s.traj_id] = float(adv_1N[0, k]) * s.weight
                 keep_of[s.traj_id] = bool(keep_1N[0, k])
             # Streamed members' loss value: A_i * l_i(+1), their gradient folds from S0/S1.
             for slot, loss_pos in self.streamed_loss.pop(g, []):
@@ -356,7 +358,9 @@ class Trainer:
         self, batch: PackedBatch, samples, stats: dict[str, float], *, tokens: float, clipped: float
     ) -> None:
         stale_B = staleness_B(batch, self.step)
-        if int(stale_B.max()) > self.max_staleness:
+        # A down-weighted group (buffer.action = "downweight") is past the bound by design.
+        bounded_B = torch.tensor([s.weight == 1.0 for s in samples])
+        if bool(bounded_B.any()) and int(stale_B[bounded_B].max()) > self.max_staleness:
             raise StalenessViolation(
                 f"step {self.step}: a trajectory is {int(stale_B.max())} versions stale, above the bound "
                 f"{self.max_staleness}"
@@ -442,6 +446,8 @@ class Trainer:
         )
         adv_GN, keep_GN = self.objective.group_advantages(rewards_GN)
         adv_B = adv_GN[batch.group_B, batch.slot_B].to(self.dtype)
+        if any(s.weight != 1.0 for s in samples):
+            adv_B = adv_B * torch.tensor([s.weight for s in samples], dtype=self.dtype)
         mask = valid & keep_GN[batch.group_B, batch.slot_B][:, None]
         corr = self._correct(batch, logp_now_BL, adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)

@@ -126,7 +126,9 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
     completed = failure is None and not launcher.interrupted
     # The ledger (scheduler/tasks.py): at the end of a completed run every admitted sample must be
     # trained; otherwise samples still pending are not lost (a resume would generate them).
-    ledger = launcher.book.summary(at_end=completed)
+    # Pool mode ends with the buffer's lead admitted and not trained: pending, not lost.
+    pool = config.buffer.mode == "pool"
+    ledger = launcher.book.summary(at_end=completed and not pool)
     summary = {
         "mode": config.mode,
         "resumed_from": resume_version,
@@ -140,6 +142,11 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
         # Samples trained more than once, or a group trained on more samples than configured.
         "trajectories_duplicated": ledger.num_duplicated,
         "tasks_requeued": ledger.num_requeues,
+        "buffer_mode": config.buffer.mode,
+        # Dropped by the buffer (pool mode: past a bound, or withheld and reclaimed), by reason.
+        "trajectories_evicted": ledger.num_samples_evicted,
+        "evicted_by_reason": ledger.evicted_by_reason,
+        "trajectories_replayed": ledger.num_replays,
         "generator_restarts": state.generator_restarts,
         "eval_before": eval_before,
         "eval_after": eval_after,

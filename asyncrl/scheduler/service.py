@@ -36,6 +36,7 @@ from asyncrl.config import Config
 from asyncrl.messages import (
     PROTOCOL_VERSION,
     Fatal,
+    GroupsLeft,
     Heartbeat,
     Hello,
     Metrics,
@@ -47,7 +48,7 @@ from asyncrl.messages import (
     WeightsLoaded,
     WeightsPublished,
 )
-from asyncrl.scheduler.admission import Admission, step_of
+from asyncrl.scheduler.admission import Admission, CreditAdmission, step_of
 from asyncrl.scheduler.children import Child, health, reap, start_child
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
 from asyncrl.scheduler.tasks import TaskBook
@@ -60,7 +61,17 @@ STOP_GRACE_S = 10.0
 POLL_S = 0.2
 # What the launcher's control socket accepts from children; any other type is rejected and counted.
 INTERRUPTED_RUN = "(interrupted run)"  # ledger generator id of tasks re-admitted on resume
-CONTROL_ACCEPT = (Hello, TaskDone, WeightsPublished, WeightsLoaded, StepDone, Metrics, Heartbeat, Fatal)
+CONTROL_ACCEPT = (
+    Hello,
+    TaskDone,
+    WeightsPublished,
+    WeightsLoaded,
+    StepDone,
+    GroupsLeft,
+    Metrics,
+    Heartbeat,
+    Fatal,
+)
 
 
 class RunFailed(RuntimeError):
@@ -124,10 +135,19 @@ class Launcher:
             num_eval=config.task.num_eval,
             max_operand=config.task.max_operand,
         )
-        self.admission = Admission(
-            groups_per_step=config.learner.groups_per_step,
-            max_staleness=config.effective_max_staleness,
-            total_steps=config.learner.steps,
+        self.pool_mode = config.buffer.mode == "pool"
+        self.admission = (
+            CreditAdmission(
+                groups_per_step=config.learner.groups_per_step,
+                max_staleness=config.effective_max_staleness,
+                total_steps=config.learner.steps,
+            )
+            if self.pool_mode
+            else Admission(
+                groups_per_step=config.learner.groups_per_step,
+                max_staleness=config.effective_max_staleness,
+                total_steps=config.learner.steps,
+            )
         )
         self.children: dict[str, Child] = {}
         self.generator_ids = [f"gen-{i}" for i in range(config.generators.num_generators)]
@@ -140,7 +160,8 @@ class Launcher:
         # from the prompt stream (`readmit_checkpointed` first, for those the interrupted run had
         # admitted); the learner keeps the trajectories its checkpoint held and drops their copies.
         self.resume_version = resume_version
-        self.admission.num_admitted = resume_version * config.learner.groups_per_step
+        if not self.pool_mode:
+            self.admission.num_admitted = resume_version * config.learner.groups_per_step
         self.book.num_steps_trained = resume_version
         self.state.step = self.state.policy_version = resume_version
         self.retired: list[Child] = []  # generator processes that died and were replaced
@@ -312,11 +333,13 @@ class Launcher:
         while self.book.requeued and self.book.open[self.book.requeued[0]].step <= max_step:
             await self.assign(ctrl, self.book.pop_requeued())
         for j in self.admission.admit(loaded):
-            task = self.admit(j)
+            task = self.admit(j, loaded)
             await self.assign(ctrl, task)
 
-    def admit(self, j: int) -> PromptTask:
-        """Group j's PromptTask, admitted to the task book (not sent anywhere yet)."""
+    def admit(self, j: int, loaded: int) -> PromptTask:
+        """Group j's PromptTask, admitted to the task book (not sent anywhere yet). Its step is
+        the one it trains in (window mode), or in pool mode the version the generators held
+        when it was admitted (the buffer's `windowed` order reads it)."""
         s = self.cfg.sampling
         problem = self.task.train_problem(j)
         task = PromptTask(
@@ -328,7 +351,9 @@ class Launcher:
                 temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
             ),
             dataset_index=j,
-            step=step_of(j, groups_per_step=self.cfg.learner.groups_per_step),
+            step=min(loaded, self.cfg.learner.steps - 1)
+            if self.pool_mode
+            else step_of(j, groups_per_step=self.cfg.learner.groups_per_step),
             answer=problem.answer,
         )
         self.book.admit(task)
@@ -346,11 +371,24 @@ class Launcher:
         from asyncrl.scheduler.checkpoint import checkpoint_dir
 
         path = checkpoint_dir(self.run_dir) / f"launcher-{self.resume_version:08d}.json"
-        admitted = msgspec.json.decode(path.read_bytes())["admission"]["num_admitted"]
+        saved = msgspec.json.decode(path.read_bytes())
+        admitted = saved["admission"]["num_admitted"]
+        if self.pool_mode:
+            # Pool mode trains groups in any order: re-admit every group the checkpoint's ledger
+            # still has open (admitted, neither trained nor dropped), each on a credit, and
+            # continue the prompt stream after the last one admitted.
+            from asyncrl.buffer.ledger import Ledger, LedgerSnapshot
+
+            snap = msgspec.convert(saved["ledger"], LedgerSnapshot)
+            again = Ledger.from_bytes(msgspec.msgpack.encode(snap)).open_tasks()
+            self.admission.num_admitted = admitted
+            self.admission.num_returned = admitted - len(again)
+        else:
+            again = list(range(self.admission.num_admitted, admitted))
         # In the ledger they were in flight on the interrupted run's generators, now gone, so
         # they are re-queued (trajectories restored by the learner may arrive for them).
-        for j in range(self.admission.num_admitted, admitted):
-            self.book.dispatched(self.admit(j).task_id, INTERRUPTED_RUN)
+        for j in again:
+            self.book.dispatched(self.admit(j, self.resume_version).task_id, INTERRUPTED_RUN)
         self.book.generator_failed(INTERRUPTED_RUN)
         self.admission.num_admitted = max(self.admission.num_admitted, admitted)
 
@@ -432,6 +470,14 @@ class Launcher:
                 await self.dispatch(ctrl)
             case StepDone() if is_learner:
                 self.on_step(msg)
+            case GroupsLeft() if is_learner and self.pool_mode:
+                try:
+                    self.book.evicted_pool(msg.evicted)
+                except ValueError as exc:  # a bookkeeping bug must show in the log, not stop training
+                    log.error("ledger: %s", exc)
+                self.admission.release(len(msg.released), version=msg.version)
+                self.write_record("left", msgspec.to_builtins(msg))
+                await self.dispatch(ctrl)
             case Metrics():
                 self.state.metrics.update(msg.values)
                 self.write_record("metrics", {"source": msg.source, **msg.values})
@@ -465,7 +511,10 @@ class Launcher:
         if msg.step + 1 >= self.cfg.learner.steps:
             self.finished.set()
         try:
-            self.book.trained(msg.step)
+            if self.pool_mode:
+                self.book.trained_pool(msg.step, trained=msg.groups_trained, replayed=msg.groups_replayed)
+            else:
+                self.book.trained(msg.step)
         except ValueError as exc:  # a bookkeeping bug must show in the ledger, not stop training
             log.error("ledger: %s", exc)
         every = self.cfg.run.checkpoint_every

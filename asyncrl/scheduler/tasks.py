@@ -83,15 +83,44 @@ class TaskBook:
             raise ValueError(f"StepDone for step {step}, expected step {self.num_steps_trained}")
         first = step * self.groups_per_step
         for group_id in range(first, first + self.groups_per_step):
-            task_id = group_id  # one task per group, numbered like the group
-            for i in self.ledger.missing_samples(task_id):
-                self.ledger.generated(self.traj_id(group_id, i), task_id=task_id, sample_index=i)
-            for i in range(self.samples_per_group):
-                traj_id = self.traj_id(group_id, i)
-                self.ledger.buffered(traj_id)
+            for traj_id in self._buffered(group_id):
                 self.ledger.trained(traj_id)
         self.num_steps_trained += 1
         self.ledger.compact()  # keep memory flat: closed tasks live on only in the counts
+
+    def trained_pool(self, step: int, *, trained: list[int], replayed: list[int]) -> None:
+        """StepDone(step) of a pool-mode learner: each group in `trained` had its N samples
+        trained once, each in `replayed` was trained again. Groups the ledger no longer knows
+        (trained before a resume) count their replays only."""
+        if step != self.num_steps_trained:
+            raise ValueError(f"StepDone for step {step}, expected step {self.num_steps_trained}")
+        for group_id in trained:
+            for traj_id in self._buffered(group_id):
+                self.ledger.trained(traj_id)
+        for group_id in replayed:
+            for i in range(self.samples_per_group):
+                self.ledger.replayed(self.traj_id(group_id, i), task_id=group_id)
+        self.num_steps_trained += 1
+        self.ledger.compact()
+
+    def evicted_pool(self, evicted: dict[str, list[int]]) -> None:
+        """GroupsLeft of a pool-mode learner: these groups were dropped (reason -> group ids),
+        never trained."""
+        for reason, group_ids in sorted(evicted.items()):
+            for group_id in group_ids:
+                for traj_id in self._buffered(group_id):
+                    self.ledger.evicted(traj_id, reason=reason)
+
+    def _buffered(self, group_id: int) -> list[int]:
+        """Record every sample of a group as generated (if TaskDone has not come yet) and
+        buffered; returns their traj ids."""
+        task_id = group_id  # one task per group, numbered like the group
+        for i in self.ledger.missing_samples(task_id):
+            self.ledger.generated(self.traj_id(group_id, i), task_id=task_id, sample_index=i)
+        out = [self.traj_id(group_id, i) for i in range(self.samples_per_group)]
+        for traj_id in out:
+            self.ledger.buffered(traj_id)
+        return out
 
     def in_flight(self) -> list[int]:
         """Open tasks that are not waiting in the re-queue, sorted."""

@@ -347,3 +347,69 @@ def test_freshness_from_staleness_halves_every_half_life():
     assert freshness_from_staleness(10**9, half_life=1) == MIN_FRESHNESS > 0
     with pytest.raises(ValueError, match="half_life"):
         freshness_from_staleness(1, half_life=0)
+
+
+# ---------------------------------------------------------------------------------------- pool-mode helpers
+
+
+def test_deferred_replays_wait_for_the_next_version():
+    buf = Buffer(max_replays=1, replay_decay=0.5)
+    put_group(buf, 1)
+    assert ids(buf.sample(1, defer_replays=True)) == [1]
+    assert buf.sample(1, defer_replays=True) == []  # not twice in one step
+    assert len(buf) == 2 and accounted(buf)
+    buf.update_version(1)
+    again = buf.sample(1, defer_replays=True)
+    assert ids(again) == [1] and again[0].reuse == 1 and again[0].freshness == 0.5
+    assert len(buf) == 0 and accounted(buf)
+
+
+def test_events_name_each_group_once_per_change():
+    buf = Buffer(max_staleness=1, action="withhold", max_items=4, record_events=True)
+    put_group(buf, 1, min_version=0)
+    put_group(buf, 2, min_version=0)
+    assert buf.drain_events() == []
+    buf.update_version(2)  # both too stale
+    assert [(e.kind, e.group_id, e.reason) for e in buf.drain_events()] == [
+        ("withheld", 1, "staleness"),
+        ("withheld", 2, "staleness"),
+    ]
+    put_group(buf, 3, min_version=2)  # room is made by dropping the oldest withheld group
+    put_group(buf, 4, min_version=2)
+    events = buf.drain_events()
+    assert [(e.kind, e.group_id, e.reason) for e in events] == [
+        ("evicted", 1, "reclaimed"),
+        ("evicted", 2, "reclaimed"),
+    ]
+    buf.sample(2)
+    assert [(e.kind, e.group_id) for e in buf.drain_events()] == [("consumed", 3), ("consumed", 4)]
+    assert Buffer().drain_events() == []  # off by default
+
+
+def test_contents_rebuild_an_equivalent_buffer():
+    """What a pool-mode checkpoint keeps: put back in order (with reuse counts), the copy hands
+    out the same groups in the same order with the same weights, reuse and freshness."""
+
+    def build():
+        buf = Buffer(order="freshest", max_replays=2, replay_decay=0.5, max_staleness=3, action="withhold")
+        put_group(buf, 1, freshness=0.9)
+        put_group(buf, 2, freshness=0.6)
+        buf.put(item(300, 3, freshness=1.0))  # pending
+        buf.sample(1, defer_replays=True)  # group 1, replay deferred
+        return buf
+
+    src = build()
+    copy = Buffer(order="freshest", max_replays=2, replay_decay=0.5, max_staleness=3, action="withhold")
+    for it, reuse in src.contents():
+        copy.put(it, reuse=reuse)
+    src.update_version(1)
+    copy.update_version(1)
+    assert src.stats()._replace(num_put=0, replays=0, num_handed_out=0) == copy.stats()._replace(
+        num_put=0, replays=0, num_handed_out=0
+    )
+    a, b = src.sample(5), copy.sample(5)
+    assert [(g.group_id, g.reuse, g.freshness, g.weight) for g in a] == [
+        (g.group_id, g.reuse, g.freshness, g.weight) for g in b
+    ]
+    with pytest.raises(ValueError, match="reuse"):
+        Buffer(max_replays=1).put(item(1, 1), reuse=2)

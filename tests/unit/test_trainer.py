@@ -396,3 +396,38 @@ def test_freshness_is_reported_whether_or_not_it_weights_the_loss(tiny_model_dir
     stale = _batch_step(copy.deepcopy(base), _samples(base, stale=1.0))
     assert fresh.policy_stats["mean_freshness"] == pytest.approx(1.0, abs=1e-6)  # float32 behavior
     assert 0.0 < stale.policy_stats["mean_freshness"] < 0.99
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_group_weight_scales_its_policy_gradient_exactly(tiny_model_dir, streaming):
+    """buffer.action = "downweight": a group handed out with weight w contributes w times its
+    policy gradient (its advantages are scaled), whether it streams or trains in a whole batch;
+    a down-weighted group may be past the staleness bound."""
+    base = _model(tiny_model_dir)
+    samples = _samples(base, seed=3, degenerate=())
+
+    def update(weight):
+        model = copy.deepcopy(base)
+        t = _trainer(model, *([] if streaming else ["learner.streaming=off"]))
+        t.optimizer = torch.optim.SGD(t.params, lr=1.0)  # the update is minus the gradient
+        before = _params(model)
+        batch = [
+            dataclasses.replace(s, weight=weight, token_versions=torch.full_like(s.token_versions, STEP - 3))
+            if s.group_id == 2
+            else s
+            for s in samples
+        ]
+        t.begin_step(STEP)
+        if t.fallback:
+            t.batch_backward(batch)
+        else:
+            for s in batch:
+                t.offer(s)
+            while t.work():
+                pass
+        t.finish_step()
+        return _params(model) - before
+
+    zero, half, one = update(0.0), update(0.5), update(1.0 - 1e-12)
+    assert float((one - zero).abs().max()) > 1e-6  # the group's gradient is not nothing
+    torch.testing.assert_close(half, (zero + one) / 2, rtol=0, atol=1e-10)
