@@ -286,6 +286,8 @@ class LearnerService:
                 # Resumed: generators start from the base model, so hand them this version first.
                 state = {k: v.detach() for k, v in self.model.state_dict().items()}
                 await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
+                if self.pool:
+                    await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self.data_loop(), name="learner-data")]
                 if self.ranks is not None:

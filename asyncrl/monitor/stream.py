@@ -123,6 +123,10 @@ def launcher_snapshot(launcher: Launcher, *, final: bool = False) -> dict:
         max_staleness=bound,
         total_groups=launcher.admission.total_groups,
     )
+    used = max(0, admitted - st.step * groups_per_step)
+    if launcher.pool_mode:  # credits come back as groups leave the buffer (CreditAdmission)
+        used = launcher.admission.outstanding
+        limit = admitted + launcher.admission.capacity - used
     restarts = getattr(st, "generator_restarts", None)  # set by supervision when it restarts a generator
     snap = {
         "phase": st.phase,
@@ -141,7 +145,7 @@ def launcher_snapshot(launcher: Launcher, *, final: bool = False) -> dict:
         "groups_admitted": st.groups_admitted,
         "groups_in_flight": st.groups_in_flight,
         # Credits: groups admitted but not yet trained, against the staleness bound's window.
-        "credits_used": max(0, admitted - st.step * groups_per_step),
+        "credits_used": used,
         "credits_total": (bound + 1) * groups_per_step,
         "credits_free": max(0, limit - admitted),
         "restarts": restarts if isinstance(restarts, int) else None,
