@@ -144,7 +144,7 @@ def command(
     groups_per_step: Annotated[int, typer.Option(help="learner.groups_per_step")] = 32,
     samples_per_group: Annotated[int, typer.Option(help="learner.samples_per_group")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="sampling.max_new_tokens")] = 5,
-    max_batch_groups: Annotated[int, typer.Option(help="generators.max_batch_groups")] = 8,
+    max_batch_groups: Annotated[int, typer.Option(help="generators.max_batch_groups")] = 6,
     max_staleness: Annotated[int, typer.Option(help="staleness.max_staleness (async variants)")] = 2,
     skip: Annotated[int, typer.Option(help="leading steps left out of the steady-state throughput")] = 2,
     repeats: Annotated[int, typer.Option(help="rounds of the four variants; medians reported")] = 3,
