@@ -138,7 +138,9 @@ class PoolLoop(StepLoop):
             await self._wait_for_data()
         if self.stopping:
             return None
-        result = await self._busy(self._finish, step)
+        result = await self._busy(trainer.finish_step)
+        # On the loop thread, like every other buffer operation (`add` runs here too).
+        self.buffer.update_version(step + 1)  # the learner's new version: re-check the bounds
         self._note_events()
         self._left["released"].extend(self._released_at_end)
         self._released_at_end = []
@@ -155,11 +157,6 @@ class PoolLoop(StepLoop):
             self.taken.append(sample)
             if offer:
                 self.trainer.offer(sample)
-
-    def _finish(self, step: int):
-        result = self.trainer.finish_step()
-        self.buffer.update_version(step + 1)  # the learner's new version: re-check the bounds
-        return result
 
     def _note_events(self) -> None:
         for kind, gid, reason in self.buffer.drain_events():

@@ -117,3 +117,22 @@ def test_task_with_the_wrong_sample_count_is_refused():
     book = TaskBook(groups_per_step=B, samples_per_group=N)
     with pytest.raises(ValueError, match="learner.samples_per_group is 4"):
         book.admit(task(0, num_samples=3))
+
+
+def test_pool_steps_record_first_uses_replays_and_drops():
+    """Pool mode: groups trained in any order, replays counted (also after their task is
+    compacted), dropped groups evicted by reason, and the rest pending, none lost."""
+    book = book_with(5)
+    for j in (0, 1, 2):
+        book.done(j, "gen-0")
+    book.trained_pool(0, trained=[2, 0], replayed=[])
+    book.evicted_pool({"staleness": [1]})  # dropped, never trained
+    book.trained_pool(1, trained=[3], replayed=[2])  # 3 trained before its TaskDone came
+    book.done(3, "gen-0")
+    s = book.summary()
+    assert s.num_samples_trained == 3 * N and s.num_samples_evicted == N
+    assert s.evicted_by_reason == {"staleness": N} and s.num_replays == N
+    assert s.num_samples_lost == 0 and s.num_duplicated == 0
+    assert s.num_samples_pending == N  # group 4: still in flight when the run ends
+    with pytest.raises(ValueError, match="expected step 2"):
+        book.trained_pool(3, trained=[], replayed=[])
