@@ -276,8 +276,18 @@ class RunView:
         text = r.get("text") or r.get("error") or r.get("reason") or r.get("type")
         self.events.append(f"{float(r.get('time_s', 0.0)):7.1f}s  {r.get('type')}: {text}")
 
+    def _on_left(self, r: dict) -> None:
+        """Pool mode: groups that left the learner's buffer; drops are worth an event line."""
+        evicted = r.get("evicted") or {}
+        if isinstance(evicted, dict) and evicted:
+            what = ", ".join(
+                f"{len(g)} ({reason})" for reason, g in sorted(evicted.items()) if isinstance(g, list)
+            )
+            self.events.append(f"{float(r.get('time_s', 0.0)):7.1f}s  buffer dropped groups: {what}")
+
     _handlers = {
         "step": _on_step,
+        "left": _on_left,
         "task": _on_task,
         "publish": _on_publish,
         "loaded": _on_loaded,

@@ -276,3 +276,20 @@ def test_rates_count_from_the_start_of_training_on_the_launch_clock():
         ]
     )
     assert old.elapsed_s() == 2.0 and old.samples_per_s() == 50.0
+
+
+def test_pool_mode_drops_show_as_events():
+    view = view_of(
+        [
+            {"type": "left", "version": 3, "released": [4, 5], "evicted": {}, "time_s": 1.0},
+            {
+                "type": "left",
+                "version": 4,
+                "released": [6, 7],
+                "evicted": {"freshness": [6, 7]},
+                "time_s": 2.5,
+            },
+        ]
+    )
+    assert list(view.events) == ["    2.5s  buffer dropped groups: 2 (freshness)"]
+    assert view.num_unknown == 0
