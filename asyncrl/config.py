@@ -263,11 +263,14 @@ class Config(_Section, frozen=True, kw_only=True):
             raise ValueError(
                 "buffer.action = 'downweight' weighs advantages, which OPD does not use; use withhold or drop"
             )
-        if buf.max_items is not None and buf.max_items < self.admission_window_items:
+        # Groups waiting for a replay hold no credit but stay in the buffer (at most one admission
+        # window of them: a replay stays within the staleness bound), and cannot be reclaimed.
+        need = self.admission_window_items * (2 if buf.max_replays else 1)
+        if buf.max_items is not None and buf.max_items < need:
             raise ValueError(
-                f"buffer.max_items = {buf.max_items} cannot hold the admission window "
-                f"({self.admission_window_items} trajectories: (max_staleness + 1) x groups_per_step x "
-                "samples_per_group); raise it or leave it unset"
+                f"buffer.max_items = {buf.max_items} cannot hold {need} trajectories: the admission window "
+                "((max_staleness + 1) x groups_per_step x samples_per_group), twice over with "
+                "buffer.max_replays > 0; raise it or leave it unset"
             )
 
     @property

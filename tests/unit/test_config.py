@@ -61,3 +61,25 @@ def test_resolved_config_round_trip(tmp_path):
     cfg = load_config(overrides=["learner.steps=3", "sampling.temperature=0.7"])
     write_resolved_config(cfg, tmp_path / "config.json")
     assert load_resolved_config(tmp_path / "config.json") == cfg
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["buffer.order=freshest"], "buffer.order applies with buffer.mode = 'pool' only"),
+        (["buffer.mode=pool", "learner.world_size=2"], "one learner rank"),
+        (["buffer.mode=pool", "learner.sink=true"], "learner.sink records admission windows"),
+        (["buffer.mode=pool", "buffer.action=downweight", "opd.enabled=true"], "OPD does not use"),
+        (["buffer.mode=pool", "buffer.action=downweight", "staleness.policy=exact"], "keeps the last"),
+        (["buffer.mode=pool", "buffer.max_items=100"], "cannot hold 768 trajectories"),
+        (["buffer.mode=pool", "buffer.max_items=1000", "buffer.max_replays=1"], "cannot hold 1536"),
+    ],
+)
+def test_pool_mode_options_are_checked_at_load_time(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=sets)
+
+
+def test_pool_mode_defaults_validate():
+    cfg = load_config(overrides=["buffer.mode=pool", "buffer.max_replays=2", "buffer.max_items=1536"])
+    assert cfg.buffer.mode == "pool" and cfg.admission_window_items == 768
