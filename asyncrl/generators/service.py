@@ -185,6 +185,7 @@ class GeneratorService:
         self.announced = asyncio.Event()
         self.announced_at: dict[int, float] = {}
         self.fetched_version = 0  # newest version handed to the generator
+        self.offered = False  # a version offered to a staged generator since the last apply
         self.applied: deque[int] = deque()
         self.applied_event = asyncio.Event()
         self.model_lock = asyncio.Lock()  # a plain plugin's load_weights never overlaps generate
@@ -275,6 +276,7 @@ class GeneratorService:
             elif self.staged:
                 state = await asyncio.to_thread(self.receiver.fetch, msg)
                 self.gen.offer_weights(msg.version, state, self.on_applied_threadsafe)
+                self.offered = True
                 self.fetched_version = msg.version
                 self.wake.set()  # an idle work loop applies it now
             else:
@@ -320,7 +322,8 @@ class GeneratorService:
                 )
 
     async def apply_between_batches(self) -> None:
-        if self.staged:
+        if self.offered:  # else nothing to apply (a generator may have applied it mid-batch)
+            self.offered = False
             await asyncio.to_thread(self.gen.apply_pending)
 
     async def work_loop(self) -> None:

@@ -15,6 +15,7 @@ cross ranks); `local_window_size` counts a rank's trajectories of one step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +80,7 @@ class StepLoop:
         sink: Callable[[int, list[TrainSample]], StepResult] | None = None,
     ) -> None:
         self.trainer = trainer
-        self.window_size = window_size
+        self.window_size = functools.cache(window_size)  # asked once per trajectory
         self.sink = sink
         self.inbox: dict[int, list[TrainSample]] = {}
         self.taken_step = -1  # the step being trained and what it took from the inbox so far

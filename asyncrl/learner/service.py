@@ -371,8 +371,8 @@ def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:
     """Why a trajectory cannot be trained on ("" if it can); checked before it is buffered."""
     if not (ids.ndim == logps.ndim == versions.ndim == 1):
         return "tensors must be 1-D"
-    if not (len(ids) == len(logps) == len(versions) >= 1):
-        return f"{len(ids)} tokens, {len(logps)} log-probs, {len(versions)} versions"
+    if not (ids.shape[0] == logps.shape[0] == versions.shape[0] >= 1):
+        return f"{ids.shape[0]} tokens, {logps.shape[0]} log-probs, {versions.shape[0]} versions"
     if ids.dtype != torch.int64 or versions.dtype != torch.int64 or not logps.is_floating_point():
         return "wrong tensor dtypes"
     if not 0 <= msg.sample_index < msg.num_samples or not 0 <= msg.step < num_steps:
@@ -380,7 +380,7 @@ def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:
     lowest, highest = torch.aminmax(logps)  # one reduction: NaN propagates into both
     if not (math.isfinite(float(lowest)) and float(highest) <= 0):
         return "behavior log-probs must be finite and <= 0"
-    if not msg.prompt_ids or len(msg.prompt_ids) + len(ids) > MAX_SEQUENCE_TOKENS:
+    if not msg.prompt_ids or len(msg.prompt_ids) + ids.shape[0] > MAX_SEQUENCE_TOKENS:
         return "empty prompt or sequence too long"
     return ""
 

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from asyncrl.messages import PromptTask, SamplingParams, TensorRef, Trajectory, WeightsLoaded
-from asyncrl.transport.codec import MalformedFrame, decode, encode, tensor_ref
+from asyncrl.transport.codec import (
+    PACK_MAX_BYTES,
+    MalformedFrame,
+    decode,
+    encode,
+    tensor_buffer,
+    tensor_ref,
+)
 
 
 def _trajectory(ids, logps, versions):
@@ -94,12 +101,43 @@ def test_malformed_is_rejected(frames):
         decode(frames)
 
 
+def test_small_tensors_travel_packed_in_one_aligned_frame():
+    # An odd length puts the float32 log-probs at 8*T + 4 unpadded: each tensor must start aligned.
+    ids = torch.tensor([4, 5, 2], dtype=torch.int64)
+    logps = torch.tensor([-0.5, -1.25, -0.01], dtype=torch.float32)
+    versions = torch.tensor([3, 3, 4], dtype=torch.int64)
+    frames = _to_bytes(encode(_trajectory(ids, logps, versions), [ids, logps, versions]))
+    assert len(frames) == 2 and len(frames[1]) == 24 + 16 + 24
+    _, tensors = decode(frames)
+    assert (
+        torch.equal(tensors[0], ids) and torch.equal(tensors[1], logps) and torch.equal(tensors[2], versions)
+    )
+    offsets = [t.data_ptr() - tensors[0].data_ptr() for t in tensors]
+    assert offsets == [0, 24, 40]
+
+
+def test_large_tensors_keep_a_frame_each():
+    n = PACK_MAX_BYTES // 8 + 1
+    ids, versions = torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    logps = torch.full((n,), -0.5)
+    frames = encode(_trajectory(ids, logps, versions), [ids, logps, versions])
+    assert len(frames) == 4
+    _, tensors = decode(_to_bytes(frames))
+    assert torch.equal(tensors[0], ids) and torch.equal(tensors[1], logps)
+
+
 def test_tensor_frame_size_mismatch_and_bad_dtype():
     ids = torch.tensor([1, 2, 3])
     msg = _trajectory(ids, torch.zeros(3), torch.zeros(3, dtype=torch.int64))
     frames = _to_bytes(encode(msg, [ids, torch.zeros(3), torch.zeros(3, dtype=torch.int64)]))
+    with pytest.raises(MalformedFrame, match="packed tensor frame has 63 bytes"):
+        decode([frames[0], frames[1][:-1]])
+    one_each = [frames[0], *(bytes(tensor_buffer(t)) for t in (ids, torch.zeros(3), torch.zeros(3).long()))]
+    decode(one_each)  # the unpacked layout of the same message is fine too
     with pytest.raises(MalformedFrame, match="bytes"):
-        decode([frames[0], frames[1][:-1], frames[2], frames[3]])
+        decode([one_each[0], one_each[1][:-1], one_each[2], one_each[3]])
+    with pytest.raises(MalformedFrame, match="names 3 tensor frames but 2 came"):
+        decode(one_each[:3])
     bad = msgspec.structs.replace(msg, completion_ids=TensorRef(frame=0, dtype="object", shape=(3,)))
     with pytest.raises(MalformedFrame, match="not allowed"):
         decode(_to_bytes(encode(bad, [ids, torch.zeros(3), torch.zeros(3, dtype=torch.int64)])))
