@@ -8,7 +8,10 @@
   async       the whole pipeline, overlapped, gradient streaming (the defaults)
 
 Each variant is an `asyncrl launch` subprocess (isolated, evaluation off); the four run interleaved
-in every repeat so that machine noise hits them alike. Throughput is steady state, from the step
+in every repeat so that machine noise hits them alike. By default the generator's batch size
+(`generators.max_batch_groups`) is calibrated first so that the two stages run at about the same
+rate on this machine (`balanced_batch_groups`): overlap can at best double the throughput of two
+equal stages, and an unbalanced workload measures the imbalance instead of the overlap. Throughput is steady state, from the step
 records in metrics.jsonl: samples trained after step `skip` divided by the time from step `skip`'s
 end to the last step's end (process start-up, model loading and pipeline fill are not counted).
 
@@ -19,6 +22,7 @@ is cheap, subprocesses and rich load when the command runs.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,6 +31,9 @@ import typer
 
 VARIANTS = ("gen_only", "learn_only", "sync", "async")
 REPLAY_KIND = "asyncrl.benchmarks.replay:ReplayGenerator"
+# Batch sizes (generators.max_batch_groups) the calibration measures the generator at: the larger
+# always, the smaller when the generator outruns the learner at the larger.
+CALIBRATION_BATCH_GROUPS = (8, 2)
 RUN_TIMEOUT_S = 3600.0  # one launch; the launcher's own supervision catches hung children sooner
 
 
@@ -119,6 +126,36 @@ def summarize(runs: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     return result
 
 
+def balanced_batch_groups(gen_sps: dict[int, float], learn_sps: float, *, largest: int) -> int:
+    """The `generators.max_batch_groups` (1..largest) at which the generator alone runs at
+    `learn_sps`, the learner's own rate, from generator-only rates measured at a few batch sizes.
+
+    Model: a batch of m groups takes a + b*m seconds (per-decode-step overhead plus a cost per
+    group), so 1/rate is linear in 1/m: 1/g(m) = alpha/m + beta, fitted by least squares. The
+    pick is the m whose predicted rate is nearest `learn_sps` by ratio. With one point, or a fit
+    that says smaller batches are not slower (noise), the measured batch size nearest by ratio.
+    """
+    if not gen_sps or learn_sps <= 0 or any(v <= 0 for v in gen_sps.values()):
+        raise ValueError(f"need positive rates, got gen_sps={gen_sps}, learn_sps={learn_sps}")
+
+    def miss(rate: float) -> float:
+        return abs(math.log(rate / learn_sps))
+
+    nearest = min(gen_sps, key=lambda m: miss(gen_sps[m]))
+    if len(gen_sps) < 2:
+        return nearest
+    xs = [1.0 / m for m in gen_sps]
+    ys = [1.0 / v for v in gen_sps.values()]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var_x = sum((x - mean_x) ** 2 for x in xs)
+    alpha = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var_x if var_x else 0.0
+    beta = mean_y - alpha * mean_x
+    if alpha <= 0:
+        return nearest
+    predicted = {m: 1.0 / (alpha / m + beta) for m in range(1, largest + 1) if alpha / m + beta > 0}
+    return min(predicted, key=lambda m: miss(predicted[m])) if predicted else nearest
+
+
 def variant_sets(variant: str, *, recording: Path | None = None) -> list[str]:
     """The `--set` overrides that make a run of the workload into `variant` (applied last)."""
     match variant:
@@ -139,12 +176,25 @@ def variant_sets(variant: str, *, recording: Path | None = None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the command
+def _int_option(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be a whole number or 'auto', got {value!r}") from None
+
+
 def command(
     steps: Annotated[int, typer.Option(help="optimizer steps per run (learner.steps)")] = 20,
     groups_per_step: Annotated[int, typer.Option(help="learner.groups_per_step")] = 32,
     samples_per_group: Annotated[int, typer.Option(help="learner.samples_per_group")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="sampling.max_new_tokens")] = 5,
-    max_batch_groups: Annotated[int, typer.Option(help="generators.max_batch_groups")] = 6,
+    max_batch_groups: Annotated[
+        str,
+        typer.Option(
+            help="generators.max_batch_groups, or 'auto': measured first so that the two stages run "
+            "at about the same rate on this machine"
+        ),
+    ] = "auto",
     max_staleness: Annotated[int, typer.Option(help="staleness.max_staleness (async variants)")] = 2,
     skip: Annotated[int, typer.Option(help="leading steps left out of the steady-state throughput")] = 2,
     repeats: Annotated[int, typer.Option(help="rounds of the four variants; medians reported")] = 3,
@@ -158,12 +208,13 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """Pipeline: generators alone, learner alone, sync and async on one workload."""
+    batch_groups = None if max_batch_groups == "auto" else _int_option("--max-batch-groups", max_batch_groups)
     for name, value, low in (
         ("--steps", steps, 1),
         ("--groups-per-step", groups_per_step, 1),
         ("--samples-per-group", samples_per_group, 2),
         ("--max-new-tokens", max_new_tokens, 1),
-        ("--max-batch-groups", max_batch_groups, 1),
+        ("--max-batch-groups", 1 if batch_groups is None else batch_groups, 1),
         ("--repeats", repeats, 1),
     ):
         if value < low:
@@ -177,7 +228,6 @@ def command(
         f"learner.groups_per_step={groups_per_step}",
         f"learner.samples_per_group={samples_per_group}",
         f"sampling.max_new_tokens={max_new_tokens}",
-        f"generators.max_batch_groups={max_batch_groups}",
         f"staleness.max_staleness={max_staleness}",
         "generators.num_generators=1",
         "generators.threads=1",
@@ -190,6 +240,8 @@ def command(
     try:  # fail on a bad --set before any process starts
         for v in VARIANTS:
             load_config(None, [*workload, *variant_sets(v, recording=Path("recording.jsonl"))])
+        if batch_groups is not None:
+            load_config(None, [*workload, f"generators.max_batch_groups={batch_groups}"])
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
     from asyncrl.benchmarks.pipeline_run import print_table, run_pipeline_bench
@@ -199,6 +251,8 @@ def command(
         repeats=repeats,
         skip=skip,
         out_dir=out_dir,
+        max_batch_groups=batch_groups,
+        largest_batch_groups=groups_per_step,
         progress=lambda text: typer.echo(text, err=True),
     )
     if as_json:

@@ -15,7 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.benchmarks.pipeline import RUN_TIMEOUT_S, VARIANTS, run_figures, summarize, variant_sets
+from asyncrl.benchmarks.pipeline import (
+    CALIBRATION_BATCH_GROUPS,
+    RUN_TIMEOUT_S,
+    VARIANTS,
+    balanced_batch_groups,
+    run_figures,
+    summarize,
+    variant_sets,
+)
 
 STOP_GRACE_S = 60.0  # a launcher told to stop (SIGTERM) stops its children within this
 
@@ -65,22 +73,66 @@ def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in lines if x.strip()]
 
 
+def calibrate_batch_groups(
+    workload: list[str], root: Path, *, skip: int, largest: int, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Pick `generators.max_batch_groups` so that the two stages run at about the same rate here:
+    the learner's own rate (learn_only, replaying a gen_only recording) and the generator's at
+    `CALIBRATION_BATCH_GROUPS`, fitted by `balanced_batch_groups`. The smaller batch size is only
+    measured when the generator outruns the learner at the larger one."""
+    high, low = CALIBRATION_BATCH_GROUPS
+    gen: dict[int, float] = {}
+
+    def gen_only(m: int) -> float:
+        run_dir = root / f"calibrate-gen_only-mbg{m}"
+        launch([f"generators.max_batch_groups={m}", *workload, *variant_sets("gen_only")], run_dir)
+        gen[m] = run_figures(read_records(run_dir), skip=skip)["sps"]
+        say(f"calibrate gen_only at max_batch_groups {m}: {gen[m]:8.1f} samples/s")
+        return gen[m]
+
+    gen_only(high)
+    run_dir = root / "calibrate-learn_only"
+    recording = root / f"calibrate-gen_only-mbg{high}" / "trajectories.jsonl"
+    launch(
+        [f"generators.max_batch_groups={high}", *workload, *variant_sets("learn_only", recording=recording)],
+        run_dir,
+    )
+    learn = run_figures(read_records(run_dir), skip=skip)["sps"]
+    say(f"calibrate learn_only: {learn:8.1f} samples/s")
+    if gen[high] > learn:
+        gen_only(low)
+    chosen = balanced_batch_groups(gen, learn, largest=largest)
+    say(f"calibrate: max_batch_groups {chosen} balances the two stages")
+    return {"gen_only_sps": {str(m): v for m, v in gen.items()}, "learn_only_sps": learn, "chosen": chosen}
+
+
 def run_pipeline_bench(
     workload: list[str],
     *,
     repeats: int,
     skip: int,
     out_dir: Path | None,
+    max_batch_groups: int | None = None,
+    largest_batch_groups: int = 32,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Every variant once per repeat, interleaved; returns `summarize`'s object plus the context."""
+    """Every variant once per repeat, interleaved; returns `summarize`'s object plus the context.
+    `max_batch_groups` None: chosen first by `calibrate_batch_groups` (at most
+    `largest_batch_groups`), and the calibration is in the result."""
     say = progress or (lambda _text: None)
     root = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="asyncrl-bench-pipeline-"))
     root.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     runs: list[dict[str, dict[str, float]]] = []
     walls: list[dict[str, float]] = []
+    calibration = None
     try:
+        if max_batch_groups is None:
+            calibration = calibrate_batch_groups(
+                workload, root, skip=skip, largest=largest_batch_groups, say=say
+            )
+            max_batch_groups = calibration["chosen"]
+        workload = [f"generators.max_batch_groups={max_batch_groups}", *workload]  # a --set still wins
         for rep in range(repeats):
             figures: dict[str, dict[str, float]] = {}
             wall: dict[str, float] = {}
@@ -101,6 +153,9 @@ def run_pipeline_bench(
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
     result = summarize(runs)
+    result["max_batch_groups"] = max_batch_groups
+    if calibration is not None:
+        result["calibration"] = calibration
     result["launch_wall_s"] = walls
     result["workload"] = workload
     result["skip_steps"] = skip
@@ -136,6 +191,12 @@ def print_table(result: dict[str, Any]) -> None:
         f"efficiency = async / min(gen_only, learn_only); speedup = async / sync; slower stage: "
         f"{result['bound']} (balance {result['balance']:.2f})",
     ]
+    cal = result.get("calibration")
+    how = "chosen by calibration" if cal else "as given"
+    lines.append(f"generators.max_batch_groups {result['max_batch_groups']} ({how})")
+    if cal:
+        rates = ", ".join(f"mbg {m}: {v:.0f}" for m, v in cal["gen_only_sps"].items())
+        lines.append(f"calibration: gen_only {rates}; learn_only {cal['learn_only_sps']:.0f} samples/s")
     if "async_learner_tail_s" in result:
         lines.append(
             f"async: learner tail {result['async_learner_tail_s'] * 1e3:.1f} ms (last trajectory in -> update "

@@ -10,7 +10,14 @@ import sys
 
 import pytest
 
-from asyncrl.benchmarks.pipeline import VARIANTS, run_figures, steady_rate, summarize, variant_sets
+from asyncrl.benchmarks.pipeline import (
+    VARIANTS,
+    balanced_batch_groups,
+    run_figures,
+    steady_rate,
+    summarize,
+    variant_sets,
+)
 from asyncrl.benchmarks.replay import Recording, ReplayGenerator
 from asyncrl.generators.base import GeneratorContext
 from asyncrl.messages import PromptTask, SamplingParams
@@ -182,7 +189,6 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
         "--groups-per-step=2",
         "--samples-per-group=4",
         "--max-new-tokens=4",
-        "--max-batch-groups=2",
         "--set",
         f'model.path="{tiny_model_dir}"',
         "--out-dir",
@@ -194,6 +200,11 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
     for key in ("gen_only_sps", "learn_only_sps", "sync_sps", "async_sps", "efficiency", "speedup"):
         assert result[key] > 0, key
     assert len(result["per_repeat"]) == 1
+    # --max-batch-groups auto (the default): calibrated first, within 1..groups_per_step.
+    cal = result["calibration"]
+    assert cal["learn_only_sps"] > 0 and all(v > 0 for v in cal["gen_only_sps"].values())
+    assert result["max_batch_groups"] == cal["chosen"] in (1, 2)
+    assert "generators.max_batch_groups=" + str(cal["chosen"]) in result["workload"]
     assert all(v > 0 for v in result["per_repeat"][0].values())
     # The learner-only run trained on the recording the generator-only run made.
     assert (tmp_path / "bench" / "r0-gen_only" / "trajectories.jsonl").stat().st_size > 0
@@ -201,6 +212,30 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
         json.loads((tmp_path / "bench" / "r0-learn_only" / "summary.json").read_text())["status"]
         == "completed"
     )
+
+
+def _gen_rate(m: int) -> float:
+    """A generator whose batch of m groups (8 samples each) takes 2 ms + 3 ms per group."""
+    return 8 * m / (0.002 + 0.003 * m)
+
+
+@pytest.mark.parametrize(("learn_sps", "expected"), [(2000.0, 2), (2286.0, 4), (1600.0, 1), (9999.0, 32)])
+def test_balanced_batch_groups_inverts_the_batch_cost_model(learn_sps, expected):
+    # Two measured points determine the model exactly; the pick is the batch size whose
+    # predicted rate is nearest the learner's (1: the generator cannot be slowed further;
+    # 32: the largest allowed, still slower than the learner).
+    points = {8: _gen_rate(8), 2: _gen_rate(2)}
+    assert balanced_batch_groups(points, learn_sps, largest=32) == expected
+
+
+def test_balanced_batch_groups_without_a_usable_fit():
+    # One point (the generator was already the slower stage at 8), or noise that makes smaller
+    # batches look faster: the measured batch size nearest by ratio.
+    assert balanced_batch_groups({8: 1000.0}, 1500.0, largest=32) == 8
+    assert balanced_batch_groups({8: 1700.0, 2: 1800.0}, 1500.0, largest=32) == 8
+    assert balanced_batch_groups({8: 1700.0, 2: 1450.0}, 1500.0, largest=32) in (2, 3)
+    with pytest.raises(ValueError, match="positive"):
+        balanced_batch_groups({8: 0.0}, 1500.0, largest=32)
 
 
 def test_bench_pipeline_rejects_bad_options():
@@ -213,3 +248,7 @@ def test_bench_pipeline_rejects_bad_options():
     assert out.exit_code != 0 and "--skip" in out.output
     out = runner.invoke(bench_app, ["pipeline", "--set", "learner.lrr=1"])
     assert out.exit_code != 0 and "learner.lrr" in out.output
+    out = runner.invoke(bench_app, ["pipeline", "--max-batch-groups=many"])
+    assert out.exit_code != 0 and "whole number or 'auto'" in out.output
+    out = runner.invoke(bench_app, ["pipeline", "--max-batch-groups=0"])
+    assert out.exit_code != 0 and "--max-batch-groups must be >= 1" in out.output
