@@ -1,15 +1,14 @@
 """msgspec encoding of messages, with tensors as raw frames after the header.
 
-A multipart message is `[header, tensor_0, tensor_1, ...]` or, when its tensors are small,
-`[header, tensor_0 + tensor_1 + ...]` (their bytes back to back in one frame, each padded to a
-multiple of 8 bytes): the header is the
-msgpack encoding of one Struct from `asyncrl.messages`; each `TensorRef` inside it names a tensor
-by index, its dtype and its shape, which fix its byte size and so its place in a packed frame.
-Packing matters for speed: a trajectory's three small tensors as one frame cost ZeroMQ about a
-third of what three frames cost (bench/README.md, "Pipeline"); large tensors keep a frame each and
-travel without a copy. Decoding validates everything (type tag, frame count, dtype allow-list,
-byte sizes) and raises `MalformedFrame` on any mismatch: receivers count and drop such messages,
-never crash, and nothing is ever unpickled.
+A multipart message is `[header, tensor_0, tensor_1, ...]`, or, when its tensors are small,
+`[header, tensor_0 + tensor_1 + ...]`: their bytes back to back in one frame, each padded to a
+multiple of 8 bytes. The header is the msgpack encoding of one Struct from `asyncrl.messages`;
+each `TensorRef` inside it names a tensor by index, its dtype and its shape, which fix its byte
+size and so its place in a packed frame. Packing is for speed: one frame instead of three costs
+ZeroMQ about a third as much per trajectory (bench/README.md, "Pipeline"); large tensors keep a
+frame each and travel without a copy. Decoding validates everything (type tag, frame count,
+dtype allow-list, byte sizes) and raises `MalformedFrame` on any mismatch: receivers count and
+drop such messages, never crash, and nothing is ever unpickled.
 """
 
 from __future__ import annotations
