@@ -38,12 +38,13 @@ RUN_TIMEOUT_S = 3600.0  # one launch; the launcher's own supervision catches hun
 
 
 # ---------------------------------------------------------------------------- pure figures
-def steady_rate(steps: list[dict], *, skip: int) -> float:
+def steady_rate(steps: list[dict], *, skip: int, count: str = "num_trajectories") -> float:
     """Samples per second over steps after the first `skip`: samples trained in steps
     skip+1.. divided by the time from the end of step `skip` to the end of the last one.
 
-    `steps` are metrics.jsonl records of type "step" (`step`, `num_trajectories`, `time_s`, the
-    seconds since training began); `skip=0` measures from the start of training.
+    `steps` are metrics.jsonl records of type "step" (`step`, `num_trajectories`, `num_tokens`,
+    `time_s`, the seconds since training began); `skip=0` measures from the start of training.
+    `count="num_tokens"` gives generated tokens per second instead.
     """
     steps = sorted(steps, key=lambda r: r["step"])
     if skip < 0:
@@ -51,7 +52,7 @@ def steady_rate(steps: list[dict], *, skip: int) -> float:
     if len(steps) <= skip:
         raise ValueError(f"{len(steps)} step records; need more than skip={skip} (raise --steps)")
     start_s = steps[skip - 1]["time_s"] if skip > 0 else 0.0
-    samples = sum(r["num_trajectories"] for r in steps[skip:])
+    samples = sum(r[count] for r in steps[skip:])
     elapsed_s = steps[-1]["time_s"] - start_s
     if elapsed_s <= 0 or samples <= 0:
         raise ValueError(f"no measurable progress after step {skip} ({samples} samples in {elapsed_s:.3f} s)")
@@ -61,7 +62,8 @@ def steady_rate(steps: list[dict], *, skip: int) -> float:
 def run_figures(records: list[dict], *, skip: int) -> dict[str, float]:
     """Throughput and stage figures of one run from its metrics.jsonl records.
 
-    sps: steady-state samples/s (`steady_rate`); learner_tail_s: median over the steady steps of
+    sps: steady-state samples/s (`steady_rate`); tps: the same for generated tokens (when the step
+    records count them); learner_tail_s: median over the steady steps of
     `learner/tail_s` (last trajectory of the step's window in -> update done); learner_idle_ratio:
     the learner's idle seconds over wall seconds in the same window (from the cumulative
     `learner/idle_s`); gen_busy_ratio: the generators' last `gen/busy_ratio` (cumulative since each
@@ -69,6 +71,8 @@ def run_figures(records: list[dict], *, skip: int) -> dict[str, float]:
     """
     steps = [r for r in records if r.get("type") == "step"]
     out = {"sps": steady_rate(steps, skip=skip)}
+    if steps and all("num_tokens" in r for r in steps):
+        out["tps"] = steady_rate(steps, skip=skip, count="num_tokens")
     learner = [r for r in records if r.get("type") == "metrics" and r.get("source") == "learner"]
     if len(learner) > skip:
         steady = learner[skip:]
@@ -119,6 +123,13 @@ def summarize(runs: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
         values = [rep["async"][key] for rep in runs if key in rep["async"]]
         if values:
             result[f"async_{key}"] = statistics.median(values)
+    # The same ratio in generated tokens/s. The variants do not generate alike: gen_only's policy
+    # never learns (and learn_only replays its samples) while sync's and async's answers shorten as
+    # they learn, so per sample they are cheaper and efficiency in samples/s can pass 1.
+    if all("tps" in rep[v] for rep in runs for v in VARIANTS):
+        tps = {v: statistics.median(rep[v]["tps"] for rep in runs) for v in VARIANTS}
+        result.update({f"{v}_tps": tps[v] for v in VARIANTS})
+        result["efficiency_tokens"] = tps["async"] / min(tps["gen_only"], tps["learn_only"])
     result["median_efficiency_per_repeat"] = statistics.median(r["efficiency"] for r in per_repeat)
     result["median_speedup_per_repeat"] = statistics.median(r["speedup"] for r in per_repeat)
     result["per_repeat"] = per_repeat

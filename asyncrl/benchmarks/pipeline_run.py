@@ -191,6 +191,12 @@ def print_table(result: dict[str, Any]) -> None:
         f"efficiency = async / min(gen_only, learn_only); speedup = async / sync; slower stage: "
         f"{result['bound']} (balance {result['balance']:.2f})",
     ]
+    if "efficiency_tokens" in result:
+        rates = ", ".join(f"{v} {result[f'{v}_tps']:.0f}" for v in VARIANTS)
+        lines.append(
+            f"generated tokens/s: {rates}; efficiency in tokens {result['efficiency_tokens']:.3f} "
+            "(gen_only's policy never learns, so its answers stay longer than async's)"
+        )
     cal = result.get("calibration")
     how = "chosen by calibration" if cal else "as given"
     lines.append(f"generators.max_batch_groups {result['max_batch_groups']} ({how})")

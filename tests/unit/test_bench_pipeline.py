@@ -44,6 +44,15 @@ def test_steady_rate_rejects_too_few_steps_and_no_progress():
         steady_rate(_steps([1.0]), skip=-1)
 
 
+def test_steady_rate_in_tokens_and_run_figures_tps():
+    steps = _steps([1.0, 3.0, 5.0])
+    for r, tokens in zip(steps, (99, 40, 20), strict=True):
+        r["num_tokens"] = tokens
+    assert steady_rate(steps, skip=1, count="num_tokens") == pytest.approx(60 / 4.0)
+    assert run_figures(steps, skip=1)["tps"] == pytest.approx(60 / 4.0)
+    assert "tps" not in run_figures(_steps([1.0, 3.0, 5.0]), skip=1)  # older records: no tokens
+
+
 def test_run_figures_learner_and_generator_ratios():
     records = _steps([2.0, 4.0, 6.0])
     for t, idle, tail in [(2.0, 1.5, 0.3), (4.0, 2.0, 0.1), (6.0, 2.5, 0.2)]:
@@ -87,6 +96,18 @@ def test_summarize_medians_ratios_and_json_shape():
     assert [r["speedup"] for r in result["per_repeat"]] == pytest.approx([72 / 50, 81 / 40, 60 / 45])
     assert result["async_learner_tail_s"] == pytest.approx(0.1)
     assert json.loads(json.dumps(result)) == result  # plain JSON
+    assert "efficiency_tokens" not in result  # no token rates given
+
+
+def test_summarize_efficiency_in_tokens():
+    reps = [_rep(100, 80, 50, 90), _rep(100, 80, 50, 90)]
+    for rep in reps:  # gen_only's answers are longer: 5 tokens per sample against async's 4
+        for v, per_sample in zip(VARIANTS, (5, 5, 4, 4), strict=True):
+            rep[v]["tps"] = rep[v]["sps"] * per_sample
+    result = summarize(reps)
+    assert result["efficiency"] == pytest.approx(90 / 80)  # above 1 in samples/s ...
+    assert result["efficiency_tokens"] == pytest.approx(360 / 400)  # ... not in tokens/s
+    assert result["gen_only_tps"] == 500 and result["async_tps"] == 360
     with pytest.raises(ValueError, match="lacks variants"):
         summarize([{"gen_only": {"sps": 1.0}}])
     with pytest.raises(ValueError, match="no repeats"):
@@ -206,6 +227,7 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
     assert result["max_batch_groups"] == cal["chosen"] in (1, 2)
     assert "generators.max_batch_groups=" + str(cal["chosen"]) in result["workload"]
     assert all(v > 0 for v in result["per_repeat"][0].values())
+    assert result["efficiency_tokens"] > 0 and result["async_tps"] >= result["async_sps"]
     # The learner-only run trained on the recording the generator-only run made.
     assert (tmp_path / "bench" / "r0-gen_only" / "trajectories.jsonl").stat().st_size > 0
     assert (
