@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +124,13 @@ def test_variant_sets():
         variant_sets("learn_only")
     with pytest.raises(ValueError, match="unknown variant"):
         variant_sets("fast")
+    # A trained policy: the single-stage variants start from it, sync and async never do.
+    trained = Path("/runs/trained-policy/final_model")
+    assert 'model.path="/runs/trained-policy/final_model"' in variant_sets("gen_only", policy=trained)
+    assert any(
+        s.startswith("model.path=") for s in variant_sets("learn_only", recording="/r", policy=trained)
+    )
+    assert not any(s.startswith("model.path=") for s in variant_sets("async", policy=trained))
 
 
 def _task(group_id, prompt, num_samples=2):
@@ -228,6 +236,12 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
     assert "generators.max_batch_groups=" + str(cal["chosen"]) in result["workload"]
     assert all(v > 0 for v in result["per_repeat"][0].values())
     assert result["efficiency_tokens"] > 0 and result["async_tps"] >= result["async_sps"]
+    # The single-stage runs started from the policy one sync run trained first.
+    assert result["standalone_policy"] == "trained"
+    trained = tmp_path / "bench" / "trained-policy" / "final_model"
+    for v in ("gen_only", "learn_only"):
+        config = json.loads((tmp_path / "bench" / f"r0-{v}" / "config.json").read_text())
+        assert config["model"]["path"] == str(trained), v
     # The learner-only run trained on the recording the generator-only run made.
     assert (tmp_path / "bench" / "r0-gen_only" / "trajectories.jsonl").stat().st_size > 0
     assert (
