@@ -98,6 +98,9 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     kl_placement: Literal["loss", "reward"] = "loss"  # "reward" takes k1 only (the unbiased choice)
     # Gradient streaming: "auto" streams per trajectory where exact and falls back otherwise.
     streaming: Literal["auto", "off"] = "auto"
+    # Optimizer updates per batch (PPO epochs): each later epoch re-runs the batch under the updated
+    # model against the same anchor (the policy at the step's start). > 1 trains whole batches.
+    epochs: PosInt = 1
     max_open_groups: PosInt = 64  # streamed groups holding S0/S1 buffers at once
     world_size: PosInt = 1  # data-parallel learner ranks (gloo on CPU, NCCL on GPU); group j on rank j % R
     micro_batch_size: PosInt = 256  # sequences per forward/backward

@@ -16,7 +16,8 @@ h_i = -grad l(+1) and the group's S0/S1 sums give sum_i A_i h_i. Otherwise the t
 for its group (all of its members are then trained with known advantages in one backward).
 Whole-batch fallbacks (`fallback_reason`) cover what is never per-trajectory: batch-global
 corrections (M2PO's mask, VCPO, self-normalised weights), MC-GRPO's median pivot, KL terms (they
-need the reference model's forward) and `learner.streaming = "off"`.
+need the reference model's forward), several epochs per batch (`learner.epochs` > 1: an epoch's
+gradient depends on the update before it) and `learner.streaming = "off"`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Objective:
     kl_estimator: str
     kl_placement: str
     streaming: str
+    epochs: int = 1  # optimizer updates per batch
     opd: str | None = None  # OPD estimator (config `opd`), None for RL
     opd_clip_eps: float = 0.2
 
@@ -87,6 +89,7 @@ class Objective:
             kl_estimator=lrn.kl_estimator,
             kl_placement=lrn.kl_placement,
             streaming=lrn.streaming,
+            epochs=lrn.epochs,
             opd=config.opd.estimator if config.opd.enabled else None,
             opd_clip_eps=config.opd.clip_eps,
         )
@@ -203,6 +206,8 @@ class Objective:
         """Why this configuration trains whole batches instead of streaming (None: it streams)."""
         if self.streaming == "off":
             return "learner.streaming = 'off'"
+        if self.epochs > 1:
+            return f"learner.epochs = {self.epochs}: each later epoch needs the update of the one before"
         if self.opd is not None:
             return None  # per-token teacher advantages: every trajectory streams on its own
         if self.advantage not in STREAM_ESTIMATOR:

@@ -1,6 +1,7 @@
 """Trajectories in the learner's terms, packed into padded batches (no sockets, no model).
 
-`trainer.py` packs what it trains on with `pack`; `staleness_B` gives each sequence's staleness.
+`trainer.py` packs what it trains on with `pack`; `staleness_B` gives each sequence's staleness;
+`StepTotals` sums a step's figures and `StepResult` reports them.
 
 Legend: B sequences, L packed length (prompt + completion, right-padded), G groups, N samples
 per group. Log-probs are aligned with input positions: position t holds log pi(x_t | x_<t).
@@ -8,8 +9,9 @@ per group. Log-probs are aligned with input positions: position t holds log pi(x
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -132,3 +134,53 @@ def staleness_B(batch: PackedBatch, policy_version: int) -> torch.Tensor:
     big = torch.iinfo(torch.long).max
     oldest_B = torch.where(batch.completion_mask_BL, batch.versions_BL, big).min(dim=1).values
     return policy_version - oldest_B
+
+
+@dataclass
+class StepResult:
+    step: int
+    num_trajectories: int
+    num_tokens: int
+    loss: float
+    mean_reward: float
+    max_staleness: int
+    mean_staleness: float
+    clip_fraction: float
+    grad_norm: float
+    lr_scale: float
+    policy_stats: dict[str, float]
+    streamed: int  # trajectories streamed on arrival (S0/S1)
+    deferred: int  # trajectories whose clip made them wait for their group
+    peak_stream_bytes: int
+    fallback: str  # "" when streaming, else why the step trained as one batch
+
+
+@dataclass
+class StepTotals:
+    """Per-step sums; the first six are all-reduced across ranks."""
+
+    units: float = 0.0
+    loss: float = 0.0
+    clipped_tokens: float = 0.0
+    tokens: float = 0.0
+    reward: float = 0.0
+    seqs: float = 0.0
+    staleness_sum: float = 0.0
+    max_staleness: int = 0
+    stats_tokens: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+    lr_scale: float = 1.0
+    streamed: int = 0
+    deferred: int = 0
+
+    def add_samples(self, samples: Sequence[TrainSample], stale_B: torch.Tensor) -> None:
+        self.reward += sum(s.reward for s in samples)
+        self.seqs += len(samples)
+        self.staleness_sum += float(stale_B.sum())
+        self.max_staleness = max(self.max_staleness, int(stale_B.max()))
+
+    def add_stats(self, stats: dict[str, float], tokens: float) -> None:
+        for k, v in stats.items():
+            if math.isfinite(v):
+                self.stats[k] = self.stats.get(k, 0.0) + v * tokens
+        self.stats_tokens += tokens

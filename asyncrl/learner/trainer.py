@@ -16,7 +16,10 @@ a step costs about one trajectory's (or one group's) backward before the optimiz
 Whole-batch fallback: `batch_backward` trains the complete step at once (batch-global
 corrections need every trajectory). Both paths produce the *sum* of per-trajectory loss
 gradients; `finish_step` all-reduces it with the unit count (one collective per step), divides by
-the global Z, clips, scales the learning rate (VCPO) and steps the optimizer.
+the global Z, clips, scales the learning rate (VCPO) and steps the optimizer. With
+`learner.epochs` E > 1 (whole batches only) it then re-runs the batch E - 1 times under the
+updated model, each time with the same anchor log-probs (the policy at the step's start),
+corrections and advantages, and steps again: one gradient all-reduce per update.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import copy
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,9 +36,17 @@ import torch.distributed as dist
 from asyncrl.learner.advantages import group_rewards
 from asyncrl.learner.logprobs import causal_lm_logprobs, causal_lm_position_logprobs
 from asyncrl.learner.objective import STREAM_ESTIMATOR, Objective
-from asyncrl.learner.step import PackedBatch, TrainSample, pack, pack_opd, staleness_B
+from asyncrl.learner.step import (
+    PackedBatch,
+    StepResult,
+    StepTotals,
+    TrainSample,
+    pack,
+    pack_opd,
+    staleness_B,
+)
 from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
-from asyncrl.staleness.base import StalenessPolicy, TokenBatch, with_current_as_prox
+from asyncrl.staleness.base import Correction, StalenessPolicy, TokenBatch, with_current_as_prox
 from asyncrl.staleness.ewma import EwmaParams
 from asyncrl.staleness.exact import assemble_old_train_logp, versions_needed
 from asyncrl.staleness.freshness import freshness_score
@@ -43,56 +54,6 @@ from asyncrl.staleness.freshness import freshness_score
 
 class StalenessViolation(AssertionError):
     """A trajectory older than the configured bound reached the learner (an admission bug)."""
-
-
-@dataclass
-class StepResult:
-    step: int
-    num_trajectories: int
-    num_tokens: int
-    loss: float
-    mean_reward: float
-    max_staleness: int
-    mean_staleness: float
-    clip_fraction: float
-    grad_norm: float
-    lr_scale: float
-    policy_stats: dict[str, float]
-    streamed: int  # trajectories streamed on arrival (S0/S1)
-    deferred: int  # trajectories whose clip made them wait for their group
-    peak_stream_bytes: int
-    fallback: str  # "" when streaming, else why the step trained as one batch
-
-
-@dataclass
-class _Totals:
-    """Per-step sums; the first six are all-reduced across ranks."""
-
-    units: float = 0.0
-    loss: float = 0.0
-    clipped_tokens: float = 0.0
-    tokens: float = 0.0
-    reward: float = 0.0
-    seqs: float = 0.0
-    staleness_sum: float = 0.0
-    max_staleness: int = 0
-    stats_tokens: float = 0.0
-    stats: dict[str, float] = field(default_factory=dict)
-    lr_scale: float = 1.0
-    streamed: int = 0
-    deferred: int = 0
-
-    def add_samples(self, samples: Sequence[TrainSample], stale_B: torch.Tensor) -> None:
-        self.reward += sum(s.reward for s in samples)
-        self.seqs += len(samples)
-        self.staleness_sum += float(stale_B.sum())
-        self.max_staleness = max(self.max_staleness, int(stale_B.max()))
-
-    def add_stats(self, stats: dict[str, float], tokens: float) -> None:
-        for k, v in stats.items():
-            if math.isfinite(v):
-                self.stats[k] = self.stats.get(k, 0.0) + v * tokens
-        self.stats_tokens += tokens
 
 
 class Trainer:
@@ -151,12 +112,15 @@ class Trainer:
         if "old_train" in policy.needs:
             self.snapshots[0] = _snapshot(model)
         self.dtype = self.params[0].dtype
+        self.epochs = objective.epochs
         self.step = -1
 
     # ------------------------------------------------------------------ step state
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.totals = _Totals()
+        self.totals = StepTotals()
+        # What later epochs re-run (learner.epochs > 1): packed batches, or OPD's samples.
+        self.epoch_plans: list[_EpochPlan | Sequence[TrainSample]] = []
         self.members: dict[int, list[TrainSample]] = defaultdict(list)
         self.waiting: dict[int, list[TrainSample]] = defaultdict(list)
         self.deferred: set[int] = set()  # traj ids that tried to stream and could not
@@ -391,8 +355,9 @@ class Trainer:
             batch, samples, _stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
         )
 
-    def _backward_opd(self, samples: Sequence[TrainSample]) -> None:
-        """OPD loss of these trajectories; gradients accumulate into `.grad` (streams per chunk)."""
+    def _backward_opd(self, samples: Sequence[TrainSample], *, account: bool = True) -> None:
+        """OPD loss of these trajectories; gradients accumulate into `.grad` (streams per chunk).
+        `account` False: a later epoch, whose samples and loss the step has counted already."""
         if any(s.teacher_logprobs is None for s in samples):
             raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
         batch = pack(samples, pad_token_id=self.pad_token_id, require_complete=False)
@@ -406,6 +371,8 @@ class Trainer:
         )
         loss, kl = self.objective.opd_loss(logp_BLN[..., 0], logp_BLN, teacher, behav, ids, mask)
         loss.backward()
+        if not account:
+            return
         tokens = float(mask.sum())
         self.totals.loss += float(loss.detach())
         self.totals.units += self.objective.units(mask)
@@ -419,6 +386,8 @@ class Trainer:
         if self.objective.opd is not None:
             for start in range(0, len(samples), self.micro_batch_size):
                 self._backward_opd(samples[start : start + self.micro_batch_size])
+            if self.epochs > 1:
+                self.epoch_plans.append(samples)
             return
         batch = pack(samples, pad_token_id=self.pad_token_id)
         ids = batch.input_ids_BL
@@ -451,31 +420,66 @@ class Trainer:
         mask = valid & keep_GN[batch.group_B, batch.slot_B][:, None]
         corr = self._correct(batch, logp_now_BL, adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
-        kl_values = []
-        clipped = 0.0
-        for start in range(0, num, mb):
-            sl = slice(start, start + mb)
-            if not single:
-                logp_BL = self._logp(self.model, ids[sl])
-            part = corr._replace(
-                logp_anchor_BT=corr.logp_anchor_BT[sl], weight_BT=corr.weight_BT[sl], mask_BT=corr.mask_BT[sl]
-            )
-            loss, stats = self.objective.policy_loss(logp_BL, part, adv_BL[sl], mask[sl])
-            if logp_ref_BL is not None:
-                kl, kl_value = self.objective.kl_term(
-                    logp_BL, logp_ref_BL[sl], mask[sl], part.weight_BT * part.mask_BT
-                )
-                loss = loss + kl
-                kl_values.append(kl_value)
-            loss.backward()
-            self.totals.loss += float(loss.detach())
-            clipped += float(stats.clip_fraction) * float(stats.num_tokens)
+        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL)
+        if self.epochs > 1:
+            self.epoch_plans.append(plan)
+        loss_sum, clipped, kl_values = self._policy_backward(plan, logp_BL if single else None)
+        self.totals.loss += loss_sum
         self.totals.units += self.objective.units(mask)
         self.totals.lr_scale = corr.lr_scale
         stats = _stats_dict(corr)
         if kl_values:
             stats["kl"] = sum(kl_values) / len(kl_values)
         self._account(batch, samples, stats, tokens=float(mask.sum()), clipped=clipped)
+
+    def _policy_backward(
+        self, plan: _EpochPlan, logp_BL: torch.Tensor | None = None
+    ) -> tuple[float, float, list[float]]:
+        """Loss and backward of a packed batch, micro-batch by micro-batch, under the model as it
+        is now (`logp_BL`: its log-probs, with grad, when the caller already has them for the whole
+        batch). Returns the summed loss, the clipped token count and the KL values."""
+        ids, corr, adv_BL, mask, logp_ref_BL = plan
+        mb = self.micro_batch_size
+        kl_values: list[float] = []
+        loss_sum = clipped = 0.0
+        for start in range(0, ids.shape[0], mb):
+            sl = slice(start, start + mb)
+            logp_mb = logp_BL if logp_BL is not None else self._logp(self.model, ids[sl])
+            part = corr._replace(
+                logp_anchor_BT=corr.logp_anchor_BT[sl], weight_BT=corr.weight_BT[sl], mask_BT=corr.mask_BT[sl]
+            )
+            loss, stats = self.objective.policy_loss(logp_mb, part, adv_BL[sl], mask[sl])
+            if logp_ref_BL is not None:
+                kl, kl_value = self.objective.kl_term(
+                    logp_mb, logp_ref_BL[sl], mask[sl], part.weight_BT * part.mask_BT
+                )
+                loss = loss + kl
+                kl_values.append(kl_value)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped += float(stats.clip_fraction) * float(stats.num_tokens)
+        return loss_sum, clipped, kl_values
+
+    def _later_epoch_backward(self) -> None:
+        """One more pass over the step's batch under the updated model: same anchors, corrections
+        and advantages (PPO epochs); OPD recomputes its per-token advantage under the student."""
+        for plan in self.epoch_plans:
+            if isinstance(plan, _EpochPlan):
+                self._policy_backward(plan)
+                continue
+            for start in range(0, len(plan), self.micro_batch_size):
+                self._backward_opd(plan[start : start + self.micro_batch_size], account=False)
+
+    def _apply_gradient(self, grad_P: torch.Tensor, lr_scale: float) -> float:
+        """Write the (already reduced and scaled) gradient, clip, step; returns the norm before clipping."""
+        write_flat_grad(self.params, grad_P)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * lr_scale
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        return grad_norm
 
     # ------------------------------------------------------------------ the update
     def finish_step(self) -> StepResult:
@@ -502,13 +506,14 @@ class Trainer:
         units, loss, clipped, tokens, reward, seqs, stale_sum = summed.tolist()
         denominator = self.objective.denominator(units)
         scale = 1.0 / denominator if denominator > 0 else 0.0
-        write_flat_grad(self.params, grad_P * scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * t.lr_scale
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        grad_norm = self._apply_gradient(grad_P * scale, t.lr_scale)
+        for _ in range(1, self.epochs):  # the same Z: the masks do not change between epochs
+            self._later_epoch_backward()
+            grad_P = flatten_grads(self.params, dtype=self.dtype)
+            if self.process_group is not None:
+                dist.all_reduce(grad_P, group=self.process_group)
+            grad_norm = self._apply_gradient(grad_P * scale, t.lr_scale)
+        self.epoch_plans = []
         self._after_update()
         stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
         return StepResult(
@@ -528,6 +533,16 @@ class Trainer:
             peak_stream_bytes=peak,
             fallback=self.fallback,
         )
+
+
+class _EpochPlan(NamedTuple):
+    """A packed batch ready for loss and backward: what a later epoch re-runs."""
+
+    ids_BL: torch.Tensor
+    corr: Correction  # anchor log-probs, weights, mask: fixed at the step's start
+    adv_BL: torch.Tensor
+    mask_BL: torch.Tensor
+    logp_ref_BL: torch.Tensor | None
 
 
 def _trained_tokens(sample: TrainSample) -> int:

@@ -1,5 +1,6 @@
 """`asyncrl launch --set learner.world_size=2`: two gloo learner ranks, each streaming its own
-groups, give the same update as one rank (sync mode, so both runs train on identical samples)."""
+groups, give the same update as one rank (sync mode, so both runs train on identical samples), with
+one epoch per batch and with two."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _final_params(run_dir):
     return state
 
 
-def test_two_learner_ranks_equal_one(run_short_job):
+@pytest.mark.parametrize("extra", [[], ["learner.epochs=2"]], ids=["one_epoch", "two_epochs"])
+def test_two_learner_ranks_equal_one(run_short_job, extra):
     # The shipped model (the tiny untrained one earns no reward, so its gradient would be zero).
     common = [
         "mode=sync",
@@ -36,6 +38,7 @@ def test_two_learner_ranks_equal_one(run_short_job):
         # on entries where g is float noise around zero and the two summation orders disagree.)
         "learner.optimizer=sgd",
         "learner.lr=1.0",
+        *extra,  # two epochs: a second all-reduce and update after the first, on both ranks alike
     ]
     _, one = run_short_job(*common, name="one")
     proc, two = run_short_job(*common, "learner.world_size=2", name="two", timeout=240)

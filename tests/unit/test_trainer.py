@@ -165,6 +165,7 @@ FALLBACK = {
     "kl_loss": (["learner.kl_coef=0.1", "learner.kl_estimator=k3"], "KL"),
     "kl_reward": (["learner.kl_coef=0.1", "learner.kl_estimator=k1", "learner.kl_placement=reward"], "KL"),
     "mc_grpo": (["learner.advantage=mc_grpo"], "median"),
+    "epochs": (["learner.epochs=2"], "epochs"),
 }
 
 
@@ -183,7 +184,7 @@ def test_non_streamable_configs_fall_back_and_equal_the_batch_update(tiny_model_
     assert not torch.equal(_params(model), _params(base))  # it did train
 
 
-@pytest.mark.parametrize("name", ["grpo", "m2po", "kl_loss", "mc_grpo", "gspo"])
+@pytest.mark.parametrize("name", ["grpo", "m2po", "kl_loss", "mc_grpo", "gspo", "epochs"])
 def test_micro_batching_changes_nothing(tiny_model_dir, name):
     sets = STREAMING[name] if name in STREAMING else FALLBACK[name][0]
     group_size = 5 if name == "mc_grpo" else 4
@@ -431,3 +432,55 @@ def test_a_group_weight_scales_its_policy_gradient_exactly(tiny_model_dir, strea
     zero, half, one = update(0.0), update(0.5), update(1.0 - 1e-12)
     assert float((one - zero).abs().max()) > 1e-6  # the group's gradient is not nothing
     torch.testing.assert_close(half, (zero + one) / 2, rtol=0, atol=1e-10)
+
+
+def test_later_epochs_rerun_the_batch_against_the_step_start_anchor(tiny_model_dir):
+    """learner.epochs=2 (PPO epochs): the second pass sees the updated model's log-probs but the
+    same anchor, advantages and mask as the first; the optimizer steps twice; the step's samples,
+    tokens and loss are counted once."""
+    from asyncrl.learner.logprobs import causal_lm_logprobs
+    from asyncrl.learner.step import pack
+
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=0.5, seed=9)
+    calls = []
+    trainer = _trainer(copy.deepcopy(base), "learner.streaming=off", "learner.epochs=2")
+    real = trainer.objective.policy_loss
+
+    def spy(logp_BT, corr, adv_BT, mask_BT):
+        calls.append((logp_BT.detach().clone(), corr.logp_anchor_BT.clone(), adv_BT.clone(), mask_BT.clone()))
+        return real(logp_BT, corr, adv_BT, mask_BT)
+
+    object.__setattr__(trainer.objective, "policy_loss", spy)
+    trainer.begin_step(STEP)
+    trainer.batch_backward(samples)
+    assert len(calls) == 1
+    result = trainer.finish_step()
+    assert len(calls) == 2  # one more pass, inside finish_step
+    (logp_1, anchor_1, adv_1, mask_1), (logp_2, anchor_2, adv_2, mask_2) = calls
+    assert torch.equal(anchor_1, anchor_2) and torch.equal(adv_1, adv_2) and torch.equal(mask_1, mask_2)
+    batch = pack(sorted(samples, key=lambda s: s.traj_id), pad_token_id=0)
+    with torch.no_grad():  # the anchor is the policy at the step's start (the proximal policy)
+        start = causal_lm_logprobs(base, batch.input_ids_BL).logp
+    torch.testing.assert_close(logp_1[mask_1], start[mask_1], rtol=0, atol=1e-12)
+    assert float((logp_2 - logp_1)[mask_1].abs().max()) > 1e-6  # the second pass ran the updated model
+    assert all(state["step"] == 2 for state in trainer.optimizer.state.values())
+    assert result.num_trajectories == len(samples)
+    assert result.num_tokens == sum(len(s.completion_ids) for s in samples)
+    one = _batch_step(copy.deepcopy(base), samples)
+    assert result.loss == pytest.approx(one.loss, abs=1e-12)  # the first epoch's loss
+    assert result.num_tokens == one.num_tokens
+
+
+def test_opd_later_epochs_count_once(tiny_model_dir, tmp_path):
+    from asyncrl.models.tiny import create_base
+
+    base = _model(tiny_model_dir)
+    teacher_dir = create_base(tmp_path / "teacher", hidden_size=32, num_layers=1, num_heads=2, seed=7)
+    samples = _with_opd(base, _model(teacher_dir), _samples(base))
+    one_model, two_model = copy.deepcopy(base), copy.deepcopy(base)
+    one = _batch_step(one_model, samples, "opd.enabled=true", "opd.num_samples=3")
+    two = _batch_step(two_model, samples, "opd.enabled=true", "opd.num_samples=3", "learner.epochs=2")
+    assert two.num_trajectories == one.num_trajectories == len(samples)
+    assert two.loss == pytest.approx(one.loss, abs=1e-12)
+    assert not torch.allclose(_params(one_model), _params(two_model))  # a second update happened
