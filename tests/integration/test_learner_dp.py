@@ -23,7 +23,11 @@ def _final_params(run_dir):
     return state
 
 
-@pytest.mark.parametrize("extra", [[], ["learner.epochs=2"]], ids=["one_epoch", "two_epochs"])
+# Two epochs at lr 0.1: at lr 1 the first update moves the policy so far that the clip binds almost
+# everywhere in the second pass, whose gradient (the reported grad_norm) is then float noise.
+@pytest.mark.parametrize(
+    "extra", [[], ["learner.epochs=2", "learner.lr=0.1"]], ids=["one_epoch", "two_epochs"]
+)
 def test_two_learner_ranks_equal_one(run_short_job, extra):
     # The shipped model (the tiny untrained one earns no reward, so its gradient would be zero).
     common = [
