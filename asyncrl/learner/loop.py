@@ -47,6 +47,24 @@ def load_policy_model(path: Path, threads: int, seed: int):
     return model, tokenizer
 
 
+def gradient_mode(fallback: str) -> str:
+    """How the learner turns trajectories into gradients, as the log and the launcher state it."""
+    if fallback:
+        return f"learner: whole-batch steps (no gradient streaming): {fallback}"
+    return "learner: streaming per-trajectory gradients"
+
+
+def config_gradient_mode(config) -> str:
+    """`gradient_mode` from the config alone (the launcher states it before any process starts)."""
+    from asyncrl.config import check_staleness_policy
+    from asyncrl.learner.objective import Objective
+
+    if config.learner.sink:
+        return "learner: sink (records each window, trains nothing)"
+    policy = check_staleness_policy(config.staleness)
+    return gradient_mode(Objective.from_config(config).fallback_reason(policy) or "")
+
+
 def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Trainer:
     from asyncrl.config import check_staleness_policy
     from asyncrl.learner.objective import Objective

@@ -30,7 +30,14 @@ from asyncrl.learner.checkpoint import (
     load_learner_checkpoint,
     save_learner_checkpoint,
 )
-from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, local_window_size, rank_of_group
+from asyncrl.learner.loop import (
+    StepLoop,
+    build_trainer,
+    gradient_mode,
+    load_policy_model,
+    local_window_size,
+    rank_of_group,
+)
 from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import RankGroup
 from asyncrl.learner.step import TrainSample, sample_from_message
@@ -59,10 +66,7 @@ class LearnerService:
             self.model,
             pad_token_id=self.tokenizer.pad_token_id,
         )
-        if self.trainer.fallback:
-            log.info("learner: whole-batch steps (no gradient streaming): %s", self.trainer.fallback)
-        else:
-            log.info("learner: streaming per-trajectory gradients")
+        log.info(gradient_mode(self.trainer.fallback))
         self.publisher = make_publisher(
             cfg,
             run_dir=ctx.run_dir,

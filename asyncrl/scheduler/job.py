@@ -107,6 +107,9 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
             (run_dir / "summary.json").rename(run_dir / f"summary-before-resume-{resume_version}.json")
         reporter.event(f"resuming at policy_version {resume_version}")
     reporter.event(f"run directory: {run_dir}")
+    from asyncrl.learner.loop import config_gradient_mode
+
+    reporter.event(config_gradient_mode(config))
     launcher = Launcher(config, run_dir, path, reporter, resume_version=resume_version)
     t0 = time.perf_counter()
     eval_before = evaluate(config, path, launcher.task.eval_problems) if not resume_version else float("nan")

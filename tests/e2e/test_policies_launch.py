@@ -24,7 +24,7 @@ OBJECTIVES = [
     ["learner.advantage=rloo", 'learner.agg="seq-mean-token-mean"'],
     ["learner.advantage=mc_grpo", "learner.samples_per_group=5"],
     ["learner.clip_high=0.28", "learner.drop_degenerate_groups=true"],  # DAPO
-    ["learner.dual_clip=3.0"],
+    ["learner.dual_clip=3.0", "learner.epochs=2"],  # PPO epochs: the dual clip binds in the second pass
     ["learner.loss=gspo", 'learner.agg="seq-mean-token-mean"'],
     ["learner.loss=cispo"],
     ["learner.kl_coef=0.01", "learner.kl_estimator=k3"],
@@ -58,6 +58,11 @@ def test_short_job_runs(run_short_job, case):
     proc, run_dir = run_short_job("staleness.max_staleness=1", *CASES[case])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["trajectories_lost"] == 0
+    # The launcher states how the learner trains: fallbacks with their reason.
+    whole_batch = "learner: whole-batch steps (no gradient streaming)" in proc.stdout
+    assert whole_batch or "learner: streaming per-trajectory gradients" in proc.stdout
+    if "learner.epochs=2" in CASES[case] or "staleness.policy=m2po" in CASES[case]:
+        assert whole_batch
     steps = read_records(run_dir, "step")
     assert len(steps) == 3
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in steps)
