@@ -157,7 +157,7 @@ class StepResult:
 
 @dataclass
 class StepTotals:
-    """Per-step sums; the first six are all-reduced across ranks."""
+    """Per-step sums; the first seven (units .. staleness_sum) are all-reduced across ranks."""
 
     units: float = 0.0
     loss: float = 0.0
