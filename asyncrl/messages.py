@@ -6,7 +6,7 @@ zero-copy frames described by `TensorRef`.
 
 Data flow (see asyncrl/__init__.py for the whole picture):
   scheduler -> generator : Hello, PromptTask, WeightsPublished, Shutdown
-  generator -> learner   : Trajectory (+ tensor frames)
+  generator -> learner   : Trajectories (a group's samples) or Trajectory (+ tensor frames)
   generator -> scheduler : Hello, TaskDone, WeightsLoaded, Metrics, Heartbeat, Fatal
   learner   -> scheduler : Hello, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
@@ -101,6 +101,18 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     # bool [T]: tokens the learner trains on (multi-turn episodes mask tool output out); absent =
     # every token. Its frame follows the others.
     loss_mask: TensorRef | None = None
+
+
+class Trajectories(_Msg, frozen=True, kw_only=True):
+    """Several trajectories in one message (a generator sends each finished group this way).
+
+    Each item's TensorRefs number its own frames from 0, as in a lone Trajectory; the message's
+    frames are the items' frames in item order (`asyncrl.transport.codec.split_trajectories`
+    gives each item its own). One message instead of one per sample saves both ends the
+    per-message cost (bench/README.md, "Pipeline").
+    """
+
+    items: list[Trajectory]
 
 
 class TaskDone(_Msg, frozen=True, kw_only=True):
@@ -209,6 +221,7 @@ Message = (
     Hello
     | PromptTask
     | Trajectory
+    | Trajectories
     | TaskDone
     | WeightsPublished
     | WeightsLoaded

@@ -1,7 +1,8 @@
 """Generator process: the sockets around one `Generator` plugin.
 
-Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes one Trajectory per
-sample to the learner (PUSH, tensors as frames), and reports TaskDone / WeightsLoaded / Metrics
+Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes each finished group
+to the learner as one Trajectories message, a Trajectory per sample (PUSH, tensors as frames),
+and reports TaskDone / WeightsLoaded / Metrics
 back. A Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
 `opd.enabled`: then frames 3-5 are the [T, N] teacher log-probs, cached ids and their behavior
 log-probs (docs/opd.md).
@@ -25,6 +26,7 @@ Run as `python -m asyncrl.generators.service --ctrl ADDR --peer-id ID --run-dir 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 import time
@@ -44,7 +46,7 @@ from asyncrl.messages import (
     WeightsPublished,
 )
 from asyncrl.runtime import ChildContext, run_child
-from asyncrl.transport.codec import tensor_ref
+from asyncrl.transport.codec import batch_trajectories, tensor_ref
 from asyncrl.transport.manifest import WeightsCorruptError
 from asyncrl.transport.receiver import WeightsReceiver
 from asyncrl.transport.zmq_io import Endpoint
@@ -86,24 +88,35 @@ def opd_frames(
     return teacher, opd_ids, opd_logps
 
 
+def _wire_array(values, code: str, dtype: torch.dtype) -> array.array | torch.Tensor:
+    """A flat list as it goes on the wire: an `array.array` (the codec sends its bytes; a tenth
+    of the cost of a tensor for a short list), or a tensor when the values are not plain numbers
+    of that kind (torch converts them, or names the problem)."""
+    try:
+        return array.array(code, values)
+    except (TypeError, OverflowError):
+        return torch.tensor(values, dtype=dtype)
+
+
 def trajectory_frames(
     task: PromptTask, r: Rollout, generator_id: str, generate_s: float, *, num_opd_samples: int = 0
 ):
     """The Trajectory message for one rollout and its tensor frames: three, three more when
     `num_opd_samples` (opd.num_samples, with opd.enabled) is > 0, and the loss mask when the
     rollout masks any token out."""
-    ids = torch.tensor(r.completion_ids, dtype=torch.int64)
-    logps = torch.tensor(r.behavior_logprobs, dtype=torch.float32)
-    versions = torch.tensor(r.token_versions, dtype=torch.int64)
+    ids = _wire_array(r.completion_ids, "q", torch.int64)
+    logps = _wire_array(r.behavior_logprobs, "f", torch.float32)
+    versions = _wire_array(r.token_versions, "q", torch.int64)
     if not (len(ids) == len(logps) == len(versions)):
         raise ValueError(
             f"generator {generator_id}: rollout of task {task.task_id} has {len(ids)} tokens, "
             f"{len(logps)} log-probs and {len(versions)} versions; they must match"
         )
-    tensors: tuple[torch.Tensor, ...] = (ids, logps, versions)
+    tensors: tuple[torch.Tensor | array.array, ...] = (ids, logps, versions)
     opd_refs = {}
     if num_opd_samples > 0:
-        teacher, opd_ids, opd_logps = opd_frames(task, r, generator_id, ids, num_opd_samples)
+        ids_T = torch.as_tensor(r.completion_ids, dtype=torch.int64)
+        teacher, opd_ids, opd_logps = opd_frames(task, r, generator_id, ids_T, num_opd_samples)
         tensors += (teacher, opd_ids, opd_logps)
         opd_refs = {
             "teacher_logprobs": tensor_ref(3, teacher),
@@ -357,13 +370,13 @@ class GeneratorService:
                     f"generator {self.ctx.peer_id} returned samples {sorted(r.sample_index for r in group)} "
                     f"for task {task.task_id}; expected 0..{task.num_samples - 1} exactly once"
                 )
-            num_tokens = 0
-            for r in group:
-                msg, tensors = trajectory_frames(
-                    task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples
-                )
+            frames = [
+                trajectory_frames(task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples)
+                for r in group
+            ]
+            for msg, tensors in batch_trajectories(frames):  # the group in one message
                 await self.data.send(msg, tensors)
-                num_tokens += len(r.completion_ids)
+            num_tokens = sum(len(r.completion_ids) for r in group)
             self.num_samples += len(group)
             self.num_tokens += num_tokens
             await self.ctx.ctrl.send(

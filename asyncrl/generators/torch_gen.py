@@ -148,11 +148,12 @@ class TorchGenerator:
         self.num_inflight_updates += out.num_weight_updates
         opd = self._score_with_teacher(prompts, out) if self._teacher is not None else None
         rollouts = []
+        prompt_texts = {t.task_id: tok.decode(t.prompt_ids, skip_special_tokens=True) for t in tasks}
         for j, ((task, k), ids, logps, versions, finish) in enumerate(
             zip(owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True)
         ):
             text = tok.decode(ids, skip_special_tokens=True)
-            prompt_text = tok.decode(task.prompt_ids, skip_special_tokens=True)
+            prompt_text = prompt_texts[task.task_id]
             rollouts.append(
                 Rollout(
                     task_id=task.task_id,

@@ -1,9 +1,10 @@
 """Learner process: receives trajectories, streams their gradients into one optimizer step per
 admission window (`trainer.py`), and publishes every new policy_version (`transport.publisher`).
 
-Sockets: PULL (bound, loopback) for Trajectory messages from generators; DEALER to the launcher
-for Hello / StepDone / WeightsPublished / Metrics out and WeightsLoaded / Shutdown in. Torch work
-runs in a worker thread so heartbeats and receives stay responsive.
+Sockets: PULL (bound, loopback) for Trajectories (a group's samples) and Trajectory messages from
+generators; DEALER to the launcher for Hello / StepDone / WeightsPublished / Metrics out and
+WeightsLoaded / Shutdown in. Torch work runs in a worker thread so heartbeats and receives stay
+responsive.
 
 Window s (the groups admitted for step s) is trained at policy_version s: its trajectories wait
 in the inbox until step s - 1 is done, then each is trained as soon as the trainer can take it,
@@ -42,8 +43,9 @@ from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import RankGroup
 from asyncrl.learner.step import TrainSample, sample_from_message
 from asyncrl.learner.trainer import StepResult
-from asyncrl.messages import GroupsLeft, Metrics, Shutdown, StepDone, Trajectory, WeightsLoaded
+from asyncrl.messages import GroupsLeft, Metrics, Shutdown, StepDone, Trajectories, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
+from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.publisher import make_publisher
 from asyncrl.transport.zmq_io import Endpoint
 
@@ -117,45 +119,48 @@ class LearnerService:
     async def data_loop(self) -> None:
         while True:
             _, msg, tensors = await self.data.recv()
-            if not isinstance(msg, Trajectory):
+            if not isinstance(msg, Trajectory | Trajectories):
                 log.error("learner: %s on the trajectory socket; dropped", type(msg).__name__)
                 continue
-            if msg.traj_id in self.restored:
-                self.num_regenerated += 1  # the checkpoint's copy is kept
-                continue
-            if msg.traj_id in self.seen:
-                self.num_duplicates += 1
-                log.error("learner: duplicate trajectory %d dropped", msg.traj_id)
-                continue
-            if msg.step < self.version and not self.pool:  # pool mode: the buffer's bounds decide
-                log.error(
-                    "learner: trajectory %d for past step %d dropped (now at %d)",
-                    msg.traj_id,
-                    msg.step,
-                    self.version,
-                )
-                continue
-            ids, logps, versions = tensors[:3]
-            opd = [
-                tensors[r.frame] for r in (msg.teacher_logprobs, msg.opd_ids, msg.opd_behavior_logprobs) if r
-            ]
-            problem = (
-                _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps)
-                or _invalid_opd(ids, opd, self.ctx.config.opd)
-                or _invalid_mask(ids, msg.loss_mask and tensors[msg.loss_mask.frame])
+            for item, frames in split_trajectories(msg, tensors):
+                await self.take(item, frames)
+
+    async def take(self, msg: Trajectory, tensors: list[torch.Tensor]) -> None:
+        """One received trajectory: dropped (counted, logged) or handed to its rank's loop."""
+        if msg.traj_id in self.restored:
+            self.num_regenerated += 1  # the checkpoint's copy is kept
+            return
+        if msg.traj_id in self.seen:
+            self.num_duplicates += 1
+            log.error("learner: duplicate trajectory %d dropped", msg.traj_id)
+            return
+        if msg.step < self.version and not self.pool:  # pool mode: the buffer's bounds decide
+            log.error(
+                "learner: trajectory %d for past step %d dropped (now at %d)",
+                msg.traj_id,
+                msg.step,
+                self.version,
             )
-            if problem:
-                self.num_invalid += 1
-                log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
-                continue
-            self.seen.add(msg.traj_id)
-            rank = rank_of_group(msg.group_id, self.cfg.world_size)
-            if rank != 0:
-                await self.ranks.forward(rank, msg, tensors)
-                continue
-            self.loop.add(msg.step, sample_from_message(msg, tensors))
-            if self.pool:
-                await self.send_left()  # a group withheld or dropped as it arrived frees its credit now
+            return
+        ids, logps, versions = tensors[:3]
+        opd = [tensors[r.frame] for r in (msg.teacher_logprobs, msg.opd_ids, msg.opd_behavior_logprobs) if r]
+        problem = (
+            _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps)
+            or _invalid_opd(ids, opd, self.ctx.config.opd)
+            or _invalid_mask(ids, msg.loss_mask and tensors[msg.loss_mask.frame])
+        )
+        if problem:
+            self.num_invalid += 1
+            log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
+            return
+        self.seen.add(msg.traj_id)
+        rank = rank_of_group(msg.group_id, self.cfg.world_size)
+        if rank != 0:
+            await self.ranks.forward(rank, msg, tensors)
+            return
+        self.loop.add(msg.step, sample_from_message(msg, tensors))
+        if self.pool:
+            await self.send_left()  # a group withheld or dropped as it arrived frees its credit now
 
     async def ctrl_loop(self) -> None:
         while True:

@@ -9,10 +9,14 @@ ZeroMQ about a third as much per trajectory (bench/README.md, "Pipeline"); large
 frame each and travel without a copy. Decoding validates everything (type tag, frame count,
 dtype allow-list, byte sizes) and raises `MalformedFrame` on any mismatch: receivers count and
 drop such messages, never crash, and nothing is ever unpickled.
+
+A `Trajectories` message carries several trajectories: its frames are each item's frames in turn
+(`batch_trajectories` builds it, `split_trajectories` hands each item its own tensors back).
 """
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 import typing
@@ -23,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl.messages import Message, TensorRef
+from asyncrl.messages import Message, TensorRef, Trajectories, Trajectory
 
 # Tensors we put on the wire; anything else in a header is rejected.
 DTYPES: dict[str, torch.dtype] = {
@@ -44,6 +48,9 @@ PACK_MAX_BYTES = 1 << 20
 # Each packed tensor starts at a multiple of this (any dtype's size), so views of it are aligned.
 PACK_ALIGN = 8
 _PADDING = [bytes(n) for n in range(PACK_ALIGN)]
+# array.array type codes that may travel as tensors (1-D): a sender holding Python lists skips
+# torch on its side, which costs about ten times as much per short list.
+ARRAY_DTYPES: dict[str, str] = {"q": "int64", "d": "float64", "f": "float32"}
 _ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
 
 # Received frames are read-only buffers that `_tensor_from` wraps without copying (callers treat
@@ -66,12 +73,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_ref(frame: int, tensor: torch.Tensor) -> TensorRef:
+def tensor_ref(frame: int, tensor: torch.Tensor | array.array) -> TensorRef:
+    if isinstance(tensor, array.array):
+        return TensorRef(frame=frame, dtype=_array_dtype(tensor), shape=(len(tensor),))
     return TensorRef(frame=frame, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
 
 
-def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+def tensor_buffer(tensor: torch.Tensor | array.array) -> memoryview:
     """The bytes of a CPU tensor without copying (a contiguous copy only if it is strided)."""
+    if isinstance(tensor, array.array):
+        _array_dtype(tensor)
+        return memoryview(tensor).cast("B")
     t = tensor.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.cpu().contiguous()
@@ -82,9 +94,10 @@ def tensor_buffer(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())  # via uint8: numpy has no bfloat16
 
 
-def encode(msg: Any, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
+def encode(msg: Any, tensors: Sequence[torch.Tensor | array.array] = ()) -> list[Any]:
     """Frames for `zmq.Socket.send_multipart(frames, copy=False)`: the header, then the tensors'
-    bytes, packed into one frame when there are several and they total <= PACK_MAX_BYTES."""
+    bytes, packed into one frame when there are several and they total <= PACK_MAX_BYTES.
+    A 1-D `array.array` of a code in ARRAY_DTYPES may stand in for a tensor (it arrives as one)."""
     buffers = [tensor_buffer(t) for t in tensors]
     if len(buffers) > 1 and sum(b.nbytes for b in buffers) <= PACK_MAX_BYTES:
         padded = []
@@ -107,22 +120,17 @@ def decode(frames: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
         msg = _decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MalformedFrame(f"undecodable header: {exc}") from None
-    refs = [ref for f in _ref_fields(type(msg)) if (ref := getattr(msg, f)) is not None]
-    packed = len(refs) > 1 and len(frames) == 2
-    if len(refs) != len(frames) - 1 and not packed:
+    layout = _frame_layout(msg)
+    packed = len(layout) > 1 and len(frames) == 2
+    if len(layout) != len(frames) - 1 and not packed:
         raise MalformedFrame(
-            f"{type(msg).__name__} names {len(refs)} tensor frames but {len(frames) - 1} came"
+            f"{type(msg).__name__} names {len(layout)} tensor frames but {len(frames) - 1} came"
         )
-    by_index: list[TensorRef | None] = [None] * len(refs)
-    for ref in refs:
-        if not 0 <= ref.frame < len(refs) or by_index[ref.frame] is not None:
-            raise MalformedFrame(f"tensor frame index {ref.frame} out of range or repeated")
-        by_index[ref.frame] = ref
-    sizes = [_nbytes(ref) for ref in by_index]
+    sizes = [_nbytes(ref) for ref in layout]
     if not packed:
         return msg, [
             _tensor_from(ref, _as_buffer(frames[1 + i]), size)
-            for i, (ref, size) in enumerate(zip(by_index, sizes, strict=True))
+            for i, (ref, size) in enumerate(zip(layout, sizes, strict=True))
         ]
     blob = _as_buffer(frames[1])
     need = sum(n + (-n % PACK_ALIGN) for n in sizes)
@@ -131,10 +139,56 @@ def decode(frames: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
             f"packed tensor frame has {len(blob)} bytes, {type(msg).__name__}'s tensors need {need}"
         )
     tensors, start = [], 0
-    for ref, size in zip(by_index, sizes, strict=True):
+    for ref, size in zip(layout, sizes, strict=True):
         tensors.append(_tensor_from(ref, blob[start : start + size], size))
         start += size + (-size % PACK_ALIGN)
     return msg, tensors
+
+
+def batch_trajectories(
+    pairs: Sequence[tuple[Trajectory, Sequence[torch.Tensor]]],
+) -> list[tuple[Trajectories, list[torch.Tensor]]]:
+    """Trajectories and their tensor frames -> `Trajectories` messages with the frames in item
+    order: one message, or several when the frames would pass MAX_FRAMES unpacked."""
+    out: list[tuple[list[Trajectory], list[torch.Tensor]]] = []
+    for msg, tensors in pairs:
+        if not out or len(out[-1][1]) + len(tensors) > MAX_FRAMES - 1:
+            out.append(([], []))
+        out[-1][0].append(msg)
+        out[-1][1].extend(tensors)
+    return [(Trajectories(items=items), tensors) for items, tensors in out]
+
+
+def split_trajectories(
+    msg: Trajectory | Trajectories, tensors: Sequence[torch.Tensor]
+) -> list[tuple[Trajectory, list[torch.Tensor]]]:
+    """A decoded Trajectory or Trajectories -> (trajectory, its own tensor frames) pairs."""
+    if isinstance(msg, Trajectory):
+        return [(msg, list(tensors))]
+    out, start = [], 0
+    for item in msg.items:
+        count = sum(getattr(item, f) is not None for f in _ref_fields(Trajectory))
+        out.append((item, list(tensors[start : start + count])))
+        start += count
+    return out
+
+
+def _frame_layout(msg: Any) -> list[TensorRef]:
+    """The TensorRefs of a decoded message in frame order; MalformedFrame unless each struct's
+    refs number its frames 0..n-1 exactly once. A Trajectories' items follow one another."""
+    if isinstance(msg, Trajectories):
+        return [ref for item in msg.items for ref in _own_frames(item)]
+    return _own_frames(msg)
+
+
+def _own_frames(msg: Any) -> list[TensorRef]:
+    refs = [ref for f in _ref_fields(type(msg)) if (ref := getattr(msg, f)) is not None]
+    by_index: list[TensorRef | None] = [None] * len(refs)
+    for ref in refs:
+        if not 0 <= ref.frame < len(refs) or by_index[ref.frame] is not None:
+            raise MalformedFrame(f"tensor frame index {ref.frame} out of range or repeated")
+        by_index[ref.frame] = ref
+    return by_index  # type: ignore[return-value]  # every slot filled: len(refs) distinct indices
 
 
 @functools.cache
@@ -143,6 +197,15 @@ def _ref_fields(cls: type) -> tuple[str, ...]:
     fields cannot: msgspec checked every field against its annotation)."""
     hints = typing.get_type_hints(cls)
     return tuple(f for f in cls.__struct_fields__ if TensorRef in (hints[f], *typing.get_args(hints[f])))
+
+
+def _array_dtype(values: array.array) -> str:
+    dtype = ARRAY_DTYPES.get(values.typecode)
+    if dtype is None:
+        raise ValueError(
+            f"array type code {values.typecode!r} cannot travel (allowed: {', '.join(ARRAY_DTYPES)})"
+        )
+    return dtype
 
 
 def _as_buffer(frame: Any) -> memoryview:

@@ -5,7 +5,7 @@ Delivery semantics: every socket sets linger and high-water marks explicitly. Co
 than drop. Trajectories (PUSH/PULL) use the credit-bounded admission upstream, so queues stay
 short by construction. A malformed frame is logged, counted in `rejected`, and dropped; so is a
 well-formed message of a type the socket does not carry (`accept`; a PULL socket carries only
-Trajectory), and whatever the owner rejects after decoding (`reject`, e.g. an unknown sender).
+Trajectory and Trajectories), and whatever the owner rejects after decoding (`reject`, e.g. an unknown sender).
 
 Speed: on the one-way data sockets (PUSH sends, PULL receives), a message that can go, or is
 already queued, moves through a synchronous shadow of the socket with NOBLOCK, without a Future
@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from asyncrl.messages import Trajectory
+from asyncrl.messages import Trajectories, Trajectory
 from asyncrl.transport.codec import MalformedFrame, decode, encode
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ CONTROL_HWM = 100_000
 DATA_HWM = 100_000
 RECV_STREAK = 64
 # Message types a socket of this kind carries when the owner does not say (`accept=`).
-DEFAULT_ACCEPT: dict[int, tuple[type, ...]] = {zmq.PULL: (Trajectory,)}
+DEFAULT_ACCEPT: dict[int, tuple[type, ...]] = {zmq.PULL: (Trajectory, Trajectories)}
 _BY_KIND = object()
 
 

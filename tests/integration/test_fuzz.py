@@ -36,6 +36,7 @@ from asyncrl.messages import (
     Shutdown,
     StepDone,
     TensorRef,
+    Trajectories,
     Trajectory,
     WeightsLoaded,
     WeightsPublished,
@@ -124,6 +125,8 @@ def malformed_messages(rng: random.Random, *, wrong_types: list, canary: Path) -
         lambda: encode(rng.choice(wrong_types)),  # well-formed, wrong type for this socket
         lambda: [encode(_trajectory())[0], tensor, tensor],  # a tensor frame missing
         lambda: [encode(_trajectory())[0], tensor, tensor, tensor, tensor],  # one too many
+        lambda: [encode(Trajectories(items=[_trajectory(), _trajectory()]))[0], tensor, tensor, tensor],
+        # ^ a group whose second item's frames are missing
         lambda: (
             [encode(_trajectory(completion_ids=TensorRef(frame=0, dtype="object", shape=(2,))))[0]]
             + [tensor] * 3

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import array
+
 import msgspec
 import pytest
 import torch
 
 from asyncrl.messages import PromptTask, SamplingParams, TensorRef, Trajectory, WeightsLoaded
 from asyncrl.transport.codec import (
+    MAX_FRAMES,
     PACK_MAX_BYTES,
     MalformedFrame,
+    batch_trajectories,
     decode,
     encode,
+    split_trajectories,
     tensor_buffer,
     tensor_ref,
 )
@@ -145,3 +150,82 @@ def test_tensor_frame_size_mismatch_and_bad_dtype():
     decode(frames)  # the untouched message is fine
     with pytest.raises(MalformedFrame, match="out of range or repeated"):
         decode(_to_bytes(encode(dup, [ids, torch.zeros(3), torch.zeros(3, dtype=torch.int64)])))
+
+
+# ----------------------------------------------------------------------------- Trajectories
+def _item(traj_id: int, length: int, *, mask: bool = False):
+    """A Trajectory of `length` tokens and its frames (three, or four with a loss mask)."""
+    ids = torch.arange(length, dtype=torch.int64) + traj_id
+    logps = -torch.rand(length)
+    versions = torch.full((length,), traj_id, dtype=torch.int64)
+    tensors = [ids, logps, versions]
+    msg = msgspec.structs.replace(
+        _trajectory(ids, logps, versions), traj_id=traj_id, sample_index=traj_id % 4
+    )
+    if mask:
+        loss_mask = torch.arange(length) % 2 == 0
+        msg = msgspec.structs.replace(msg, loss_mask=tensor_ref(3, loss_mask))
+        tensors.append(loss_mask)
+    return msg, tensors
+
+
+@pytest.mark.parametrize("length", [3, PACK_MAX_BYTES // 16], ids=["packed", "a-frame-each"])
+def test_trajectories_round_trip_each_item_with_its_own_frames(length):
+    pairs = [_item(0, length), _item(1, length + 1, mask=True), _item(2, 1)]
+    [(msg, tensors)] = batch_trajectories(pairs)
+    frames = _to_bytes(encode(msg, tensors))
+    assert len(frames) == (2 if length == 3 else 1 + 10)
+    got, flat = decode(frames)
+    assert got == msg
+    out = split_trajectories(got, flat)
+    assert [m for m, _ in out] == [m for m, _ in pairs]
+    for (_, sent), (_, received) in zip(pairs, out, strict=True):
+        assert len(received) == len(sent)
+        assert all(torch.equal(a, b) for a, b in zip(sent, received, strict=True))
+
+
+def test_a_lone_trajectory_splits_into_itself():
+    msg, tensors = _item(7, 4)
+    got, flat = decode(_to_bytes(encode(msg, tensors)))
+    [(item, frames)] = split_trajectories(got, flat)
+    assert item == msg and all(torch.equal(a, b) for a, b in zip(tensors, frames, strict=True))
+
+
+def test_trajectories_split_into_messages_below_the_frame_limit():
+    per_message = (MAX_FRAMES - 1) // 3
+    pairs = [_item(k, 2) for k in range(2 * per_message + 1)]
+    batches = batch_trajectories(pairs)
+    assert [len(m.items) for m, _ in batches] == [per_message, per_message, 1]
+    assert all(len(t) <= MAX_FRAMES - 1 for _, t in batches)
+    got = [
+        item.traj_id for m, t in batches for item, _ in split_trajectories(*decode(_to_bytes(encode(m, t))))
+    ]
+    assert got == list(range(len(pairs)))
+
+
+def test_trajectories_with_a_bad_item_are_rejected_whole():
+    (m0, t0), (m1, t1) = _item(0, 3), _item(1, 3)
+    bad = msgspec.structs.replace(m1, token_versions=TensorRef(frame=5, dtype="int64", shape=(3,)))
+    [(msg, tensors)] = batch_trajectories([(m0, t0), (bad, t1)])
+    with pytest.raises(MalformedFrame, match="out of range or repeated"):
+        decode(_to_bytes(encode(msg, tensors)))
+    [(msg, tensors)] = batch_trajectories([(m0, t0), (m1, t1)])
+    frames = _to_bytes(encode(msg, tensors))
+    with pytest.raises(MalformedFrame, match="Trajectories's tensors need"):
+        decode([frames[0], frames[1][:-8]])  # the second item's last frame cut short
+
+
+def test_arrays_travel_as_tensors():
+    ids, logps = array.array("q", [4, 5, 2]), array.array("f", [-0.5, -1.25, -0.01])
+    versions = array.array("q", [3, 3, 4])
+    msg = _trajectory(torch.tensor(ids), torch.tensor(logps), torch.tensor(versions))
+    assert _trajectory(ids, logps, versions) == msg  # the same refs as from tensors
+    as_arrays = _to_bytes(encode(msg, [ids, logps, versions]))
+    assert as_arrays == _to_bytes(
+        encode(msg, [torch.tensor(ids), torch.tensor(logps), torch.tensor(versions)])
+    )
+    _, tensors = decode(as_arrays)
+    assert tensors[0].tolist() == [4, 5, 2] and tensors[1].dtype == torch.float32
+    assert torch.equal(tensors[1], torch.tensor([-0.5, -1.25, -0.01]))
+    with pytest.raises(ValueError, match="type code 'i' cannot travel"):
+        encode(msg, [array.array("i", [4, 5, 2]), logps, versions])

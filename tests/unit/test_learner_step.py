@@ -114,6 +114,35 @@ def test_learner_rejects_malformed_trajectories():
     assert "dtypes" in _invalid(msg, ids.float(), logps, versions, num_steps=3)
 
 
+def test_rollout_values_of_any_numeric_kind_travel_exactly():
+    """The generator sends plain lists as arrays; tensors, bools or too-large ints go through torch."""
+    from asyncrl.generators.base import Rollout
+    from asyncrl.generators.service import trajectory_frames
+    from asyncrl.messages import PromptTask, SamplingParams
+    from asyncrl.transport.codec import decode, encode
+
+    task = PromptTask(
+        task_id=3, group_id=3, prompt_ids=[1, 5], num_samples=2, sampling=SamplingParams(),
+        dataset_index=3, step=1, answer="x",
+    )  # fmt: skip
+    plain = Rollout(
+        task_id=3, sample_index=1, completion_ids=[7, 8, 9], behavior_logprobs=[-0.1, -0.2, -0.3],
+        token_versions=[1, 1, 2], reward=1.0, finish_reason="stop",
+    )  # fmt: skip
+    as_tensors = dataclasses.replace(
+        plain,
+        completion_ids=torch.tensor([7, 8, 9]),
+        behavior_logprobs=torch.tensor([-0.1, -0.2, -0.3], dtype=torch.float64),
+        token_versions=[True, True, 2],
+    )
+    for rollout in (plain, as_tensors):
+        _, frames = decode(encode(*trajectory_frames(task, rollout, "gen-0", 0.1)))
+        assert frames[0].tolist() == [7, 8, 9] and frames[2].tolist() == [1, 1, 2]
+        assert torch.equal(frames[1], torch.tensor([-0.1, -0.2, -0.3], dtype=torch.float32))
+    with pytest.raises(ValueError, match="Overflow"):  # as torch.tensor says it
+        trajectory_frames(task, dataclasses.replace(plain, completion_ids=[7, 8, 1 << 70]), "gen-0", 0.1)
+
+
 def test_loss_mask_travels_from_rollout_to_train_sample():
     from asyncrl.generators.base import Rollout
     from asyncrl.generators.service import trajectory_frames

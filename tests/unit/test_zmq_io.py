@@ -148,3 +148,45 @@ def test_tensors_arrive_packed_and_intact():
         ctx.term()
 
     uvloop.run(main())
+
+
+def test_a_data_socket_carries_trajectories_and_groups_of_them():
+    import array
+
+    from asyncrl.messages import Trajectories
+    from asyncrl.transport.codec import batch_trajectories, split_trajectories
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        pull = Endpoint(ctx, zmq.PULL, name="pull")  # the socket kind's default message types
+        push = Endpoint(ctx, zmq.PUSH, name="push")
+        push.connect(pull.bind_loopback())
+        # Sent as a generator sends: arrays for the frames (tensors on arrival).
+        group = [
+            (
+                _traj(k, torch.tensor([k, k + 1])),
+                [array.array("q", [k, k + 1]), array.array("f"), array.array("q")],
+            )
+            for k in (1, 2)
+        ]
+        await push.send(WeightsLoaded(generator_id="g", version=1))  # not carried here: rejected
+        lone_msg, lone_tensors = (
+            _traj(0, torch.tensor([5])),
+            [torch.tensor([5]), torch.zeros(0), torch.zeros(0).long()],
+        )
+        await push.send(lone_msg, lone_tensors)
+        [(batch, tensors)] = batch_trajectories(group)
+        await push.send(batch, tensors)
+        _, first, first_tensors = await pull.recv()
+        _, second, second_tensors = await pull.recv()
+        assert first == lone_msg and first_tensors[0].tolist() == [5]
+        assert isinstance(second, Trajectories)
+        items = split_trajectories(second, second_tensors)
+        assert [m.traj_id for m, _ in items] == [1, 2]
+        assert [t[0].tolist() for _, t in items] == [[1, 2], [2, 3]]
+        assert pull.num_rejected == 1
+        push.close()
+        pull.close()
+        ctx.term()
+
+    uvloop.run(main())
