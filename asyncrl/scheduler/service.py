@@ -570,6 +570,10 @@ class Launcher:
                 inbox.put_nowait(await ctrl.recv())
 
         async def recv_one(timeout_s: float) -> None:
+            if not inbox.empty():  # one is queued: no futures, no timer (a message per group)
+                sender, msg, _ = inbox.get_nowait()
+                await self.on_message(ctrl, sender, msg)
+                return
             getter = asyncio.ensure_future(inbox.get())
             stop = asyncio.ensure_future(self.finished.wait())
             done, _ = await asyncio.wait(
