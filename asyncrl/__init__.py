@@ -6,9 +6,10 @@ Data flow (one machine by default; every socket on loopback):
       | owns prompts, admission,       --WeightsPublished (forwarded)-->    | samples with the torch model,
       | supervision, metrics.jsonl   <--TaskDone, WeightsLoaded---------    | scores with the task's verifier
       |                                                                     |
-      |  <--Hello(endpoint), StepDone, WeightsPublished--+                  | Trajectory (+ tensor frames:
-      |  --WeightsLoaded (forwarded), Shutdown---------> |                  v  ids, log-probs, versions;
-      |                                          learner (learner/service.py)    OPD caches; loss mask)
+      |  <--Hello(endpoint), StepDone, WeightsPublished--+                  | Trajectories: a finished batch,
+      |  --WeightsLoaded (forwarded), Shutdown---------> |                  v  a Trajectory per sample (+ tensor
+      |                                          learner (learner/service.py)    frames: ids, log-probs, versions;
+      |                                                                          OPD caches; loss mask)
       |                                            PULL socket -> StepLoop (learner/loop.py) -> Trainer
       |                                            (learner/trainer.py): streams each trajectory's
       |                                            gradient, one update per step; ranks 1..R-1
@@ -21,8 +22,8 @@ Data flow (one machine by default; every socket on loopback):
 | loop | consumes | produces | waits for | unblocked by |
 |---|---|---|---|---|
 | launcher dispatch | WeightsLoaded, Hello | PromptTask (re-queued first) | a free admission credit | every serving generator loading a newer version (a dead one, or a replacement still loading, does not count) |
-| generator work | PromptTask, WeightsPublished | Trajectory, TaskDone, WeightsLoaded | a pending task | PromptTask |
-| learner train | Trajectory | StepDone, WeightsPublished | a trajectory of the current step (the whole window when the objective cannot stream) | the next Trajectory |
+| generator work | PromptTask, WeightsPublished | Trajectories, TaskDone, WeightsLoaded | a pending task | PromptTask |
+| learner train | Trajectories (or a lone Trajectory) | StepDone, WeightsPublished (while the next step trains) | a trajectory of the current step (the whole window when the objective cannot stream) | the next Trajectory |
 | learner ctrl | WeightsLoaded, Shutdown | deletions of unused versions | a control message | the launcher |
 
 Admission (scheduler/admission.py): group j is trained at step j // B and is admitted only

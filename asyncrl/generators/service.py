@@ -1,8 +1,8 @@
 """Generator process: the sockets around one `Generator` plugin.
 
-Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes each finished group
-to the learner as one Trajectories message, a Trajectory per sample (PUSH, tensors as frames),
-and reports TaskDone / WeightsLoaded / Metrics
+Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes each finished batch
+of groups to the learner as one Trajectories message, a Trajectory per sample (PUSH, tensors as
+frames), and reports TaskDone / WeightsLoaded / Metrics
 back. A Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
 `opd.enabled`: then frames 3-5 are the [T, N] teacher log-probs, cached ids and their behavior
 log-probs (docs/opd.md).
@@ -364,18 +364,21 @@ class GeneratorService:
                 )
             by_task[r.task_id].append(r)
         for task in batch:
-            group = by_task[task.task_id]
-            if sorted(r.sample_index for r in group) != list(range(task.num_samples)):
+            got = sorted(r.sample_index for r in by_task[task.task_id])
+            if got != list(range(task.num_samples)):
                 raise ValueError(
-                    f"generator {self.ctx.peer_id} returned samples {sorted(r.sample_index for r in group)} "
-                    f"for task {task.task_id}; expected 0..{task.num_samples - 1} exactly once"
+                    f"generator {self.ctx.peer_id} returned samples {got} for task {task.task_id}; "
+                    f"expected 0..{task.num_samples - 1} exactly once"
                 )
-            frames = [
-                trajectory_frames(task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples)
-                for r in group
-            ]
-            for msg, tensors in batch_trajectories(frames):  # the group in one message
-                await self.data.send(msg, tensors)
+        frames = [
+            trajectory_frames(task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples)
+            for task in batch
+            for r in by_task[task.task_id]
+        ]
+        for msg, tensors in batch_trajectories(frames):  # the batch in one message, or a few
+            await self.data.send(msg, tensors)
+        for task in batch:
+            group = by_task[task.task_id]
             num_tokens = sum(len(r.completion_ids) for r in group)
             self.num_samples += len(group)
             self.num_tokens += num_tokens

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -96,8 +96,12 @@ class StepLoop:
         window_size: Callable[[int], int],
         *,
         sink: Callable[[int, list[TrainSample]], StepResult] | None = None,
+        before_update: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.trainer = trainer
+        # Awaited before each optimizer update: the learner service's publish of the previous
+        # version reads the weights while this step's gradients accumulate, not after.
+        self.before_update = before_update
         self.window_size = functools.cache(window_size)  # asked once per trajectory
         self.sink = sink
         self.inbox: dict[int, list[TrainSample]] = {}
@@ -175,6 +179,8 @@ class StepLoop:
             await self._wait_for_data()
         if self.stopping:
             return None
+        if self.before_update is not None:
+            await self.before_update()
         return await self._busy(trainer.finish_step)
 
     def tail_s(self, step: int, begin: float, end: float) -> float:

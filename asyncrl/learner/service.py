@@ -91,8 +91,11 @@ class LearnerService:
                     group_size=self.cfg.samples_per_group,
                 ),
                 sink=self.sink_step if self.cfg.sink else None,
+                before_update=self.wait_closed,
             )
         )
+        # The last step's publish and reports, running while the next step trains (`train_loop`).
+        self.closing: asyncio.Task | None = None
         self.seen: set[int] = set()
         self.num_duplicates = 0
         self.num_invalid = 0
@@ -200,76 +203,117 @@ class LearnerService:
 
     async def train_loop(self) -> None:
         loop = self.loop
-        for step in range(self.start_version, self.cfg.steps):
-            begin = time.perf_counter()
-            idle_before = loop.idle_s
-            result = await loop.run_step(step)
-            if result is None:
-                return
-            end = time.perf_counter()
-            tail_s = loop.tail_s(step, begin, end)
-            self.version = step + 1
-            state = {k: v.detach() for k, v in self.model.state_dict().items()}
-            published = await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
-            every = self.ctx.config.run.checkpoint_every
-            if step == self.cfg.steps - 1 or (every and self.version % every == 0):
-                # Before StepDone: the launcher writes its half of the checkpoint on receiving it.
-                held = loop.held(after_step=step)  # on the loop thread, before the data loop adds more
-                await asyncio.to_thread(
-                    save_learner_checkpoint, self.ctx.run_dir, self.version, self.trainer, held
+        every = self.ctx.config.run.checkpoint_every
+        try:
+            for step in range(self.start_version, self.cfg.steps):
+                begin = time.perf_counter()
+                idle_before = loop.idle_s
+                result = await loop.run_step(step)  # awaits the last step's closing before its update
+                if result is None:
+                    break
+                end = time.perf_counter()
+                self.version = step + 1
+                last = step == self.cfg.steps - 1
+                checkpoint = last or bool(every and self.version % every == 0)
+                await self.wait_closed()  # StepDone and WeightsPublished go out in step order
+                closing = self.close_step(
+                    step,
+                    result,
+                    step_s=end - begin - (loop.idle_s - idle_before),
+                    idle_s=loop.idle_s - idle_before,
+                    tail_s=loop.tail_s(step, begin, end),
+                    checkpoint=checkpoint,
+                    last=last,
                 )
-            if step == self.cfg.steps - 1:
-                # The launcher ends the run on the last StepDone: the final model must exist by then.
-                await asyncio.to_thread(self.save_final)
-            step_idle = loop.idle_s - idle_before
-            held, windows = loop.depth()
-            await self.ctx.ctrl.send(
-                StepDone(
-                    step=step,
-                    version=self.version,
-                    num_trajectories=result.num_trajectories,
-                    num_tokens=result.num_tokens,
-                    loss=result.loss,
-                    mean_reward=result.mean_reward,
-                    max_staleness=result.max_staleness,
-                    mean_staleness=result.mean_staleness,
-                    clip_fraction=result.clip_fraction,
-                    grad_norm=result.grad_norm,
-                    step_s=end - begin - step_idle,
-                    idle_s=step_idle,
-                    lr_scale=result.lr_scale,
-                    stats=result.policy_stats,
-                    **(self.loop.step_report() if self.pool else {}),
-                )
+                if checkpoint or self.pool:
+                    await closing  # a checkpoint holds this version's state; pool mode reports in order
+                else:
+                    # The next step starts training while this version is published and reported;
+                    # its update waits for that (`StepLoop.before_update`), the weights stay put.
+                    self.closing = asyncio.create_task(closing, name=f"close-step-{step}")
+        except BaseException:
+            if self.closing is not None:
+                self.closing.cancel()
+            raise
+        await self.wait_closed()
+
+    async def wait_closed(self) -> None:
+        """The previous step's publish and reports are done (or there was none to wait for)."""
+        if self.closing is not None:
+            await self.closing
+            self.closing = None
+
+    async def close_step(
+        self,
+        step: int,
+        result: StepResult,
+        *,
+        step_s: float,
+        idle_s: float,
+        tail_s: float,
+        checkpoint: bool,
+        last: bool,
+    ) -> None:
+        """Publish version step + 1, checkpoint it when due, and report StepDone and the metrics."""
+        loop = self.loop
+        version = step + 1
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        published = await self.publisher.publish(state, version, self.ctx.ctrl.send)
+        if checkpoint:
+            # Before StepDone: the launcher writes its half of the checkpoint on receiving it.
+            held = loop.held(after_step=step)  # on the loop thread, before the data loop adds more
+            await asyncio.to_thread(save_learner_checkpoint, self.ctx.run_dir, version, self.trainer, held)
+        if last:
+            # The launcher ends the run on the last StepDone: the final model must exist by then.
+            await asyncio.to_thread(self.save_final)
+        held, windows = loop.depth()
+        await self.ctx.ctrl.send(
+            StepDone(
+                step=step,
+                version=version,
+                num_trajectories=result.num_trajectories,
+                num_tokens=result.num_tokens,
+                loss=result.loss,
+                mean_reward=result.mean_reward,
+                max_staleness=result.max_staleness,
+                mean_staleness=result.mean_staleness,
+                clip_fraction=result.clip_fraction,
+                grad_norm=result.grad_norm,
+                step_s=step_s,
+                idle_s=idle_s,
+                lr_scale=result.lr_scale,
+                stats=result.policy_stats,
+                **(self.loop.step_report() if self.pool else {}),
             )
-            if self.pool:
-                await self.send_left()
-            await self.ctx.ctrl.send(
-                Metrics(
-                    source="learner",
-                    time_s=time.time(),
-                    values={
-                        "learner/idle_ratio": loop.idle_s / max(1e-9, loop.idle_s + loop.busy_s),
-                        "learner/busy_s": loop.busy_s,
-                        "learner/idle_s": loop.idle_s,
-                        "learner/tail_s": tail_s,
-                        "learner/streaming": 0.0 if result.fallback else 1.0,
-                        "learner/streamed": float(result.streamed),
-                        "learner/deferred": float(result.deferred),
-                        "learner/stream_peak_bytes": float(result.peak_stream_bytes),
-                        "learner/duplicates": float(self.num_duplicates),
-                        "learner/resume_restored": float(len(self.restored)),
-                        "learner/resume_regenerated": float(self.num_regenerated),
-                        "learner/invalid_trajectories": float(self.num_invalid),
-                        "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
-                        "learner/publish_s": published.publish_s,
-                        # Received for later steps (async: the generators' lead), not trained yet.
-                        "buffer/held_trajectories": float(held),
-                        "buffer/held_windows": float(windows),
-                        **(self.loop.metrics() if self.pool else {}),
-                    },
-                )
+        )
+        if self.pool:
+            await self.send_left()
+        await self.ctx.ctrl.send(
+            Metrics(
+                source="learner",
+                time_s=time.time(),
+                values={
+                    "learner/idle_ratio": loop.idle_s / max(1e-9, loop.idle_s + loop.busy_s),
+                    "learner/busy_s": loop.busy_s,
+                    "learner/idle_s": loop.idle_s,
+                    "learner/tail_s": tail_s,
+                    "learner/streaming": 0.0 if result.fallback else 1.0,
+                    "learner/streamed": float(result.streamed),
+                    "learner/deferred": float(result.deferred),
+                    "learner/stream_peak_bytes": float(result.peak_stream_bytes),
+                    "learner/duplicates": float(self.num_duplicates),
+                    "learner/resume_restored": float(len(self.restored)),
+                    "learner/resume_regenerated": float(self.num_regenerated),
+                    "learner/invalid_trajectories": float(self.num_invalid),
+                    "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
+                    "learner/publish_s": published.publish_s,
+                    # Received for later steps (async: the generators' lead), not trained yet.
+                    "buffer/held_trajectories": float(held),
+                    "buffer/held_windows": float(windows),
+                    **(self.loop.metrics() if self.pool else {}),
+                },
             )
+        )
 
     async def send_left(self) -> None:
         left = self.loop.take_left()

@@ -146,17 +146,29 @@ def decode(frames: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
 
 
 def batch_trajectories(
-    pairs: Sequence[tuple[Trajectory, Sequence[torch.Tensor]]],
-) -> list[tuple[Trajectories, list[torch.Tensor]]]:
+    pairs: Sequence[tuple[Trajectory, Sequence[torch.Tensor | array.array]]],
+) -> list[tuple[Trajectories, list[torch.Tensor | array.array]]]:
     """Trajectories and their tensor frames -> `Trajectories` messages with the frames in item
-    order: one message, or several when the frames would pass MAX_FRAMES unpacked."""
-    out: list[tuple[list[Trajectory], list[torch.Tensor]]] = []
+    order: one message, or several so that each either packs into one frame (`encode`) or has
+    at most MAX_FRAMES frames."""
+    out: list[tuple[list[Trajectory], list[torch.Tensor | array.array], int]] = []
     for msg, tensors in pairs:
-        if not out or len(out[-1][1]) + len(tensors) > MAX_FRAMES - 1:
-            out.append(([], []))
-        out[-1][0].append(msg)
-        out[-1][1].extend(tensors)
-    return [(Trajectories(items=items), tensors) for items, tensors in out]
+        nbytes = sum(_size(t) for t in tensors)
+        if out:
+            items, frames, size = out[-1]
+            if len(frames) + len(tensors) <= MAX_FRAMES - 1 or size + nbytes <= PACK_MAX_BYTES:
+                items.append(msg)
+                frames.extend(tensors)
+                out[-1] = (items, frames, size + nbytes)
+                continue
+        out.append(([msg], list(tensors), nbytes))
+    return [(Trajectories(items=items), frames) for items, frames, _ in out]
+
+
+def _size(tensor: torch.Tensor | array.array) -> int:
+    if isinstance(tensor, array.array):
+        return len(tensor) * tensor.itemsize
+    return tensor.numel() * tensor.element_size()
 
 
 def split_trajectories(

@@ -192,15 +192,19 @@ def test_a_lone_trajectory_splits_into_itself():
 
 
 def test_trajectories_split_into_messages_below_the_frame_limit():
+    small = [_item(k, 2) for k in range(30)]
+    [(msg, tensors)] = batch_trajectories(small)  # 90 tensors, but they pack into one frame
+    assert len(msg.items) == 30 and len(encode(msg, tensors)) == 2
     per_message = (MAX_FRAMES - 1) // 3
-    pairs = [_item(k, 2) for k in range(2 * per_message + 1)]
-    batches = batch_trajectories(pairs)
+    # 20 bytes per token: eight of these fill PACK_MAX_BYTES, so the messages travel unpacked.
+    large = [_item(k, PACK_MAX_BYTES // 160) for k in range(2 * per_message + 1)]
+    batches = batch_trajectories(large)
     assert [len(m.items) for m, _ in batches] == [per_message, per_message, 1]
-    assert all(len(t) <= MAX_FRAMES - 1 for _, t in batches)
+    assert all(len(encode(m, t)) <= MAX_FRAMES for m, t in batches)
     got = [
         item.traj_id for m, t in batches for item, _ in split_trajectories(*decode(_to_bytes(encode(m, t))))
     ]
-    assert got == list(range(len(pairs)))
+    assert got == list(range(len(large)))
 
 
 def test_trajectories_with_a_bad_item_are_rejected_whole():
