@@ -1,10 +1,10 @@
 """Learner process: receives trajectories, streams their gradients into one optimizer step per
 admission window (`trainer.py`), and publishes every new policy_version (`transport.publisher`).
 
-Sockets: PULL (bound, loopback) for Trajectories (a group's samples) and Trajectory messages from
-generators; DEALER to the launcher for Hello / StepDone / WeightsPublished / Metrics out and
-WeightsLoaded / Shutdown in. Torch work runs in a worker thread so heartbeats and receives stay
-responsive.
+Sockets: PULL (bound, loopback) for Trajectories (a generator's finished batch) and Trajectory
+messages from generators; DEALER to the launcher for Hello / StepDone / WeightsPublished /
+Metrics out and WeightsLoaded / Shutdown in. Torch work runs in a worker thread so heartbeats and
+receives stay responsive.
 
 Window s (the groups admitted for step s) is trained at policy_version s: its trajectories wait
 in the inbox until step s - 1 is done, then each is trained as soon as the trainer can take it,
@@ -231,11 +231,18 @@ class LearnerService:
                     # The next step starts training while this version is published and reported;
                     # its update waits for that (`StepLoop.before_update`), the weights stay put.
                     self.closing = asyncio.create_task(closing, name=f"close-step-{step}")
+                    self.closing.add_done_callback(self._closing_done)
         except BaseException:
             if self.closing is not None:
                 self.closing.cancel()
             raise
         await self.wait_closed()
+
+    def _closing_done(self, task: asyncio.Task) -> None:
+        """A failed publish must not leave the next step waiting for data that needs the new
+        weights (max_staleness 0): stop the loop, and `train_loop` re-raises the error."""
+        if not task.cancelled() and task.exception() is not None:
+            self.loop.stop()
 
     async def wait_closed(self) -> None:
         """The previous step's publish and reports are done (or there was none to wait for)."""

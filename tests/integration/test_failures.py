@@ -129,3 +129,21 @@ def test_config_error_is_one_clear_line(tmp_path):
     assert proc.returncode == 2
     assert "unknown key 'learner.stepz'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_publish_stops_the_run_instead_of_waiting(tiny_model_dir, tmp_path):
+    """The learner publishes a version while the next step trains. With max_staleness 0 that
+    step's data needs the new weights, so a publish that fails must end the run, not leave the
+    learner waiting for trajectories that never come."""
+    from tests.conftest import short_job_args
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    args = short_job_args(tiny_model_dir, tmp_path, "staleness.max_staleness=0", f'weights.dir="{blocker}"')
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "learner learner failed: FileExistsError" in proc.stderr
+    assert "Traceback" not in proc.stdout
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["status"] == "failed"
