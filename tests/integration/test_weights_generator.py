@@ -26,10 +26,11 @@ from asyncrl.messages import (
     SamplingParams,
     Shutdown,
     TaskDone,
-    Trajectory,
+    Trajectories,
     WeightsLoaded,
     WeightsPublished,
 )
+from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.shards import version_dir, write_shards
 from asyncrl.transport.zmq_io import Endpoint
 
@@ -152,9 +153,11 @@ async def _corrupt_shard_keeps_old_weights_and_next_version_loads(tmp_path, tiny
         await h.send(prompt_task(tiny_model_dir, 7))
         done = await h.expect(TaskDone)
         assert done.task_id == 7 and done.num_trajectories == 2
-        for _ in range(2):
-            _, traj, (ids, _, versions) = await h.pull.recv()
-            assert isinstance(traj, Trajectory) and versions.tolist() == [0] * len(ids)
+        _, batch, frames = await h.pull.recv()  # the batch's samples travel in one message
+        items = split_trajectories(batch, frames)
+        assert isinstance(batch, Trajectories) and len(items) == 2
+        for traj, (ids, _, versions) in items:
+            assert traj.task_id == 7 and versions.tolist() == [0] * len(ids)
         await h.send(publish(root, tiny_model_dir, 2))
         loaded = await h.expect(WeightsLoaded)
         assert loaded.version == 2 and loaded.generator_id == "gen-0"
