@@ -114,21 +114,28 @@ def test_learner_rejects_malformed_trajectories():
     assert "dtypes" in _invalid(msg, ids.float(), logps, versions, num_steps=3)
 
 
-def test_rollout_values_of_any_numeric_kind_travel_exactly():
-    """The generator sends plain lists as arrays; tensors, bools or too-large ints go through torch."""
+def _task_and_rollout(**rollout_fields):
+    """A two-sample task and its sample 1, three tokens long (`rollout_fields` override)."""
     from asyncrl.generators.base import Rollout
-    from asyncrl.generators.service import trajectory_frames
     from asyncrl.messages import PromptTask, SamplingParams
-    from asyncrl.transport.codec import decode, encode
 
     task = PromptTask(
         task_id=3, group_id=3, prompt_ids=[1, 5], num_samples=2, sampling=SamplingParams(),
         dataset_index=3, step=1, answer="x",
     )  # fmt: skip
-    plain = Rollout(
+    fields = dict(
         task_id=3, sample_index=1, completion_ids=[7, 8, 9], behavior_logprobs=[-0.1, -0.2, -0.3],
         token_versions=[1, 1, 2], reward=1.0, finish_reason="stop",
     )  # fmt: skip
+    return task, Rollout(**{**fields, **rollout_fields})
+
+
+def test_rollout_values_of_any_numeric_kind_travel_exactly():
+    """The generator sends plain lists as arrays; tensors, bools or too-large ints go through torch."""
+    from asyncrl.generators.service import trajectory_frames
+    from asyncrl.transport.codec import decode, encode
+
+    task, plain = _task_and_rollout()
     as_tensors = dataclasses.replace(
         plain,
         completion_ids=torch.tensor([7, 8, 9]),
@@ -144,20 +151,11 @@ def test_rollout_values_of_any_numeric_kind_travel_exactly():
 
 
 def test_loss_mask_travels_from_rollout_to_train_sample():
-    from asyncrl.generators.base import Rollout
     from asyncrl.generators.service import trajectory_frames
     from asyncrl.learner.step import sample_from_message
-    from asyncrl.messages import PromptTask, SamplingParams
     from asyncrl.transport.codec import decode, encode
 
-    task = PromptTask(
-        task_id=3, group_id=3, prompt_ids=[1, 5], num_samples=2, sampling=SamplingParams(),
-        dataset_index=3, step=1, answer="x",
-    )  # fmt: skip
-    rollout = Rollout(
-        task_id=3, sample_index=1, completion_ids=[7, 8, 9], behavior_logprobs=[-0.1, -0.2, -0.3],
-        token_versions=[1, 1, 1], reward=1.0, finish_reason="stop", loss_mask=[True, False, True],
-    )  # fmt: skip
+    task, rollout = _task_and_rollout(loss_mask=[True, False, True])
     msg, tensors = trajectory_frames(task, rollout, "gen-0", 0.1)
     decoded, frames = decode(encode(msg, tensors))
     sample = sample_from_message(decoded, frames)
