@@ -6,7 +6,7 @@ zero-copy frames described by `TensorRef`.
 
 Data flow (see asyncrl/__init__.py for the whole picture):
   scheduler -> generator : Hello, PromptTask, WeightsPublished, Shutdown
-  generator -> learner   : Trajectories (a group's samples) or Trajectory (+ tensor frames)
+  generator -> learner   : Trajectories (a finished batch) or Trajectory (+ tensor frames)
   generator -> scheduler : Hello, TaskDone, WeightsLoaded, Metrics, Heartbeat, Fatal
   learner   -> scheduler : Hello, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
@@ -104,7 +104,7 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
 
 
 class Trajectories(_Msg, frozen=True, kw_only=True):
-    """Several trajectories in one message (a generator sends each finished group this way).
+    """Several trajectories in one message (a generator sends each finished batch this way).
 
     Each item's TensorRefs number its own frames from 0, as in a lone Trajectory; the message's
     frames are the items' frames in item order (`asyncrl.transport.codec.split_trajectories`

@@ -2,10 +2,9 @@
 
 Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes each finished batch
 of groups to the learner as one Trajectories message, a Trajectory per sample (PUSH, tensors as
-frames), and reports TaskDone / WeightsLoaded / Metrics
-back. A Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
-`opd.enabled`: then frames 3-5 are the [T, N] teacher log-probs, cached ids and their behavior
-log-probs (docs/opd.md).
+frames), and reports TaskDone / WeightsLoaded / Metrics back. A Trajectory has three tensor
+frames (ids, behavior log-probs, versions), or six with `opd.enabled`: then frames 3-5 are the
+[T, N] teacher log-probs, cached ids and their behavior log-probs (docs/opd.md).
 
 Weights (docs/weights.md): the `gen-weights` task takes announcements in order and fetches each
 one it needs in a worker thread (`transport.receiver`: verified shards, or the broadcast group),

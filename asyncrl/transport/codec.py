@@ -80,7 +80,8 @@ def tensor_ref(frame: int, tensor: torch.Tensor | array.array) -> TensorRef:
 
 
 def tensor_buffer(tensor: torch.Tensor | array.array) -> memoryview:
-    """The bytes of a CPU tensor without copying (a contiguous copy only if it is strided)."""
+    """The bytes of a CPU tensor without copying (a contiguous copy only if it is strided), or of
+    an array of a code in ARRAY_DTYPES."""
     if isinstance(tensor, array.array):
         _array_dtype(tensor)
         return memoryview(tensor).cast("B")
