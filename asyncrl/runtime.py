@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 
 from asyncrl.config import Config, load_resolved_config
 from asyncrl.messages import Fatal, Heartbeat, Hello, Role
@@ -38,7 +37,7 @@ class ChildContext:
     peer_id: str
     config: Config
     run_dir: Path
-    zmq_ctx: zmq.asyncio.Context
+    zmq_ctx: zmq.Context
     ctrl: Endpoint
     extra: dict[str, str]
 
@@ -99,7 +98,7 @@ def run_child(
     parent_pid = os.getppid()
 
     async def amain() -> int:
-        zctx = zmq.asyncio.Context()
+        zctx = zmq.Context()
         ctrl = Endpoint(zctx, zmq.DEALER, name=f"{args.peer_id}.ctrl", identity=args.peer_id)
         ctrl.connect(args.ctrl)
         ctx = ChildContext(role, args.peer_id, config, run_dir, zctx, ctrl, extra)

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import zmq
-import zmq.asyncio
 
 from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, local_window_size
 from asyncrl.learner.step import sample_from_message
@@ -150,7 +149,7 @@ class RankGroup:
 
 async def _worker(args: argparse.Namespace, config, trainer) -> None:
     lrn = config.learner
-    zctx = zmq.asyncio.Context()
+    zctx = zmq.Context()
     feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{args.rank}")
     feed.connect(args.feed)
     loop = StepLoop(

@@ -219,14 +219,13 @@ class LauncherMonitor:
 def open_hub(launcher: Launcher, zctx) -> LauncherMonitor:
     """Set up the stream for one run (called once at the start of `Launcher.run`).
 
-    `zctx` is the launcher's zmq.asyncio.Context; the PUB socket is a plain (blocking-API) socket
-    on a shadow of it, so `write_record` can publish synchronously without awaiting."""
+    `zctx` is the launcher's zmq.Context; the PUB socket is a plain (blocking-API) socket, so
+    `write_record` publishes synchronously without awaiting."""
     cfg = launcher.cfg.monitor
     run_dir = launcher.run_dir
     pub = endpoint = None
     if cfg.stream:
-        ctx = zmq.Context.shadow(zctx.underlying)
-        pub = ctx.socket(zmq.PUB)
+        pub = zctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         pub.setsockopt(zmq.LINGER, 0)  # undelivered records are in metrics.jsonl anyway
         port = pub.bind_to_random_port("tcp://127.0.0.1")

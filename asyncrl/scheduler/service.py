@@ -30,7 +30,6 @@ from typing import Protocol
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from asyncrl.config import Config
 from asyncrl.messages import (
@@ -559,7 +558,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.interrupt)
-        zctx = zmq.asyncio.Context()
+        zctx = zmq.Context()
         ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl", accept=CONTROL_ACCEPT)
         address = ctrl.bind_loopback()
         self.ctrl_address = address

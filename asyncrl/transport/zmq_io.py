@@ -7,14 +7,17 @@ short by construction. A malformed frame is logged, counted in `rejected`, and d
 well-formed message of a type the socket does not carry (`accept`; a PULL socket carries only
 Trajectory and Trajectories), and whatever the owner rejects after decoding (`reject`, e.g. an unknown sender).
 
-Speed: on the one-way data sockets (PUSH sends, PULL receives), a message that can go, or is
-already queued, moves through a synchronous shadow of the socket with NOBLOCK, without a Future
-and a trip through the event loop; only a send that would block, or a receive with nothing
-queued, waits on the asyncio socket. Sends stay in order (the fast path is skipped while a
-waiting send is pending), and a receiver yields to the loop after `RECV_STREAK` messages in a row
-so a busy socket cannot starve the process's other tasks. Two-way sockets (ROUTER, DEALER) always
-go through asyncio: an operation on a shadow could consume the edge-triggered wake-up that a
-pending receive on the same socket waits for.
+Speed: every socket is a plain (blocking-API) ZeroMQ socket driven by the process's event loop.
+Each send and receive is tried first with NOBLOCK, which is how nearly all of them complete: no
+Future, no trip through the loop. Only an operation that cannot proceed (nothing queued, or the
+queue full) waits, on the socket's file descriptor (`loop.add_reader`). That descriptor is
+edge-triggered: it signals that ZMQ_EVENTS may have changed, and any operation on the socket can
+take the signal. So a waiter is woken by the descriptor, and also after each operation of the
+other direction when the socket's events say it can proceed. pyzmq's asyncio sockets do the same
+with a Future and several callbacks per message, which was most of the launcher's CPU per sample
+(bench/README.md, "Pipeline"). Sends stay in order (a send that had to wait holds back later ones
+until it has gone), and a receiver yields to the loop after `RECV_STREAK` messages in a row so a
+busy socket cannot starve the process's other tasks.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from collections import Counter
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from asyncrl.messages import Trajectories, Trajectory
 from asyncrl.transport.codec import MalformedFrame, decode, encode
@@ -44,11 +46,12 @@ _BY_KIND = object()
 
 
 class Endpoint:
-    """One socket plus its codec and rejection counters. Owned by exactly one task for receiving."""
+    """One socket plus its codec and rejection counters. Owned by exactly one task for receiving;
+    any task of the owning event loop may send."""
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context,
         kind: int,
         *,
         name: str,
@@ -58,7 +61,8 @@ class Endpoint:
         self.name = name
         # Message types this socket carries (None: any); others are rejected and counted.
         self.accept = DEFAULT_ACCEPT.get(kind) if accept is _BY_KIND else accept
-        self.sock = ctx.socket(kind)
+        # Plain socket (registered with `ctx`, so ctx.destroy() still closes it); see the module doc.
+        self.sock = ctx.socket(kind, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         hwm = DATA_HWM if kind in (zmq.PUSH, zmq.PULL) else CONTROL_HWM
         self.sock.setsockopt(zmq.SNDHWM, hwm)
@@ -70,11 +74,13 @@ class Endpoint:
             self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.rejected: Counter[str] = Counter()
         self.address = ""
-        # The same socket, used with NOBLOCK: for sends on PUSH, for receives on PULL (see above).
-        self._now = zmq.Socket.shadow(self.sock.underlying)
-        self._fast_send, self._fast_recv = kind == zmq.PUSH, kind == zmq.PULL
+        self._loop: asyncio.AbstractEventLoop | None = None  # watching the descriptor once set
+        self._recv_waiters: list[asyncio.Future] = []
+        self._send_waiters: list[asyncio.Future] = []
+        self._send_order = asyncio.Lock()  # sends that had to wait go one at a time, in order
         self._waiting_sends = 0
         self._streak = 0
+        self.waited_sends = 0  # sends that found the queue full (tests, diagnostics)
 
     def bind_loopback(self) -> str:
         port = self.sock.bind_to_random_port(LOOPBACK)
@@ -85,36 +91,74 @@ class Endpoint:
         self.sock.connect(address)
         self.address = address
 
+    # ------------------------------------------------------------------ readiness
+    def _on_events(self) -> None:
+        """The descriptor fired, or an operation may have taken its signal: read ZMQ_EVENTS
+        (which also re-arms the descriptor) and wake the waiters that can proceed."""
+        events = self.sock.getsockopt(zmq.EVENTS)
+        for flag, waiters in ((zmq.POLLIN, self._recv_waiters), (zmq.POLLOUT, self._send_waiters)):
+            if events & flag and waiters:
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
+                waiters.clear()
+
+    def _after(self, waiters: list[asyncio.Future]) -> None:
+        if waiters:  # the other direction waits: this operation may have taken its signal
+            self._on_events()
+
+    async def _wait(self, flag: int) -> None:
+        """Until the socket can (probably) do `flag`; the caller retries its NOBLOCK operation."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+            loop.add_reader(self.sock.FD, self._on_events)
+        if self.sock.getsockopt(zmq.EVENTS) & flag:
+            return
+        fut = loop.create_future()
+        (self._recv_waiters if flag == zmq.POLLIN else self._send_waiters).append(fut)
+        await fut
+
+    # ------------------------------------------------------------------ messages
     async def send(self, msg: Any, tensors=(), *, to: bytes | None = None) -> None:
         frames = encode(msg, tensors)
         if to is not None:
             frames = [to, *frames]
-        if self._fast_send and not self._waiting_sends:
+        if not self._waiting_sends:
             try:
-                self._now.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._after(self._recv_waiters)
                 return
             except zmq.Again:
                 pass  # queue full: wait for room below
+        self.waited_sends += 1
         self._waiting_sends += 1
         try:
-            await self.sock.send_multipart(frames, copy=False)
+            async with self._send_order:
+                while True:
+                    try:
+                        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        await self._wait(zmq.POLLOUT)
         finally:
             self._waiting_sends -= 1
+        self._after(self._recv_waiters)
 
     async def _next_frames(self) -> list:
-        if not self._fast_recv:
-            return await self.sock.recv_multipart(copy=False)
-        if self._streak < RECV_STREAK:
-            try:
-                frames = self._now.recv_multipart(zmq.NOBLOCK)
-                self._streak += 1
-                return frames
-            except zmq.Again:
-                pass
-        else:
+        if self._streak >= RECV_STREAK:
+            self._streak = 0
             await asyncio.sleep(0)  # a long streak: let the process's other tasks run
-        self._streak = 0
-        return await self.sock.recv_multipart(copy=False)
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._streak = 0
+                await self._wait(zmq.POLLIN)
+                continue
+            self._streak += 1
+            self._after(self._send_waiters)
+            return frames
 
     async def recv(self) -> tuple[bytes | None, Any, list]:
         """Next valid message as (sender identity or None, message, tensors); skips malformed ones."""
@@ -153,4 +197,12 @@ class Endpoint:
         return sum(self.rejected.values())
 
     def close(self) -> None:
+        """Stop watching the descriptor, cancel waiting operations, close the socket."""
+        if self._loop is not None and not self._loop.is_closed() and not self.sock.closed:
+            self._loop.remove_reader(self.sock.FD)
+        self._loop = None
+        for fut in (*self._recv_waiters, *self._send_waiters):
+            fut.cancel()
+        self._recv_waiters.clear()
+        self._send_waiters.clear()
         self.sock.close()

@@ -1,5 +1,6 @@
-"""Endpoint fast paths (synchronous NOBLOCK shadow on PUSH/PULL): order kept, nothing lost when the
-queue fills, other tasks not starved by a long burst, and packed frames decoded on arrival."""
+"""Endpoint (plain sockets with NOBLOCK operations, waiting on the descriptor only when they cannot
+proceed): order kept, nothing lost when the queue fills, other tasks not starved by a long burst,
+packed frames decoded on arrival, and two-way sockets that send and receive at once."""
 
 from __future__ import annotations
 
@@ -52,15 +53,6 @@ def test_order_kept_and_nothing_lost_when_the_queue_fills():
         push, pull = _pair(ctx, hwm=4)
         n = 200
         payload = torch.zeros(1 << 14)  # 64 KiB each: the queues and the kernel's buffers fill
-        waited = 0
-        real_send = push.sock.send_multipart
-
-        def counting_send(*args, **kwargs):
-            nonlocal waited
-            waited += 1  # only sends that could not go at once come here
-            return real_send(*args, **kwargs)
-
-        push.sock.send_multipart = counting_send
         received: list[int] = []
 
         async def consume():
@@ -74,7 +66,7 @@ def test_order_kept_and_nothing_lost_when_the_queue_fills():
             await push.send(_traj(v, payload), (payload, torch.zeros(0), torch.zeros(0, dtype=torch.int64)))
         await asyncio.wait_for(task, 60)
         assert received == list(range(n))
-        assert waited > 0  # the waiting path was taken, and kept the order
+        assert push.waited_sends > 0  # the waiting path was taken, and kept the order
         push.close()
         pull.close()
         ctx.term()
@@ -137,7 +129,7 @@ def test_tensors_arrive_packed_and_intact():
             generator_id="g",
         )
         await push.send(msg, (ids, logps, versions))
-        frames = await pull.sock.recv_multipart()  # raw: the wire layout
+        frames = pull.sock.recv_multipart()  # raw (blocking): the wire layout
         assert len(frames) == 2
         await push.send(msg, (ids, logps, versions))
         _, out, tensors = await pull.recv()
@@ -187,6 +179,73 @@ def test_a_data_socket_carries_trajectories_and_groups_of_them():
         assert pull.num_rejected == 1
         push.close()
         pull.close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
+def test_two_way_sockets_send_while_their_receive_waits():
+    """ROUTER and DEALER each send while a receive waits on the same socket, with queues small
+    enough to fill: a send can take the descriptor's signal that the waiting receive needs (and a
+    receive the one a waiting send needs). Every message must arrive, in order, without a hang."""
+    from asyncrl.messages import Heartbeat
+
+    async def main():
+        ctx = zmq.Context()
+        router = Endpoint(ctx, zmq.ROUTER, name="router", accept=None)
+        dealer = Endpoint(ctx, zmq.DEALER, name="dealer", identity="d", accept=None)
+        for ep in (router, dealer):
+            ep.sock.setsockopt(zmq.SNDHWM, 2)
+            ep.sock.setsockopt(zmq.RCVHWM, 2)
+        dealer.connect(router.bind_loopback())
+        n = 500
+        payload = torch.zeros(1 << 12)  # 16 KiB: the small queues fill, sends wait
+        echoed: list[int] = []
+        beats: list[int] = []
+
+        async def serve():  # the router echoes each request and, in between, sends its own
+            for k in range(n):
+                sender, msg, tensors = await router.recv()
+                await router.send(msg, tensors, to=sender)
+                await router.send(Heartbeat(peer_id="router", time_s=float(k)), to=sender)
+
+        async def listen():
+            while len(echoed) < n or len(beats) < n:
+                _, msg, tensors = await dealer.recv()
+                if isinstance(msg, Heartbeat):
+                    beats.append(int(msg.time_s))
+                else:
+                    assert torch.equal(tensors[0], payload)
+                    echoed.append(msg.step)
+
+        async def request():
+            for k in range(n):
+                await dealer.send(_traj(k, payload), (payload, torch.zeros(0), torch.zeros(0, dtype=torch.int64)))
+
+        await asyncio.wait_for(asyncio.gather(serve(), listen(), request()), 20)
+        assert echoed == list(range(n)) and beats == list(range(n))
+        assert router.waited_sends + dealer.waited_sends > 0  # the queues did fill
+        router.close()
+        dealer.close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
+def test_close_cancels_a_waiting_receive():
+    async def main():
+        ctx = zmq.Context()
+        push, pull = _pair(ctx)
+        waiting = asyncio.create_task(pull.recv())
+        await asyncio.sleep(0)  # the receive finds nothing queued and waits
+        pull.close()
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the receive returned after its socket closed")
+        push.close()
         ctx.term()
 
     uvloop.run(main())
