@@ -220,7 +220,9 @@ def test_two_way_sockets_send_while_their_receive_waits():
 
         async def request():
             for k in range(n):
-                await dealer.send(_traj(k, payload), (payload, torch.zeros(0), torch.zeros(0, dtype=torch.int64)))
+                await dealer.send(
+                    _traj(k, payload), (payload, torch.zeros(0), torch.zeros(0, dtype=torch.int64))
+                )
 
         await asyncio.wait_for(asyncio.gather(serve(), listen(), request()), 20)
         assert echoed == list(range(n)) and beats == list(range(n))
