@@ -66,6 +66,10 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
     # and its in-flight tasks re-queued); one more failure past this ends the run.
     max_restarts: NonNegInt = 3
+    # CPUs each generator process (and the processes it starts) may run on, e.g. [1] or [2, 3];
+    # [] = wherever the OS schedules it. On a shared CPU host this gives each stage its own cores,
+    # as GPUs do on a GPU host (learner.cpus for the learner).
+    cpus: list[NonNegInt] = []
     # Keyword options for the plugin, handed to its setup() as GeneratorContext.options
     # (e.g. `--set generators.options.replay_path=RUN/trajectories.jsonl` for the replay generator).
     options: dict[str, str | int | float | bool] = {}
@@ -108,6 +112,7 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # generator-only run of `asyncrl bench pipeline`).
     sink: bool = False
     threads: PosInt = 1
+    cpus: list[NonNegInt] = []  # CPUs the learner's processes may run on; [] = any (see generators.cpus)
 
     def clip_range(self) -> tuple[float, float]:
         defaults = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}[self.loss]
@@ -242,6 +247,9 @@ class Config(_Section, frozen=True, kw_only=True):
                 f"one is the median pivot); got {lrn.samples_per_group}"
             )
 
+        for key, cpus in (("learner.cpus", lrn.cpus), ("generators.cpus", self.generators.cpus)):
+            if len(set(cpus)) != len(cpus):
+                raise ValueError(f"{key} = {list(cpus)} lists a CPU twice; list each CPU once")
         self._check_buffer()
 
     def _check_buffer(self) -> None:

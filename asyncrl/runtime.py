@@ -77,6 +77,45 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+def available_cpus() -> set[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def check_cpus(config: Config) -> None:
+    """ValueError naming the key when `learner.cpus` or `generators.cpus` lists a CPU this process
+    cannot use (checked by the launcher before any process starts)."""
+    have = available_cpus()
+    for key, cpus in (("learner.cpus", config.learner.cpus), ("generators.cpus", config.generators.cpus)):
+        if cpus and not hasattr(os, "sched_setaffinity"):
+            raise ValueError(f"{key}: this platform cannot pin processes to CPUs; leave it empty")
+        missing = sorted(set(cpus) - have)
+        if missing:
+            raise ValueError(
+                f"{key} = {list(cpus)}: CPU {', '.join(map(str, missing))} is not available here "
+                f"(available: {', '.join(map(str, sorted(have)))}); list available CPUs, or leave it "
+                "empty to run anywhere"
+            )
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Restrict every thread of this process, and every thread and process it starts later, to
+    `cpus` (nothing to do for an empty list)."""
+    if not cpus:
+        return
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]  # no /proc: the calling thread (later threads inherit its mask)
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+
+
 def run_child(
     role: Role, main: Callable[[ChildContext], Awaitable[None]], argv: list[str] | None = None
 ) -> None:
@@ -94,6 +133,7 @@ def run_child(
     )
     run_dir = Path(args.run_dir)
     config = load_resolved_config(run_dir / "config.json")
+    pin_process(config.learner.cpus if role == "learner" else config.generators.cpus)
     extra = dict(kv.split("=", 1) for kv in args.extra)
     parent_pid = os.getppid()
 

@@ -24,7 +24,7 @@ snap() {  # role pid tid name cpu-ticks, one line per thread
   for pair in "launcher:$LAUNCH" "learner:$LEARNER" "gen:$GEN"; do
     role=${pair%%:*}; pid=${pair#*:}
     for t in /proc/"$pid"/task/*; do  # a thread that ends meanwhile is left out
-      name=$(tr ' ' _ < "$t/comm" 2>/dev/null) && ticks=$(awk '{print $14 + $15}' "$t/stat" 2>/dev/null) \
+      name=$(tr ' ' _ 2>/dev/null < "$t/comm") && ticks=$(awk '{print $14 + $15}' "$t/stat" 2>/dev/null) \
         && echo "$role $pid $(basename "$t") $name $ticks" || true
     done
   done

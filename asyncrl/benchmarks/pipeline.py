@@ -166,6 +166,17 @@ def balanced_batch_groups(gen_sps: dict[int, float], learn_sps: float, *, larges
     return min(predicted, key=lambda m: miss(predicted[m])) if predicted else nearest
 
 
+def stage_cpus(available: set[int] | list[int]) -> tuple[list[int], list[int]] | None:
+    """`--pin`'s placement: the learner on the first half of the CPUs this process may use, the
+    generators on the rest, so that each stage has its own cores (as each has its own GPUs on a
+    GPU host) and neither's threads preempt the other's; None with fewer than 2 CPUs."""
+    cpus = sorted(available)
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
 def variant_sets(variant: str, *, recording: Path | None = None, policy: Path | None = None) -> list[str]:
     """The `--set` overrides that make a run of the workload into `variant` (applied last).
 
@@ -224,6 +235,14 @@ def command(
             "as long as those sync and async produce once learning), or the initial model",
         ),
     ] = True,
+    pin: Annotated[
+        bool,
+        typer.Option(
+            "--pin/--no-pin",
+            help="run the learner on the first half of this machine's CPUs and the generators on the "
+            "rest (learner.cpus, generators.cpus) in every variant, or let the OS place them",
+        ),
+    ] = True,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="extra config override for every run, e.g. --set model.path=DIR"),
@@ -259,8 +278,13 @@ def command(
         "generators.threads=1",
         "learner.threads=1",
         "task.num_eval=0",
-        *(set_ or []),
     ]
+    from asyncrl.runtime import available_cpus
+
+    placement = stage_cpus(available_cpus()) if pin else None
+    if placement is not None:
+        workload += [f"learner.cpus={placement[0]}", f"generators.cpus={placement[1]}"]
+    workload += set_ or []
     from asyncrl.config import ConfigError, load_config
 
     try:  # fail on a bad --set before any process starts
@@ -282,6 +306,7 @@ def command(
         trained_policy=trained_policy,
         progress=lambda text: typer.echo(text, err=True),
     )
+    result["cpus"] = {"learner": placement[0], "generators": placement[1]} if placement else None
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:

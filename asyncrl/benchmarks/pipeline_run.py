@@ -233,6 +233,11 @@ def print_table(result: dict[str, Any]) -> None:
             f"done), learner idle {result.get('async_learner_idle_ratio', float('nan')):.2f}, generator busy "
             f"{result.get('async_gen_busy_ratio', float('nan')):.2f}"
         )
+    cpus = result.get("cpus")
+    if cpus:
+        lines.append(f"placement: learner on CPUs {cpus['learner']}, generators on {cpus['generators']}")
+    else:
+        lines.append("placement: wherever the OS schedules each process")
     load = result["load_average_1min"]
     lines.append(
         f"skipped first {result['skip_steps']} steps; load average (1 min) {load['start']:.2f} -> "

@@ -13,6 +13,7 @@ from pathlib import Path
 import uvloop
 
 from asyncrl.config import Config, write_resolved_config
+from asyncrl.runtime import check_cpus
 from asyncrl.scheduler.service import Launcher, Reporter, RunFailed
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
     checkpoint); returns the summary (also written to summary.json).
     Raises RunFailed (a child failed) or ValueError (bad input) with a clear message."""
     path = model_path(config)
+    check_cpus(config)
     resume_version = 0
     if resume_dir is None:
         run_dir = make_run_dir(config)

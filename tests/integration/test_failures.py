@@ -118,6 +118,21 @@ def test_unknown_generator_fails_before_any_process_starts(tmp_path):
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
 
 
+def test_an_unavailable_cpu_fails_before_any_process_starts(tmp_path):
+    cpu = max(os.sched_getaffinity(0)) + 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "launch", "--no-tui", "--set", f"learner.cpus=[{cpu}]"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert f"learner.cpus = [{cpu}]: CPU {cpu} is not available here" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir())  # no run directory: nothing started
+
+
 def test_config_error_is_one_clear_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "launch", "--set", "learner.stepz=3"],

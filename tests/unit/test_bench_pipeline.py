@@ -15,6 +15,7 @@ from asyncrl.benchmarks.pipeline import (
     VARIANTS,
     balanced_batch_groups,
     run_figures,
+    stage_cpus,
     steady_rate,
     summarize,
     variant_sets,
@@ -242,12 +243,30 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
     for v in ("gen_only", "learn_only"):
         config = json.loads((tmp_path / "bench" / f"r0-{v}" / "config.json").read_text())
         assert config["model"]["path"] == str(trained), v
+    # --pin (the default): each stage on its own CPUs, the same in every variant.
+    from asyncrl.runtime import available_cpus
+
+    placement = stage_cpus(available_cpus())
+    if placement is None:
+        assert result["cpus"] is None
+    else:
+        assert result["cpus"] == {"learner": placement[0], "generators": placement[1]}
+        for v in VARIANTS:
+            config = json.loads((tmp_path / "bench" / f"r0-{v}" / "config.json").read_text())
+            assert (config["learner"]["cpus"], config["generators"]["cpus"]) == placement, v
     # The learner-only run trained on the recording the generator-only run made.
     assert (tmp_path / "bench" / "r0-gen_only" / "trajectories.jsonl").stat().st_size > 0
     assert (
         json.loads((tmp_path / "bench" / "r0-learn_only" / "summary.json").read_text())["status"]
         == "completed"
     )
+
+
+def test_stage_cpus_splits_the_machine_between_the_stages():
+    assert stage_cpus({0}) is None  # one CPU: nothing to split
+    assert stage_cpus({1, 0}) == ([0], [1])
+    assert stage_cpus([4, 5, 6]) == ([4], [5, 6])
+    assert stage_cpus(range(8)) == ([0, 1, 2, 3], [4, 5, 6, 7])
 
 
 def _gen_rate(m: int) -> float:

@@ -83,3 +83,9 @@ def test_pool_mode_options_are_checked_at_load_time(sets, message):
 def test_pool_mode_defaults_validate():
     cfg = load_config(overrides=["buffer.mode=pool", "buffer.max_replays=2", "buffer.max_items=1536"])
     assert cfg.buffer.mode == "pool" and cfg.admission_window_items == 768
+
+
+def test_a_cpu_listed_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"learner\.cpus = \[0, 0\] lists a CPU twice"):
+        load_config(overrides=["learner.cpus=[0, 0]"])
+    assert load_config(overrides=["generators.cpus=[0]"]).generators.cpus == [0]
