@@ -220,6 +220,9 @@ class Ledger:
     def tasks_in_flight(self, generator_id: str) -> list[int]:
         return sorted(self._in_flight.get(generator_id, ()))
 
+    def is_in_flight(self, task_id: int, generator_id: str) -> bool:
+        return task_id in self._in_flight.get(generator_id, ())
+
     def missing_samples(self, task_id: int) -> list[int]:
         """Sample indices of a task that have no trajectory yet (what a requeue must regenerate)."""
         task = self._task(task_id)

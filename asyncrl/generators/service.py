@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 # Retrying a version that failed to load: first wait, doubling up to the cap (timers, not syncs).
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 10.0
+# A generator reports its metrics after a batch at most this often (each report is a record the
+# launcher writes and publishes; one per batch cost it more CPU than the rest of a batch's messages).
+METRICS_EVERY_S = 0.25
 
 
 class WeightsUnavailable(RuntimeError):
@@ -191,6 +195,7 @@ class GeneratorService:
         self.num_tokens = 0
         self.busy_s = 0.0
         self.started = time.perf_counter()
+        self.metrics_sent_at = -math.inf
         # weights
         self.receiver = WeightsReceiver(ctx.peer_id)
         self.announcements: deque[WeightsPublished] = deque()
@@ -391,10 +396,12 @@ class GeneratorService:
                     mean_reward=sum(r.reward for r in group) / len(group),
                 )
             )
-        await self.send_metrics()
+        if time.perf_counter() - self.metrics_sent_at >= METRICS_EVERY_S:
+            await self.send_metrics()
 
     async def send_metrics(self) -> None:
-        wall = time.perf_counter() - self.started
+        self.metrics_sent_at = now = time.perf_counter()
+        wall = now - self.started
         await self.ctx.ctrl.send(
             Metrics(
                 source=self.ctx.peer_id,

@@ -63,7 +63,7 @@ class TaskBook:
         task = self.open.get(task_id)
         if task is None:
             raise ValueError(f"TaskDone for task {task_id}, which is not open (never admitted, or done)")
-        if task_id not in self.ledger.tasks_in_flight(generator_id):
+        if not self.ledger.is_in_flight(task_id, generator_id):
             raise ValueError(f"TaskDone for task {task_id} from {generator_id}, which was not running it")
         for i in self.ledger.missing_samples(task_id):
             self.ledger.generated(self.traj_id(task.group_id, i), task_id=task_id, sample_index=i)

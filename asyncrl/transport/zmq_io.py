@@ -43,6 +43,8 @@ RECV_STREAK = 64
 # Message types a socket of this kind carries when the owner does not say (`accept=`).
 DEFAULT_ACCEPT: dict[int, tuple[type, ...]] = {zmq.PULL: (Trajectory, Trajectories)}
 _BY_KIND = object()
+# Plain ints: pyzmq's flags are enums, and enum arithmetic costs on every message.
+_POLLIN, _POLLOUT, _NOBLOCK, _EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK), int(zmq.EVENTS)
 
 
 class Endpoint:
@@ -63,6 +65,7 @@ class Endpoint:
         self.accept = DEFAULT_ACCEPT.get(kind) if accept is _BY_KIND else accept
         # Plain socket (registered with `ctx`, so ctx.destroy() still closes it); see the module doc.
         self.sock = ctx.socket(kind, socket_class=zmq.Socket)
+        self._router = kind == zmq.ROUTER  # frames start with the sender's identity
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         hwm = DATA_HWM if kind in (zmq.PUSH, zmq.PULL) else CONTROL_HWM
         self.sock.setsockopt(zmq.SNDHWM, hwm)
@@ -95,8 +98,8 @@ class Endpoint:
     def _on_events(self) -> None:
         """The descriptor fired, or an operation may have taken its signal: read ZMQ_EVENTS
         (which also re-arms the descriptor) and wake the waiters that can proceed."""
-        events = self.sock.getsockopt(zmq.EVENTS)
-        for flag, waiters in ((zmq.POLLIN, self._recv_waiters), (zmq.POLLOUT, self._send_waiters)):
+        events = self.sock.getsockopt(_EVENTS)
+        for flag, waiters in ((_POLLIN, self._recv_waiters), (_POLLOUT, self._send_waiters)):
             if events & flag and waiters:
                 for fut in waiters:
                     if not fut.done():
@@ -113,10 +116,10 @@ class Endpoint:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
             loop.add_reader(self.sock.FD, self._on_events)
-        if self.sock.getsockopt(zmq.EVENTS) & flag:
+        if self.sock.getsockopt(_EVENTS) & flag:
             return
         fut = loop.create_future()
-        (self._recv_waiters if flag == zmq.POLLIN else self._send_waiters).append(fut)
+        (self._recv_waiters if flag == _POLLIN else self._send_waiters).append(fut)
         await fut
 
     # ------------------------------------------------------------------ messages
@@ -126,7 +129,7 @@ class Endpoint:
             frames = [to, *frames]
         if not self._waiting_sends:
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(frames, _NOBLOCK, copy=False)
                 self._after(self._recv_waiters)
                 return
             except zmq.Again:
@@ -137,10 +140,10 @@ class Endpoint:
             async with self._send_order:
                 while True:
                     try:
-                        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        self.sock.send_multipart(frames, _NOBLOCK, copy=False)
                         break
                     except zmq.Again:
-                        await self._wait(zmq.POLLOUT)
+                        await self._wait(_POLLOUT)
         finally:
             self._waiting_sends -= 1
         self._after(self._recv_waiters)
@@ -151,10 +154,10 @@ class Endpoint:
             await asyncio.sleep(0)  # a long streak: let the process's other tasks run
         while True:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 self._streak = 0
-                await self._wait(zmq.POLLIN)
+                await self._wait(_POLLIN)
                 continue
             self._streak += 1
             self._after(self._send_waiters)
@@ -165,7 +168,7 @@ class Endpoint:
         while True:
             frames = await self._next_frames()
             sender = None
-            if self.sock.type == zmq.ROUTER:
+            if self._router:
                 if len(frames) < 2:
                     self.reject("missing identity frame")
                     continue
