@@ -108,6 +108,13 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     max_open_groups: PosInt = 64  # streamed groups holding S0/S1 buffers at once
     world_size: PosInt = 1  # data-parallel learner ranks (gloo on CPU, NCCL on GPU); group j on rank j % R
     micro_batch_size: PosInt = 256  # sequences per forward/backward
+    # Streaming: while more of the step's window is still to come, the learner starts training
+    # only once this many trajectories wait (then trains all it can); the window's last
+    # `min_chunk` - 1 train as they arrive, so a step still ends one arrival after its last
+    # trajectory. Larger chunks cost less per trajectory (a 16-trajectory chunk ~1.6x a 256 one on
+    # the CPU default model), and a learner that keeps up leaves its CPU free. 1 = train every
+    # arrival at once.
+    min_chunk: PosInt = 64
     # Benchmarks: record each window to <run>/trajectories.jsonl and train nothing (the
     # generator-only run of `asyncrl bench pipeline`).
     sink: bool = False

@@ -6,7 +6,10 @@ workers (`ranks.py`) each receive trajectories on their own socket and `add` the
 train loops await `run_step(step)` for every step. Window s (the groups admitted for step s) is
 trained at policy_version s: its trajectories wait in the inbox until step s - 1 is done, then
 each is trained as soon as the trainer can take it (streaming), or, when the objective cannot
-stream, all at once when the rank's share of the window is complete.
+stream, all at once when the rank's share of the window is complete. Streaming trains in chunks:
+while more of the window is to come, a run of work starts once `min_chunk` trajectories wait
+(`learner.min_chunk`), and the window's last ones train as they arrive, so the step still ends
+about one arrival after its last trajectory.
 
 Data parallelism: group j belongs to rank j % world_size (all of its samples, so S0/S1 never
 cross ranks); `local_window_size` counts a rank's trajectories of one step.
@@ -97,8 +100,14 @@ class StepLoop:
         *,
         sink: Callable[[int, list[TrainSample]], StepResult] | None = None,
         before_update: Callable[[], Awaitable[None]] | None = None,
+        min_chunk: int = 1,
     ) -> None:
+        if min_chunk < 1:
+            raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
         self.trainer = trainer
+        # Streaming starts a run of work once this many trajectories wait, or once fewer than
+        # this many of the window are still to come (`learner.min_chunk`).
+        self.min_chunk = min_chunk
         # Awaited before each optimizer update: the learner service's publish of the previous
         # version reads the weights while this step's gradients accumulate, not after.
         self.before_update = before_update
@@ -157,6 +166,7 @@ class StepLoop:
         expected = self.window_size(step)
         whole_window = self.sink is not None or bool(trainer.fallback)
         offered = 0
+        draining = False  # streaming: a run of work started, continued while there is work
         while not self.stopping:
             if whole_window:
                 if len(self.inbox.get(step, ())) == expected:
@@ -172,8 +182,13 @@ class StepLoop:
                 for sample in fresh:
                     trainer.offer(sample)
                 offered += len(fresh)
-                if trainer.has_work() and await self._busy(trainer.work):
-                    continue
+                if trainer.has_work() and (
+                    draining or trainer.num_waiting() >= self.min_chunk or expected - offered < self.min_chunk
+                ):
+                    draining = True
+                    if await self._busy(trainer.work):
+                        continue
+                draining = False
                 if offered == expected:
                     break
             await self._wait_for_data()

@@ -161,6 +161,7 @@ async def _worker(args: argparse.Namespace, config, trainer) -> None:
             groups_per_step=lrn.groups_per_step,
             group_size=lrn.samples_per_group,
         ),
+        min_chunk=lrn.min_chunk,
     )
     parent = os.getppid()
 

@@ -92,6 +92,7 @@ class LearnerService:
                 ),
                 sink=self.sink_step if self.cfg.sink else None,
                 before_update=self.wait_closed,
+                min_chunk=self.cfg.min_chunk,
             )
         )
         # The last step's publish and reports, running while the next step trains (`train_loop`).

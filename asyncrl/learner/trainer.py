@@ -144,6 +144,10 @@ class Trainer:
         self.members[sample.group_id].append(sample)
         self.waiting[sample.group_id].append(sample)
 
+    def num_waiting(self) -> int:
+        """Trajectories offered this step and not trained yet."""
+        return sum(len(w) for w in self.waiting.values())
+
     def has_work(self) -> bool:
         if self.objective.opd is not None and not self.fallback:
             return any(self.waiting.values())

@@ -1,9 +1,12 @@
-"""StepLoop's update gate: the learner publishes version s while step s trains, and the step's
-optimizer update waits for that publish (`before_update`), so the weights being read stay put."""
+"""StepLoop: the update gate (the learner publishes version s while step s trains, and the step's
+optimizer update waits for that publish, `before_update`, so the weights being read stay put), and
+when streaming starts training what has arrived (`min_chunk`)."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from asyncrl.learner.loop import StepLoop
 
@@ -58,3 +61,85 @@ def test_without_a_gate_the_update_follows_the_backward():
     loop.add(0, "a")
     assert asyncio.run(loop.run_step(0)) == "result"
     assert events == ["begin 0", "backward 1", "update"]
+
+
+class _Streaming:
+    """A streaming trainer: each `work()` call trains up to `per_call` waiting trajectories (a
+    whole chunk, or one at a time as for a group still open) and logs how many."""
+
+    fallback = ""
+
+    def __init__(self, per_call: int) -> None:
+        self.per_call = per_call
+        self.waiting: list[str] = []
+        self.trained: list[int] = []
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def offer(self, sample: str) -> None:
+        self.waiting.append(sample)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def work(self) -> bool:
+        chunk, self.waiting = self.waiting[: self.per_call], self.waiting[self.per_call :]
+        self.trained.append(len(chunk))
+        return True
+
+    def finish_step(self) -> str:
+        return "result"
+
+
+def _arrivals(per_call: int, min_chunk: int, batches: list[int]) -> list[list[int]]:
+    """Feed a 10-trajectory window in `batches`; after each, what the trainer had trained."""
+    trainer = _Streaming(per_call)
+    seen: list[list[int]] = []
+
+    async def main():
+        loop = StepLoop(trainer, lambda step: 10, min_chunk=min_chunk)
+        step = None
+        for n in batches:
+            for _ in range(n):
+                loop.add(0, "x")
+            step = step or asyncio.create_task(loop.run_step(0))
+            # The loop has taken the batch once it waits for data again (or the step ended).
+            while loop.arrived.is_set() and not step.done():
+                await asyncio.sleep(0)
+            seen.append(list(trainer.trained))
+        assert await step == "result"
+
+    asyncio.run(main())
+    return seen
+
+
+def test_min_chunk_waits_for_a_chunk_then_trains_the_windows_end_as_it_arrives():
+    seen = _arrivals(per_call=100, min_chunk=4, batches=[3, 1, 2, 1, 1, 1, 1])
+    assert seen == [
+        [],  # 3 waiting, 7 to come: wait for a chunk of 4
+        [4],
+        [4],  # 2 waiting, 4 to come: still wait
+        [4, 3],  # 3 to come (< 4): from here each arrival trains at once
+        [4, 3, 1],
+        [4, 3, 1, 1],
+        [4, 3, 1, 1, 1],  # the last trajectory: trained, and the step ends
+    ]
+
+
+def test_min_chunk_1_trains_every_arrival_at_once():
+    assert _arrivals(per_call=100, min_chunk=1, batches=[1] * 10)[:3] == [[1], [1, 1], [1, 1, 1]]
+
+
+def test_a_started_run_of_work_continues_below_min_chunk():
+    # One trajectory per work() call (an open group streams one at a time): once 4 wait, all 4
+    # train, not just the first (the remaining 3 would otherwise wait for the window's end).
+    assert _arrivals(per_call=1, min_chunk=4, batches=[4, 6])[0] == [1, 1, 1, 1]
+
+
+def test_min_chunk_below_1_is_refused():
+    with pytest.raises(ValueError, match="min_chunk"):
+        StepLoop(_Streaming(1), lambda step: 1, min_chunk=0)
