@@ -143,7 +143,8 @@ def balanced_batch_groups(gen_sps: dict[int, float], learn_sps: float, *, larges
     Model: a batch of m groups takes a + b*m seconds (per-decode-step overhead plus a cost per
     group), so 1/rate is linear in 1/m: 1/g(m) = alpha/m + beta, fitted by least squares. The
     pick is the m whose predicted rate is nearest `learn_sps` by ratio. With one point, or a fit
-    that says smaller batches are not slower (noise), the measured batch size nearest by ratio.
+    that says smaller batches are not slower (noise), the measured batch size nearest by ratio
+    (at most `largest`).
     """
     if not gen_sps or learn_sps <= 0 or any(v <= 0 for v in gen_sps.values()):
         raise ValueError(f"need positive rates, got gen_sps={gen_sps}, learn_sps={learn_sps}")
@@ -151,7 +152,7 @@ def balanced_batch_groups(gen_sps: dict[int, float], learn_sps: float, *, larges
     def miss(rate: float) -> float:
         return abs(math.log(rate / learn_sps))
 
-    nearest = min(gen_sps, key=lambda m: miss(gen_sps[m]))
+    nearest = min(min(gen_sps, key=lambda m: miss(gen_sps[m])), largest)
     if len(gen_sps) < 2:
         return nearest
     xs = [1.0 / m for m in gen_sps]

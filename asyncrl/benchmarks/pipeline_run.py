@@ -95,7 +95,8 @@ def calibrate_batch_groups(
     the learner's own rate (learn_only, replaying a gen_only recording) and the generator's at
     `CALIBRATION_BATCH_GROUPS`, fitted by `balanced_batch_groups`. The smaller batch size is only
     measured when the generator outruns the learner at the larger one."""
-    high, low = CALIBRATION_BATCH_GROUPS
+    # A batch never holds more groups than a step has (a larger setting samples as many).
+    high, low = (min(m, largest) for m in CALIBRATION_BATCH_GROUPS)
     gen: dict[int, float] = {}
 
     def gen_only(m: int) -> float:
@@ -120,7 +121,7 @@ def calibrate_batch_groups(
     )
     learn = run_figures(read_records(run_dir), skip=skip)["sps"]
     say(f"calibrate learn_only: {learn:8.1f} samples/s")
-    if gen[high] > learn:
+    if gen[high] > learn and low < high:
         gen_only(low)
     chosen = balanced_batch_groups(gen, learn, largest=largest)
     say(f"calibrate: max_batch_groups {chosen} balances the two stages")

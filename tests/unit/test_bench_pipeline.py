@@ -287,6 +287,8 @@ def test_balanced_batch_groups_without_a_usable_fit():
     # One point (the generator was already the slower stage at 8), or noise that makes smaller
     # batches look faster: the measured batch size nearest by ratio.
     assert balanced_batch_groups({8: 1000.0}, 1500.0, largest=32) == 8
+    # A measured batch size above the step's groups is not a valid pick.
+    assert balanced_batch_groups({8: 1000.0}, 1500.0, largest=2) == 2
     assert balanced_batch_groups({8: 1700.0, 2: 1800.0}, 1500.0, largest=32) == 8
     assert balanced_batch_groups({8: 1700.0, 2: 1450.0}, 1500.0, largest=32) in (2, 3)
     with pytest.raises(ValueError, match="positive"):
