@@ -56,6 +56,10 @@ class SamplingConfig(_Section, frozen=True, kw_only=True):
     temperature: Annotated[float, Meta(ge=0)] = 1.0
     top_p: Probability = 1.0
     max_new_tokens: PosInt = 5
+    # Sample max_new_tokens every time, on past an eos (SGLang's ignore_eos): every answer the same
+    # length, as throughput benchmarks want. The verifier reads the answer up to its first eos;
+    # the learner trains on every sampled token.
+    ignore_eos: bool = False
 
 
 class GeneratorConfig(_Section, frozen=True, kw_only=True):

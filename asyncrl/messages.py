@@ -47,6 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+    ignore_eos: bool = False  # sample max_new_tokens every time, past an eos (benchmarks)
 
 
 class Hello(_Msg, frozen=True, kw_only=True):

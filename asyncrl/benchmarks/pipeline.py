@@ -14,6 +14,10 @@ rate on this machine (`balanced_batch_groups`): overlap can at best double the t
 equal stages, and an unbalanced workload measures the imbalance instead of the overlap. Throughput is steady state, from the step
 records in metrics.jsonl: samples trained after step `skip` divided by the time from step `skip`'s
 end to the last step's end (process start-up, model loading and pipeline fill are not counted).
+Every answer is sampled to `max_new_tokens` (`sampling.ignore_eos`, as inference throughput
+benchmarks do) so that the four variants do the same work per sample: answers that end at eos
+follow the policy, which learns in sync and async but not in gen_only and learn_only
+(`--stop-at-eos` measures that way; the tokens/s ratio then shows the difference).
 
 The pure parts (figures from records, medians, ratios) are functions here; importing this module
 is cheap, subprocesses and rich load when the command runs.
@@ -124,7 +128,8 @@ def summarize(runs: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
         if values:
             result[f"async_{key}"] = statistics.median(values)
     # The same ratio in generated tokens/s: a check that the single-stage variants saw answers as
-    # long as async's (see `variant_sets`'s `policy`), else efficiency in samples/s is biased.
+    # long as async's (with --stop-at-eos see `variant_sets`'s `policy`), else efficiency in
+    # samples/s is biased.
     if all("tps" in rep[v] for rep in runs for v in VARIANTS):
         tps = {v: statistics.median(rep[v]["tps"] for rep in runs) for v in VARIANTS}
         result.update({f"{v}_tps": tps[v] for v in VARIANTS})
@@ -182,9 +187,10 @@ def variant_sets(variant: str, *, recording: Path | None = None, policy: Path | 
     """The `--set` overrides that make a run of the workload into `variant` (applied last).
 
     `policy`: a trained model directory that the single-stage variants (gen_only, learn_only) start
-    from instead of the workload's model. Their policy never learns, and an untrained policy's
-    answers are longer than those of the policy that sync and async train along the way (17%
-    more tokens on the default workload), so without it they measure a costlier workload.
+    from instead of the workload's model. Their policy never learns, and with answers that end at
+    eos (`--stop-at-eos`) an untrained policy's answers are longer than those of the policy that
+    sync and async train along the way (17% more tokens), so without it they measure a costlier
+    workload. (The default `--ignore-eos` makes every answer the same length in every variant.)
     """
     model = [f"model.path={json.dumps(str(policy))}"] if policy is not None else []
     match variant:
@@ -218,6 +224,14 @@ def command(
     groups_per_step: Annotated[int, typer.Option(help="learner.groups_per_step")] = 32,
     samples_per_group: Annotated[int, typer.Option(help="learner.samples_per_group")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="sampling.max_new_tokens")] = 5,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-eos/--stop-at-eos",
+            help="every answer max_new_tokens long (sampling.ignore_eos), so that the four variants do "
+            "the same work per sample, or answers end at eos (lengths then follow each variant's policy)",
+        ),
+    ] = True,
     max_batch_groups: Annotated[
         str,
         typer.Option(
@@ -274,6 +288,7 @@ def command(
         f"learner.groups_per_step={groups_per_step}",
         f"learner.samples_per_group={samples_per_group}",
         f"sampling.max_new_tokens={max_new_tokens}",
+        f"sampling.ignore_eos={str(ignore_eos).lower()}",
         f"staleness.max_staleness={max_staleness}",
         "generators.num_generators=1",
         "generators.threads=1",

@@ -172,10 +172,13 @@ def generate(
     poll_update: Callable[[], bool] | None = None,
     inflight: InflightMode = "keep",
     num_extra_samples: int = 0,
+    ignore_eos: bool = False,
 ) -> SampleOutput:
     """Sample up to `max_new_tokens` per prompt. The eos token, when emitted, is part of the
     completion's log-probs (it was sampled too) but not of `completion_ids`' text; its position is
     the last entry of `logprobs[i]` and `versions[i]`, and `completion_ids[i]` then ends with it.
+    With `ignore_eos` every completion is `max_new_tokens` long: sampling goes on past an eos
+    (SGLang's `ignore_eos`; `answer_ids` is the part a verifier reads).
 
     `seeds[i]` seeds row i's generator (see `sample_seed`); without `seeds`, row seeds are drawn
     from `rng` (or torch's global generator). `current_version` names the weights the model holds
@@ -235,7 +238,7 @@ def generate(
             completions[i].append(tok)
             logprobs[i].append(float(tok_logp_B[i]))
             versions[i].append(logits_version)
-            done[i] = tok == eos_token_id or len(completions[i]) >= max_new_tokens
+            done[i] = (tok == eos_token_id and not ignore_eos) or len(completions[i]) >= max_new_tokens
         if all(done):
             break
         if poll_update is not None and poll_update():
@@ -257,7 +260,7 @@ def generate(
         logits_version = current_version()
         state.step(tok_B)
 
-    finish = ["stop" if c and c[-1] == eos_token_id else "length" for c in completions]
+    finish = ["stop" if c and c[-1] == eos_token_id and not ignore_eos else "length" for c in completions]
     if not num_extra:
         return SampleOutput(completions, logprobs, versions, finish, steps, num_updates)
     return SampleOutput(
@@ -267,3 +270,12 @@ def generate(
 
 def strip_eos(ids: Sequence[int], eos_token_id: int) -> list[int]:
     return list(ids[:-1]) if ids and ids[-1] == eos_token_id else list(ids)
+
+
+def answer_ids(ids: Sequence[int], eos_token_id: int | None) -> list[int]:
+    """The answer a verifier reads: the completion up to its first eos. Without `ignore_eos` an
+    eos can only be the last token; with it, what was sampled past the eos is not the answer."""
+    ids = list(ids)
+    if eos_token_id is not None and eos_token_id in ids:
+        return ids[: ids.index(eos_token_id)]
+    return ids

@@ -30,7 +30,7 @@ Options (`generators.options.*`; either `urls` or `launch`, the rest optional; c
 | `pause_mode` | from `weights.inflight` | `in_place` (keep), `retract` (retract) or `abort` (abort) |
 | `verify_shards` | true | sha256-check the shards before servers load them |
 | `extra_sampling_params` | `{}` | JSON object merged into `sampling_params` (e.g. `{"top_k": 20}`) |
-| `ignore_eos` | false | sample to `max_new_tokens` (benchmarks) |
+| `ignore_eos` | false | sample to `max_new_tokens` (benchmarks; also `sampling.ignore_eos`) |
 
 Launched servers get `--model-path`, `--host 127.0.0.1`, `--port`, `--weight-version 0`
 (and `--mem-fraction-static`), then `launch_args`; their logs are `<run>/logs/sglang-<generator>-<i>.log`
@@ -208,7 +208,7 @@ class SGLangGenerator:
             "no_stop_trim": True,
             "skip_special_tokens": False,
         }
-        if self.opts["ignore_eos"]:
+        if self.opts["ignore_eos"] or s.ignore_eos:
             params["ignore_eos"] = True
         return {**params, **self.opts["extra_sampling_params"]}
 
@@ -249,7 +249,7 @@ class SGLangGenerator:
         return decode_generate(data)
 
     async def _sample(self, task: PromptTask, k: int) -> Rollout:
-        from asyncrl.generators.sampling import sample_seed
+        from asyncrl.generators.sampling import answer_ids, sample_seed
 
         assert self._ctx is not None and self._slots is not None
         max_new = task.sampling.max_new_tokens
@@ -312,7 +312,7 @@ class SGLangGenerator:
                         f"SGLang server {server.url} answered finish_reason {finish!r} for {rid}"
                     )
                 break
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        text = self._tokenizer.decode(answer_ids(ids, self._tokenizer.eos_token_id), skip_special_tokens=True)
         prompt_text = self._tokenizer.decode(task.prompt_ids, skip_special_tokens=True)
         return Rollout(
             task_id=task.task_id,

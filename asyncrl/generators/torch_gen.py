@@ -121,7 +121,7 @@ class TorchGenerator:
         return self._tokenizer
 
     def generate_sync(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
-        from asyncrl.generators.sampling import generate, sample_seed
+        from asyncrl.generators.sampling import answer_ids, generate, sample_seed
 
         assert self._ctx is not None and self._tokenizer is not None, "setup() was not called"
         tok = self._tokenizer
@@ -144,6 +144,7 @@ class TorchGenerator:
             poll_update=self.apply_pending,
             inflight=self._inflight,
             num_extra_samples=max(0, self._opd_samples - 1),
+            ignore_eos=s.ignore_eos,
         )
         self.num_inflight_updates += out.num_weight_updates
         opd = self._score_with_teacher(prompts, out) if self._teacher is not None else None
@@ -152,7 +153,7 @@ class TorchGenerator:
         for j, ((task, k), ids, logps, versions, finish) in enumerate(
             zip(owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True)
         ):
-            text = tok.decode(ids, skip_special_tokens=True)
+            text = tok.decode(answer_ids(ids, tok.eos_token_id), skip_special_tokens=True)
             prompt_text = prompt_texts[task.task_id]
             rollouts.append(
                 Rollout(

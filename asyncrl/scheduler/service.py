@@ -342,7 +342,9 @@ class Launcher:
         if not groups:
             return []
         s = self.cfg.sampling
-        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+        sampling = SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, ignore_eos=s.ignore_eos
+        )
         problems = [self.task.train_problem(j) for j in groups]
         prompt_ids = self._tokenizer([p.prompt for p in problems])["input_ids"]
         tasks = []

@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -167,6 +168,28 @@ def test_top_p_uses_the_sampling_mask_logprobs(tiny_model_dir, servers):
     r = rollouts[0]
     full = reference_logprobs(tiny_model_dir, None, task(0).prompt_ids, r.completion_ids)
     assert all(b > f + 1e-3 for b, f in zip(r.behavior_logprobs, full, strict=True))
+
+
+def test_sampling_ignore_eos_reaches_the_server(tiny_model_dir, servers):
+    """`sampling.ignore_eos` (the task's SamplingParams) samples every answer to its budget, as the
+    generator option does for every task."""
+    (a,) = servers(1)
+    gen = make_gen(tiny_model_dir, [a.url])
+    t = msgspec.structs.replace(
+        task(0, num_samples=8), sampling=SamplingParams(max_new_tokens=6, ignore_eos=True)
+    )
+
+    async def go():
+        try:
+            return await gen.generate([t])
+        finally:
+            await gen.close()
+
+    assert gen._sampling_params(t, 6, 0)["ignore_eos"] is True
+    assert "ignore_eos" not in gen._sampling_params(task(0), 6, 0)
+    rollouts = asyncio.run(go())
+    check_rollouts(rollouts, [t])
+    assert all(len(r.completion_ids) == 6 and r.finish_reason == "length" for r in rollouts)
 
 
 @stand_in_only

@@ -236,7 +236,11 @@ def test_bench_pipeline_command_tiny_workload(tiny_model_dir, tmp_path):
     assert result["max_batch_groups"] == cal["chosen"] in (1, 2)
     assert "generators.max_batch_groups=" + str(cal["chosen"]) in result["workload"]
     assert all(v > 0 for v in result["per_repeat"][0].values())
-    assert result["efficiency_tokens"] > 0 and result["async_tps"] >= result["async_sps"]
+    assert result["efficiency_tokens"] > 0
+    # --ignore-eos (the default): every answer is max_new_tokens long, in every variant.
+    assert "sampling.ignore_eos=true" in result["workload"]
+    for v in VARIANTS:
+        assert result[f"{v}_tps"] == pytest.approx(4 * result[f"{v}_sps"]), v
     # The single-stage runs started from the policy one sync run trained first.
     assert result["standalone_policy"] == "trained"
     trained = tmp_path / "bench" / "trained-policy" / "final_model"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.generators.sampling import generate, next_token_logprobs
+from asyncrl.generators.sampling import answer_ids, generate, next_token_logprobs
 
 
 def _fresh_logprobs(model, prompt, completion, *, temperature, top_p):
@@ -67,8 +67,76 @@ def test_finish_reasons_and_eos(tiny_model_dir):
         assert len(ids) <= 3
 
 
+def test_ignore_eos_samples_every_completion_to_the_budget(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    kwargs = dict(max_new_tokens=6, temperature=1.0, eos_token_id=2, pad_token_id=0, seeds=list(range(16)))
+    stopped = generate(model, [[1, 5]] * 16, **kwargs)
+    full = generate(model, [[1, 5]] * 16, ignore_eos=True, **kwargs)
+    assert any(len(ids) < 6 for ids in stopped.completion_ids)  # else the case proves nothing
+    for short, ids, logps, reason in zip(
+        stopped.completion_ids, full.completion_ids, full.logprobs, full.finish_reasons, strict=True
+    ):
+        assert len(ids) == len(logps) == 6 and reason == "length"
+        assert ids[: len(short)] == short  # the same draws up to where the answer ended
+        assert answer_ids(ids, 2) == [t for t in short if t != 2]
+
+
+def test_answer_ids_is_the_completion_up_to_its_first_eos():
+    assert answer_ids([5, 6, 2], 2) == [5, 6]
+    assert answer_ids([5, 2, 7, 2, 2], 2) == [5]
+    assert answer_ids([5, 6], 2) == [5, 6]
+    assert answer_ids([2, 5], 2) == []
+    assert answer_ids([5, 2], None) == [5, 2]
+
+
 def test_nucleus_renormalises():
     logits = torch.tensor([[2.0, 1.0, 0.5, -3.0]])
     logp = next_token_logprobs(logits, temperature=1.0, top_p=0.8)
     assert torch.isclose(logp.exp().sum(), torch.tensor(1.0))
     assert torch.isinf(logp[0, 3]) and logp[0, 3] < 0
+
+
+def test_torch_generator_with_ignore_eos_scores_the_answer_up_to_its_eos():
+    """The shipped model can add; with `ignore_eos` it samples on past its answer's eos, and the
+    verifier still reads the answer (reading on would score every answer 0)."""
+    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.generators.base import GeneratorContext
+    from asyncrl.generators.torch_gen import TorchGenerator
+    from asyncrl.messages import PromptTask, SamplingParams
+    from asyncrl.models.default import DEFAULT_MODEL_DIR
+    from asyncrl.tasks.arithmetic import AdditionReward
+
+    gen = TorchGenerator()
+    ctx = GeneratorContext(
+        generator_id="g0",
+        model_path=str(DEFAULT_MODEL_DIR),
+        sampling=SamplingConfig(),
+        task=TaskConfig(),
+        seed=0,
+    )
+    gen.setup(ctx)
+    tok = gen.tokenizer
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    problems = [("12+39=", "51"), ("7+8=", "15"), ("30+41=", "71")]
+    batch = [
+        PromptTask(
+            task_id=i,
+            group_id=i,
+            prompt_ids=tok(p)["input_ids"],
+            num_samples=8,
+            sampling=params,
+            dataset_index=i,
+            step=0,
+            answer=a,
+        )
+        for i, (p, a) in enumerate(problems)
+    ]
+    rollouts = gen.generate_sync(batch)
+    verify = AdditionReward()
+    for r in rollouts:
+        assert len(r.completion_ids) == len(r.behavior_logprobs) == 8 and r.finish_reason == "length"
+        answer = tok.decode(answer_ids(r.completion_ids, tok.eos_token_id), skip_special_tokens=True)
+        assert r.reward == verify(problems[r.task_id][0], answer, problems[r.task_id][1])
+    assert sum(r.reward for r in rollouts) > 0
