@@ -95,6 +95,56 @@ def test_pack_and_staleness():
         pack(samples[:3], pad_token_id=0)
 
 
+def _pack_row_by_row(samples, pad_token_id):
+    """The plain reference for `pack`'s arrays: one slice assignment per row and field."""
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    behav = torch.zeros((len(samples), width), dtype=torch.float32)
+    versions = torch.zeros((len(samples), width), dtype=torch.long)
+    for b, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[b, :p] = torch.tensor(list(s.prompt_ids))
+        ids[b, p : p + c] = s.completion_ids
+        mask[b, p : p + c] = True if s.loss_mask is None else s.loss_mask
+        behav[b, p : p + c] = s.behavior_logprobs
+        versions[b, p : p + c] = s.token_versions
+    return ids, mask, behav, versions
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pack_equals_row_by_row_packing(seed):
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(11):
+        p = int(torch.randint(1, 9, (), generator=gen))
+        c = int(torch.randint(1, 7, (), generator=gen))
+        masked = seed > 0 and i % 3 == 0  # some rows with a loss mask, the rest without
+        samples.append(
+            TrainSample(
+                traj_id=i,
+                group_id=10 + i % 4,
+                sample_index=i // 4,
+                prompt_ids=torch.randint(3, 50, (p,), generator=gen).tolist(),
+                completion_ids=torch.randint(3, 50, (c,), generator=gen),
+                behavior_logprobs=-torch.rand(c, generator=gen),
+                token_versions=torch.randint(0, 5, (c,), generator=gen),
+                reward=float(i % 2),
+                loss_mask=torch.rand(c, generator=gen) > 0.5 if masked else None,
+            )
+        )
+    batch = pack(samples, pad_token_id=7, require_complete=False)
+    ids, mask, behav, versions = _pack_row_by_row(samples, 7)
+    assert torch.equal(batch.input_ids_BL, ids)
+    assert torch.equal(batch.completion_mask_BL, mask)
+    assert torch.equal(batch.behavior_logp_BL, behav)
+    assert torch.equal(batch.versions_BL, versions)
+    assert batch.group_B.tolist() == [i % 4 for i in range(11)]
+    assert batch.slot_B.tolist() == [i // 4 for i in range(11)]
+    assert (batch.num_groups, batch.group_size) == (4, 3)
+    assert batch.reward_B.tolist() == [float(i % 2) for i in range(11)]
+
+
 def test_learner_rejects_malformed_trajectories():
     from asyncrl.learner.service import _invalid
     from asyncrl.messages import Trajectory
