@@ -2,9 +2,9 @@
 
 Data flow (one machine by default; every socket on loopback):
 
-    launcher (scheduler/service.py)  --PromptTask-------------------->  generator[i] (generators/service.py)
+    launcher (scheduler/service.py)  --PromptTasks------------------->  generator[i] (generators/service.py)
       | owns prompts, admission,       --WeightsPublished (forwarded)-->    | samples with the torch model,
-      | supervision, metrics.jsonl   <--TaskDone, WeightsLoaded---------    | scores with the task's verifier
+      | supervision, metrics.jsonl   <--TasksDone, WeightsLoaded--------    | scores with the task's verifier
       |                                                                     |
       |  <--Hello(endpoint), StepDone, WeightsPublished--+                  | Trajectories: a finished batch,
       |  --WeightsLoaded (forwarded), Shutdown---------> |                  v  a Trajectory per sample (+ tensor
@@ -21,8 +21,8 @@ Data flow (one machine by default; every socket on loopback):
 
 | loop | consumes | produces | waits for | unblocked by |
 |---|---|---|---|---|
-| launcher dispatch | WeightsLoaded, Hello | PromptTask (re-queued first) | a free admission credit | every serving generator loading a newer version (a dead one, or a replacement still loading, does not count) |
-| generator work | PromptTask, WeightsPublished | Trajectories, TaskDone, WeightsLoaded | a pending task | PromptTask |
+| launcher dispatch | WeightsLoaded, Hello | PromptTasks, one per generator (re-queued tasks first) | a free admission credit | every serving generator loading a newer version (a dead one, or a replacement still loading, does not count) |
+| generator work | PromptTasks, WeightsPublished | Trajectories and TasksDone (one each per batch), WeightsLoaded | a pending task | PromptTasks |
 | learner train | Trajectories (or a lone Trajectory) | StepDone, WeightsPublished (while the next step trains) | a trajectory of the current step (the whole window when the objective cannot stream) | the next Trajectory |
 | learner ctrl | WeightsLoaded, Shutdown | deletions of unused versions | a control message | the launcher |
 

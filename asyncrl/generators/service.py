@@ -1,10 +1,11 @@
 """Generator process: the sockets around one `Generator` plugin.
 
-Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes each finished batch
-of groups to the learner as one Trajectories message, a Trajectory per sample (PUSH, tensors as
-frames), and reports TaskDone / WeightsLoaded / Metrics back. A Trajectory has three tensor
-frames (ids, behavior log-probs, versions), or six with `opd.enabled`: then frames 3-5 are the
-[T, N] teacher log-probs, cached ids and their behavior log-probs (docs/opd.md).
+Receives PromptTasks (or one PromptTask) and WeightsPublished from the launcher (DEALER), pushes
+each finished batch of groups to the learner as one Trajectories message, a Trajectory per sample
+(PUSH, tensors as frames), and reports the batch's TasksDone, WeightsLoaded and Metrics back. A
+Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
+`opd.enabled`: then frames 3-5 are the [T, N] teacher log-probs, cached ids and their behavior
+log-probs (docs/opd.md).
 
 Weights (docs/weights.md): the `gen-weights` task takes announcements in order and fetches each
 one it needs in a worker thread (`transport.receiver`: verified shards, or the broadcast group),
@@ -39,8 +40,10 @@ from asyncrl.generators.base import GeneratorContext, GroupWeights, Rollout, Sta
 from asyncrl.messages import (
     Metrics,
     PromptTask,
+    PromptTasks,
     Shutdown,
     TaskDone,
+    TasksDone,
     Trajectory,
     WeightsLoaded,
     WeightsPublished,
@@ -214,6 +217,8 @@ class GeneratorService:
         while not self.stopping:
             _, msg, _ = await self.ctx.ctrl.recv()
             match msg:
+                case PromptTasks():
+                    self.pending.extend(msg.tasks)
                 case PromptTask():
                     self.pending.append(msg)
                 case WeightsPublished():
@@ -381,12 +386,13 @@ class GeneratorService:
         ]
         for msg, tensors in batch_trajectories(frames):  # the batch in one message, or a few
             await self.data.send(msg, tensors)
+        done = []
         for task in batch:
             group = by_task[task.task_id]
             num_tokens = sum(len(r.completion_ids) for r in group)
             self.num_samples += len(group)
             self.num_tokens += num_tokens
-            await self.ctx.ctrl.send(
+            done.append(
                 TaskDone(
                     task_id=task.task_id,
                     generator_id=self.ctx.peer_id,
@@ -396,6 +402,7 @@ class GeneratorService:
                     mean_reward=sum(r.reward for r in group) / len(group),
                 )
             )
+        await self.ctx.ctrl.send(done[0] if len(done) == 1 else TasksDone(items=done))
         if time.perf_counter() - self.metrics_sent_at >= METRICS_EVERY_S:
             await self.send_metrics()
 

@@ -1,8 +1,9 @@
 """The launcher side of the metrics stream: one PUB socket, in-process sinks, launcher snapshots.
 
 Place in the data flow. Children never talk to a monitor: they send typed `Metrics`, `StepDone`,
-`TaskDone`, `WeightsPublished` and `WeightsLoaded` messages to the launcher over the existing
-control channel (that is the aggregation path: one ordered stream, no extra sockets per child).
+`TasksDone` (a `TaskDone` per group), `WeightsPublished` and `WeightsLoaded` messages to the
+launcher over the existing control channel (that is the aggregation path: one ordered stream, no
+extra sockets per child).
 The launcher turns each into one record in `Launcher.write_record`, appends it to
 `<run>/metrics.jsonl`, and hands it to `MonitorHub.publish`, which
   - sends it on a PUB socket bound on 127.0.0.1 (address in `<run>/monitor.json`) as two frames

@@ -40,10 +40,12 @@ from asyncrl.messages import (
     Hello,
     Metrics,
     PromptTask,
+    PromptTasks,
     SamplingParams,
     Shutdown,
     StepDone,
     TaskDone,
+    TasksDone,
     WeightsLoaded,
     WeightsPublished,
 )
@@ -63,6 +65,7 @@ INTERRUPTED_RUN = "(interrupted run)"  # ledger generator id of tasks re-admitte
 CONTROL_ACCEPT = (
     Hello,
     TaskDone,
+    TasksDone,
     WeightsPublished,
     WeightsLoaded,
     StepDone,
@@ -329,10 +332,15 @@ class Launcher:
         # A task waits while its step is beyond the bound for the loaded weights (only the groups
         # re-admitted on resume can be, until the generators load the resumed version).
         max_step = loaded + self.cfg.effective_max_staleness
+        tasks = []
         while self.book.requeued and self.book.open[self.book.requeued[0]].step <= max_step:
-            await self.assign(ctrl, self.book.pop_requeued())
-        for task in self.admit(self.admission.admit(loaded), loaded):
-            await self.assign(ctrl, task)
+            tasks.append(self.book.pop_requeued())
+        tasks += self.admit(self.admission.admit(loaded), loaded)
+        by_peer: dict[str, list[PromptTask]] = {}
+        for task in tasks:
+            self.assign(task, by_peer)
+        for peer, mine in by_peer.items():  # one message per generator
+            await self.send_to(ctrl, peer, mine[0] if len(mine) == 1 else PromptTasks(tasks=mine))
 
     def admit(self, groups: range | list[int], loaded: int) -> list[PromptTask]:
         """The groups' PromptTasks, admitted to the task book (not sent anywhere yet). A task's
@@ -399,9 +407,10 @@ class Launcher:
         self.book.generator_failed(INTERRUPTED_RUN)
         self.admission.num_admitted = max(self.admission.num_admitted, admitted)
 
-    async def assign(self, ctrl: Endpoint, task: PromptTask) -> None:
-        """Send `task` to the serving generator with the fewest outstanding tasks; with none
-        serving, it waits in the re-queue. Chosen and recorded before the await (see restart)."""
+    def assign(self, task: PromptTask, by_peer: dict[str, list[PromptTask]]) -> None:
+        """Give `task` to the serving generator with the fewest outstanding tasks (appended to
+        its list in `by_peer`, which the caller sends); with none serving, it waits in the
+        re-queue. Chosen and recorded before any send is awaited (see restart)."""
         serving = [self.children[inc.peer_id] for inc in self.pool.serving()]
         if not serving:
             self.book.requeued.append(task.task_id)
@@ -409,7 +418,7 @@ class Launcher:
         gen = min(serving, key=lambda c: c.outstanding)
         gen.outstanding += 1
         self.book.dispatched(task.task_id, gen.peer_id)
-        await self.send_to(ctrl, gen.peer_id, task)
+        by_peer.setdefault(gen.peer_id, []).append(task)
 
     async def on_message(self, ctrl: Endpoint, sender: bytes, msg) -> None:
         peer = sender.decode(errors="replace")
@@ -457,12 +466,13 @@ class Launcher:
                         await self.send_to(ctrl, peer, self.last_published)
                     await self.dispatch(ctrl)
             case TaskDone() if not is_learner:
-                self.book.done(msg.task_id, peer)
-                child.outstanding -= 1
-                self.state.groups_in_flight -= 1
-                self.state.trajectories_generated += msg.num_trajectories
-                self.state.tokens_generated += msg.num_tokens
-                self.write_record("task", msgspec.to_builtins(msg))
+                self.task_done(child, msg)
+            case TasksDone() if not is_learner:
+                for item in msg.items:  # a bad item is rejected alone, as it was in its own message
+                    try:
+                        self.task_done(child, item)
+                    except ValueError as exc:
+                        ctrl.reject(f"protocol violation: {exc}")
             case WeightsPublished() if is_learner:
                 self.last_published = msg
                 self.write_record("publish", msgspec.to_builtins(msg))
@@ -501,6 +511,14 @@ class Launcher:
                     self.event(f"generator {peer} failed: {msg.error}")
             case _:
                 raise ValueError(f"{type(msg).__name__} from {child.role} {peer} is not expected")
+
+    def task_done(self, child: Child, msg: TaskDone) -> None:
+        self.book.done(msg.task_id, child.peer_id)
+        child.outstanding -= 1
+        self.state.groups_in_flight -= 1
+        self.state.trajectories_generated += msg.num_trajectories
+        self.state.tokens_generated += msg.num_tokens
+        self.write_record("task", msgspec.to_builtins(msg))
 
     def on_step(self, msg: StepDone) -> None:
         st = self.state

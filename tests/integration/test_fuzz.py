@@ -30,6 +30,7 @@ import zmq
 
 import asyncrl
 from asyncrl.messages import (
+    PROTOCOL_VERSION,
     Hello,
     PromptTask,
     SamplingParams,
@@ -121,7 +122,9 @@ def malformed_messages(rng: random.Random, *, wrong_types: list, canary: Path) -
         lambda: [valid[: rng.randrange(0, len(valid))]],  # truncated
         lambda: [valid + rng.randbytes(rng.randrange(1, 8))],  # trailing bytes
         lambda: [msgspec.msgpack.encode({"type": rng.choice(["Bogus", "", "hello"]), "x": 1})],  # unknown tag
-        lambda: encode(Hello(role="generator", peer_id="fuzz", protocol_version=rng.randrange(2, 99))),
+        lambda: encode(
+            Hello(role="generator", peer_id="fuzz", protocol_version=rng.randrange(PROTOCOL_VERSION + 1, 99))
+        ),
         lambda: encode(rng.choice(wrong_types)),  # well-formed, wrong type for this socket
         lambda: [encode(_trajectory())[0], tensor, tensor],  # a tensor frame missing
         lambda: [encode(_trajectory())[0], tensor, tensor, tensor, tensor],  # one too many

@@ -23,9 +23,11 @@ from asyncrl.messages import (
     Hello,
     Metrics,
     PromptTask,
+    PromptTasks,
     SamplingParams,
     Shutdown,
     TaskDone,
+    TasksDone,
     Trajectories,
     WeightsLoaded,
     WeightsPublished,
@@ -164,6 +166,24 @@ async def _corrupt_shard_keeps_old_weights_and_next_version_loads(tmp_path, tiny
         assert h.service.gen.version == 2 and holds(h.service, state_of_version(tiny_model_dir, 2))
         assert not any(isinstance(m, WeightsLoaded) and m.version == 1 for m in h.seen)
         assert h.service.num_load_errors >= 1
+
+
+def test_a_dispatch_is_one_batch_with_one_tasks_done(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_a_dispatch_is_one_batch_with_one_tasks_done(tmp_path, tiny_model_dir))
+
+
+async def _a_dispatch_is_one_batch_with_one_tasks_done(tmp_path, tiny_model_dir) -> None:
+    """PromptTasks with 5 tasks and max_batch_groups 3: two batches (3 + 2), each reported by one
+    TasksDone that lists its tasks in order and sent with its samples in one Trajectories."""
+    async with Harness(tmp_path, tiny_model_dir, "generators.max_batch_groups=3") as h:
+        await h.send(PromptTasks(tasks=[prompt_task(tiny_model_dir, i) for i in range(5)]))
+        reports = [await h.expect(TasksDone) for _ in range(2)]
+        assert [[d.task_id for d in r.items] for r in reports] == [[0, 1, 2], [3, 4]]
+        assert all(d.num_trajectories == 2 and d.generator_id == "gen-0" for r in reports for d in r.items)
+        for expected in ([0, 1, 2], [3, 4]):
+            _, batch, frames = await h.pull.recv()
+            assert sorted({t.task_id for t, _ in split_trajectories(batch, frames)}) == expected
+        assert not any(isinstance(m, TaskDone) for m in h.seen)
 
 
 def test_failed_version_is_retried_until_it_loads(tmp_path, tiny_model_dir) -> None:

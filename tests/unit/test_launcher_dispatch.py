@@ -1,0 +1,103 @@
+"""The launcher's side of the task protocol without processes: a dispatch sends each generator
+its tasks in one PromptTasks message, and each TaskDone of a TasksDone is handled on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.messages import PromptTask, PromptTasks, TaskDone, TasksDone
+from asyncrl.models.default import DEFAULT_MODEL_DIR
+from asyncrl.scheduler.children import Child
+from asyncrl.scheduler.service import Launcher
+
+
+class FakeCtrl:
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, object]] = []
+        self.rejected: list[str] = []
+
+    async def send(self, msg, *, to: bytes) -> None:
+        self.sent.append((to, msg))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.append(reason)
+
+
+class Quiet:
+    def update(self, state) -> None:
+        pass
+
+    def event(self, text: str) -> None:
+        pass
+
+
+def serving_launcher(tmp_path: Path, num_generators: int) -> Launcher:
+    from transformers import AutoTokenizer
+
+    config = load_config(
+        overrides=[
+            f"generators.num_generators={num_generators}",
+            "learner.groups_per_step=4",
+            "staleness.max_staleness=1",
+            "task.num_eval=0",
+        ]
+    )
+    launcher = Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet())
+    launcher._tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    launcher.state.phase = "training"
+    for slot in launcher.generator_ids:
+        inc = launcher.pool.start(slot)
+        launcher.children[inc.peer_id] = Child(inc.peer_id, "generator", None, tmp_path / "log", ready=True)
+        launcher.pool.on_hello(inc.peer_id, latest_version=0)
+        launcher.pool.on_loaded(inc.peer_id, 0)
+    return launcher
+
+
+def test_a_dispatch_sends_each_generator_one_prompt_tasks(tmp_path):
+    launcher = serving_launcher(tmp_path, 2)
+    ctrl = FakeCtrl()
+    asyncio.run(launcher.dispatch(ctrl))
+    # Staleness bound 1 at version 0: steps 0 and 1 are admitted, 8 groups.
+    assert len(ctrl.sent) == 2 and all(isinstance(m, PromptTasks) for _, m in ctrl.sent)
+    by_peer = {to.decode(): [t.task_id for t in m.tasks] for to, m in ctrl.sent}
+    assert sorted(t for ids in by_peer.values() for t in ids) == list(range(8))
+    assert by_peer == {"gen-0": [0, 2, 4, 6], "gen-1": [1, 3, 5, 7]}  # fewest outstanding first
+    for peer, ids in by_peer.items():
+        assert launcher.children[peer].outstanding == len(ids)
+        assert all(launcher.book.ledger.is_in_flight(t, peer) for t in ids)
+
+
+def test_one_task_goes_as_a_plain_prompt_task(tmp_path):
+    launcher = serving_launcher(tmp_path, 1)
+    ctrl = FakeCtrl()
+    launcher.book.requeued.append(launcher.admit([0], 0)[0].task_id)  # a re-queued task, say
+    launcher.admission.num_admitted = 1000  # and nothing new to admit
+    asyncio.run(launcher.dispatch(ctrl))
+    assert [type(m) for _, m in ctrl.sent] == [PromptTask]
+
+
+def test_tasks_done_handles_each_item_and_rejects_a_bad_one_alone(tmp_path):
+    launcher = serving_launcher(tmp_path, 1)
+    ctrl = FakeCtrl()
+    asyncio.run(launcher.dispatch(ctrl))
+    peer, child = next(iter(launcher.children.items()))
+    ((_, sent),) = ctrl.sent
+
+    def done(task_id: int) -> TaskDone:
+        return TaskDone(
+            task_id=task_id,
+            generator_id=peer,
+            num_trajectories=8,
+            num_tokens=40,
+            generate_s=0.1,
+            mean_reward=0.5,
+        )
+
+    # Task 99 was never admitted: rejected, and tasks 0 and 1 on either side of it still count.
+    asyncio.run(launcher.handle(ctrl, child, TasksDone(items=[done(0), done(99), done(1)])))
+    assert len(ctrl.rejected) == 1 and "99" in ctrl.rejected[0]
+    assert launcher.state.trajectories_generated == 16
+    assert child.outstanding == len(sent.tasks) - 2
+    assert 0 not in launcher.book.open and 1 not in launcher.book.open and 2 in launcher.book.open
