@@ -7,7 +7,8 @@ set -euo pipefail
 OUT=$(mktemp -d)
 trap 'kill "$LAUNCH" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$OUT"' EXIT
 asyncrl launch --no-tui --set learner.steps=100 --set learner.groups_per_step=32 \
-  --set learner.samples_per_group=8 --set sampling.max_new_tokens=5 --set staleness.max_staleness=2 \
+  --set learner.samples_per_group=8 --set sampling.max_new_tokens=5 --set sampling.ignore_eos=true \
+  --set staleness.max_staleness=2 \
   --set generators.num_generators=1 --set generators.threads=1 --set learner.threads=1 \
   --set task.num_eval=0 --set generators.max_batch_groups=3 "$@" \
   --set run.out_dir="$OUT" --set run.name=run > "$OUT/launch.log" 2>&1 &
