@@ -17,7 +17,10 @@ end to the last step's end (process start-up, model loading and pipeline fill ar
 Every answer is sampled to `max_new_tokens` (`sampling.ignore_eos`, as inference throughput
 benchmarks do) so that the four variants do the same work per sample: answers that end at eos
 follow the policy, which learns in sync and async but not in gen_only and learn_only
-(`--stop-at-eos` measures that way; the tokens/s ratio then shows the difference).
+(`--stop-at-eos` measures that way; the tokens/s ratio then shows the difference). The default
+length, 16 tokens, gives each sample ~1 ms of CPU per stage on the shipped model; at 5 tokens
+(the default task's own answer length) the per-sample messaging and bookkeeping of the three
+processes was ~15% of the work, which no real model's samples come near (bench/README.md).
 
 The pure parts (figures from records, medians, ratios) are functions here; importing this module
 is cheap, subprocesses and rich load when the command runs.
@@ -223,7 +226,9 @@ def command(
     steps: Annotated[int, typer.Option(help="optimizer steps per run (learner.steps)")] = 20,
     groups_per_step: Annotated[int, typer.Option(help="learner.groups_per_step")] = 32,
     samples_per_group: Annotated[int, typer.Option(help="learner.samples_per_group")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="sampling.max_new_tokens")] = 5,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="sampling.max_new_tokens: every answer's length (with --ignore-eos)")
+    ] = 16,
     ignore_eos: Annotated[
         bool,
         typer.Option(
