@@ -74,7 +74,8 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):
     """The tasks one dispatch gives one generator, in order: one message for a window's worth
-    (each message costs both ends a wake-up and a send; per task they were ~1/3 of the launcher's CPU)."""
+    (each message costs both ends a wake-up, a decode and a send; one per task cost the launcher
+    ~20% more CPU per sample)."""
 
     tasks: list[PromptTask]
 

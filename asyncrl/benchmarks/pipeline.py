@@ -19,8 +19,8 @@ benchmarks do) so that the four variants do the same work per sample: answers th
 follow the policy, which learns in sync and async but not in gen_only and learn_only
 (`--stop-at-eos` measures that way; the tokens/s ratio then shows the difference). The default
 length, 16 tokens, gives each sample ~1 ms of CPU per stage on the shipped model; at 5 tokens
-(the default task's own answer length) the per-sample messaging and bookkeeping of the three
-processes was ~15% of the work, which no real model's samples come near (bench/README.md).
+(the default job's max_new_tokens) the per-sample messaging and bookkeeping of the three
+processes was ~10% of all CPU, a share no real model's samples come near (bench/README.md).
 
 The pure parts (figures from records, medians, ratios) are functions here; importing this module
 is cheap, subprocesses and rich load when the command runs.
