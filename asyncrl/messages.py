@@ -5,10 +5,10 @@ encodes these Structs with msgspec (never pickle) and carries large arrays as se
 zero-copy frames described by `TensorRef`.
 
 Data flow (see asyncrl/__init__.py for the whole picture):
-  scheduler -> generator : Hello, PromptTasks (a dispatch) or PromptTask, WeightsPublished, Shutdown
+  scheduler -> generator : Hello, PromptTasks (a dispatch's PromptTask each), WeightsPublished, Shutdown
   generator -> learner   : Trajectories (a finished batch) or Trajectory (+ tensor frames)
-  generator -> scheduler : Hello, TasksDone (a finished batch) or TaskDone, WeightsLoaded, Metrics,
-                           Heartbeat, Fatal
+  generator -> scheduler : Hello, TasksDone (a finished batch's TaskDone each), WeightsLoaded,
+                           Metrics, Heartbeat, Fatal
   learner   -> scheduler : Hello, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
 """

@@ -1,6 +1,6 @@
 """Generator process: the sockets around one `Generator` plugin.
 
-Receives PromptTasks (or one PromptTask) and WeightsPublished from the launcher (DEALER), pushes
+Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes
 each finished batch of groups to the learner as one Trajectories message, a Trajectory per sample
 (PUSH, tensors as frames), and reports the batch's TasksDone, WeightsLoaded and Metrics back. A
 Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
@@ -219,8 +219,6 @@ class GeneratorService:
             match msg:
                 case PromptTasks():
                     self.pending.extend(msg.tasks)
-                case PromptTask():
-                    self.pending.append(msg)
                 case WeightsPublished():
                     self.announcements.append(msg)
                     self.announced_at.setdefault(msg.version, time.perf_counter())
@@ -402,7 +400,7 @@ class GeneratorService:
                     mean_reward=sum(r.reward for r in group) / len(group),
                 )
             )
-        await self.ctx.ctrl.send(done[0] if len(done) == 1 else TasksDone(items=done))
+        await self.ctx.ctrl.send(TasksDone(items=done))
         if time.perf_counter() - self.metrics_sent_at >= METRICS_EVERY_S:
             await self.send_metrics()
 

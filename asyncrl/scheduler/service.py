@@ -64,7 +64,6 @@ POLL_S = 0.2
 INTERRUPTED_RUN = "(interrupted run)"  # ledger generator id of tasks re-admitted on resume
 CONTROL_ACCEPT = (
     Hello,
-    TaskDone,
     TasksDone,
     WeightsPublished,
     WeightsLoaded,
@@ -340,7 +339,7 @@ class Launcher:
         for task in tasks:
             self.assign(task, by_peer)
         for peer, mine in by_peer.items():  # one message per generator
-            await self.send_to(ctrl, peer, mine[0] if len(mine) == 1 else PromptTasks(tasks=mine))
+            await self.send_to(ctrl, peer, PromptTasks(tasks=mine))
 
     def admit(self, groups: range | list[int], loaded: int) -> list[PromptTask]:
         """The groups' PromptTasks, admitted to the task book (not sent anywhere yet). A task's
@@ -465,8 +464,6 @@ class Launcher:
                         # A late joiner (a replacement) must load the current weights before it serves.
                         await self.send_to(ctrl, peer, self.last_published)
                     await self.dispatch(ctrl)
-            case TaskDone() if not is_learner:
-                self.task_done(child, msg)
             case TasksDone() if not is_learner:
                 for item in msg.items:  # a bad item is rejected alone, as it was in its own message
                     try:

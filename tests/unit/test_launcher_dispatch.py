@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.messages import PromptTask, PromptTasks, TaskDone, TasksDone
+from asyncrl.messages import PromptTasks, TaskDone, TasksDone
 from asyncrl.models.default import DEFAULT_MODEL_DIR
 from asyncrl.scheduler.children import Child
 from asyncrl.scheduler.service import Launcher
@@ -69,13 +69,15 @@ def test_a_dispatch_sends_each_generator_one_prompt_tasks(tmp_path):
         assert all(launcher.book.ledger.is_in_flight(t, peer) for t in ids)
 
 
-def test_one_task_goes_as_a_plain_prompt_task(tmp_path):
+def test_requeued_tasks_go_first_in_the_same_message(tmp_path):
     launcher = serving_launcher(tmp_path, 1)
     ctrl = FakeCtrl()
-    launcher.book.requeued.append(launcher.admit([0], 0)[0].task_id)  # a re-queued task, say
-    launcher.admission.num_admitted = 1000  # and nothing new to admit
+    launcher.admit([2], 0)  # admitted earlier, re-queued when its generator died
+    launcher.book.requeued.append(2)
+    launcher.admission.num_admitted = 4  # groups 0-3 were admitted before; 4-7 are new now
     asyncio.run(launcher.dispatch(ctrl))
-    assert [type(m) for _, m in ctrl.sent] == [PromptTask]
+    ((_, sent),) = ctrl.sent
+    assert isinstance(sent, PromptTasks) and [t.task_id for t in sent.tasks] == [2, 4, 5, 6, 7]
 
 
 def test_tasks_done_handles_each_item_and_rejects_a_bad_one_alone(tmp_path):
