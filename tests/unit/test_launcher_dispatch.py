@@ -62,7 +62,6 @@ def test_a_dispatch_sends_each_generator_one_prompt_tasks(tmp_path):
     # Staleness bound 1 at version 0: steps 0 and 1 are admitted, 8 groups.
     assert len(ctrl.sent) == 2 and all(isinstance(m, PromptTasks) for _, m in ctrl.sent)
     by_peer = {to.decode(): [t.task_id for t in m.tasks] for to, m in ctrl.sent}
-    assert sorted(t for ids in by_peer.values() for t in ids) == list(range(8))
     assert by_peer == {"gen-0": [0, 2, 4, 6], "gen-1": [1, 3, 5, 7]}  # fewest outstanding first
     for peer, ids in by_peer.items():
         assert launcher.children[peer].outstanding == len(ids)
