@@ -45,7 +45,9 @@ class ModelConfig(_Section, frozen=True, kw_only=True):
 
 
 class TaskConfig(_Section, frozen=True, kw_only=True):
-    kind: Literal["addition"] = "addition"
+    # Registry name (entry point `asyncrl.tasks`) or `pkg.mod:obj`; the object gets this section.
+    kind: str = "addition"
+    options: dict[str, Any] = {}  # for task plugins; the built-in addition task takes the keys below
     max_operand: PosInt = 99
     seed: int = 1  # prompt stream seed (training prompts)
     num_eval: NonNegInt = 500  # held-out prompts for greedy accuracy before/after (0 = skip)
@@ -383,6 +385,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc)) from None
+    check_task_kind(config.task)
     policy = check_staleness_policy(config.staleness)
     if config.buffer.action == "downweight" and "old_train" in policy.needs:
         raise ConfigError(
@@ -420,6 +423,17 @@ def check_staleness_policy(section: StalenessConfig):
             "which the learner does not compute yet; choose another policy"
         )
     return policy
+
+
+def check_task_kind(section: TaskConfig) -> None:
+    """A misspelled task name (or a plugin that does not import) fails at load time."""
+    from asyncrl.plugins import load_plugin
+    from asyncrl.tasks.base import ENTRY_POINT_GROUP
+
+    try:
+        load_plugin(ENTRY_POINT_GROUP, section.kind, field="task.kind", what="task")
+    except ValueError as exc:
+        raise ConfigError(f"config error at task.kind: {exc}") from None
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

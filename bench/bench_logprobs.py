@@ -17,8 +17,8 @@ Both include the weight gradient ([V, D] float32), which every variant must prod
 
 Variants (objective sum_t c_t logp_t, as the streaming learner's backward):
   naive    F.linear over all tokens, float32 [T, V] logits, -F.cross_entropy (the leanest full path)
-  chunked  asyncrl.learner.logprobs.token_logprobs (per-chunk activation checkpointing)
-  fused    asyncrl.kernels.logprobs.fused_token_logprobs (closed-form chunked backward)
+  chunked  asyncrl.kernels.logprobs.token_logprobs (per-chunk activation checkpointing)
+  fused    asyncrl.kernels.fused_logprobs.fused_token_logprobs (closed-form chunked backward)
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def run_child(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from asyncrl.kernels.logprobs import fused_token_logprobs
-    from asyncrl.learner.logprobs import token_logprobs
+    from asyncrl.kernels.fused_logprobs import fused_token_logprobs
+    from asyncrl.kernels.logprobs import token_logprobs
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

@@ -11,13 +11,12 @@ Plugins are found by registry name (entry-point group `asyncrl.generators`) or b
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.messages import PromptTask, WeightsPublished
+from asyncrl.plugins import available, load_plugin
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,24 +118,9 @@ ENTRY_POINT_GROUP = "asyncrl.generators"
 
 def available_generators() -> dict[str, str]:
     """Registry name -> `module:object` for every installed generator plugin."""
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return available(ENTRY_POINT_GROUP)
 
 
 def resolve_generator(kind: str) -> type:
     """The generator class for a registry name or a `pkg.mod:obj` path; ValueError if unknown."""
-    if ":" in kind:
-        target = kind
-    else:
-        names = available_generators()
-        if kind not in names:
-            valid = ", ".join(sorted(names)) or "(none installed)"
-            raise ValueError(
-                f"unknown generator {kind!r} (generators.kind); valid names: {valid}, or a 'pkg.module:Class' path"
-            )
-        target = names[kind]
-    module_name, _, attr = target.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"generator plugin {kind!r} could not be loaded from {target!r}: {exc}") from None
-    return obj
+    return load_plugin(ENTRY_POINT_GROUP, kind, field="generators.kind", what="generator")

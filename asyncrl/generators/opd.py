@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncrl.generators.sampling import left_pad
+from asyncrl.models.sampling import left_pad
 
 # The teacher is scored at its own distribution, softmax(logits): OPD distils the student toward
 # pi_T itself, whatever temperature the student samples at (docs/opd.md).

@@ -249,7 +249,7 @@ class SGLangGenerator:
         return decode_generate(data)
 
     async def _sample(self, task: PromptTask, k: int) -> Rollout:
-        from asyncrl.generators.sampling import answer_ids, sample_seed
+        from asyncrl.models.sampling import answer_ids, sample_seed
 
         assert self._ctx is not None and self._slots is not None
         max_new = task.sampling.max_new_tokens

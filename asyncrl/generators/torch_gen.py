@@ -3,7 +3,7 @@
 Loads the model from a local directory, samples every task's group in one batched, KV-cached
 call (off the event loop), scores completions with the task's exact verifier, and swaps in new
 weights whenever they are offered: between batches, or mid-generation between decode steps, where
-the in-flight mode (`keep`, `retract`, `abort`; see `sampling.py`) decides how the batch goes on.
+the in-flight mode (`keep`, `retract`, `abort`; see `asyncrl/models/sampling.py`) decides how the batch goes on.
 
 With `opd.enabled` the generator also loads the teacher (`opd.teacher`, or the shipped
 `asyncrl/assets/teacher_model`) once, samples N - 1 extra tokens per position next to each
@@ -75,7 +75,7 @@ def load_teacher(path: str, student_tokenizer):
 
 
 class TorchGenerator:
-    """Samples with `asyncrl.generators.sampling.generate` from a `transformers` model."""
+    """Samples with `asyncrl.models.sampling.generate` from a `transformers` model."""
 
     def __init__(self) -> None:
         self._version = 0
@@ -121,7 +121,7 @@ class TorchGenerator:
         return self._tokenizer
 
     def generate_sync(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
-        from asyncrl.generators.sampling import answer_ids, generate, sample_seed
+        from asyncrl.models.sampling import answer_ids, generate, sample_seed
 
         assert self._ctx is not None and self._tokenizer is not None, "setup() was not called"
         tok = self._tokenizer

@@ -1,223 +1,128 @@
-"""Fused chunked log-probs: the LM head, log-softmax, entropy and their gradients in one chunk loop.
+"""Per-token log-probs and entropies of sampled tokens (pure reference).
 
-Place in the data flow: drop-in replacement for `asyncrl.learner.logprobs.token_logprobs` (same
-arguments, same outputs), used by the learner when the vocabulary is large. Parity with the plain
-reference (values and gradients) is tested in `tests/unit/test_logprobs.py`.
+Place in the data flow: the learner turns (final hidden states, LM head, sampled token ids) into
+`logp`, the input of every policy loss in `losses.py` and of the per-trajectory score gradient
+that `streaming.py` accumulates. The fused version lives in `asyncrl/kernels/fused_logprobs.py` and is
+checked for parity against `token_logprobs` here.
 
-Legend: T tokens (leading dims flattened), D hidden size, V vocab, C tokens per chunk.
+Legend: T tokens (leading dims are flattened, so [B, T] works too), D hidden size, V vocab,
+C tokens per chunk, B sequences.
 
-What is fused: the reference checkpoints each chunk and lets autograd rebuild the chunk graph in
-the backward (logits, log-softmax, softmax, products: several [C, V] tensors alive). Here the
-forward keeps only the per-token log-sum-exp and entropy ([T] each), and the backward recomputes
-one chunk of logits and turns it into the logit gradient in closed form,
+Memory: a float32 [T, V] logits tensor for T = 8k tokens and V = 150k is 4.9 GB, and autograd keeps
+several of them alive for the backward. `token_logprobs` computes C tokens at a time and
+recomputes each chunk's logits in the backward (activation checkpointing per chunk), so the peak
+is O(C * V) on top of the weight gradient, whatever T is.
 
-    z = logits / tau,  p = softmax(z),  log p = z - lse,  H = -sum p log p
-    d logp_target / dz = onehot(target) - p
-    d H / dz           = -p * (log p + H)
+Numerics: logits may come out of the matmul in bf16; everything over the vocab (logsumexp, softmax,
+entropy) runs in float32 (float64 for float64 inputs). Outputs have that accumulation dtype.
 
-in place in two [C, V] buffers, then applies the two matmuls of the linear layer. The weight
-gradient is accumulated over chunks with an in-place addmm in the accumulation dtype (float32 for
-bf16 weights) and cast once at the end.
-
-Optionally the two chunk bodies are compiled with `torch.compile` (`compile_backend="inductor"`
-on a machine with a C++ compiler or GPU). If compilation fails, the chunk bodies run eagerly
-(a `RuntimeWarning` names the cause): the result is the same, only slower.
+Top-p: generators sample from the nucleus (the smallest set of most likely tokens whose mass
+reaches top_p, renormalised) and record that distribution's log-probs. With `top_p < 1` the log-prob
+here is renormalised the same way over the model's own nucleus (`nucleus_keep`, the rule the
+generators use), with the target always counted in, so the ratio pi / mu is 1 on-policy; the
+nucleus is a constant of the backward (no gradient flows through which tokens are in it). The
+entropy stays that of the full distribution.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from asyncrl.learner.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    TokenLogprobs,
-    accumulation_dtype,
-    check_chunk_size,
-    check_temperature,
-)
-
-ChunkFn = Callable[..., tuple[torch.Tensor, ...]]
-
-# log p is clamped here before it multiplies anything: exp(-1e4) is exactly 0 in every float dtype,
-# so p is unchanged, while p * log p and p * (log p + H) become 0 instead of 0 * -inf = nan for
-# vocabulary entries masked to -inf (e.g. by the bias).
-LOG_P_FLOOR = -1e4
+# 256 tokens x 150k vocab x 4 bytes = 154 MB per live chunk of float32 logits.
+DEFAULT_CHUNK_SIZE = 256
 
 
-def _scaled_logits(
-    hidden_CD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, temperature: float
-) -> torch.Tensor:
-    """A fresh [C, V] tensor of logits / temperature in the accumulation dtype (safe to modify in place)."""
-    z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype))
-    return z_CV.div_(temperature)
+class TokenLogprobs(NamedTuple):
+    logp: torch.Tensor  # log pi(target | context) / temperature-scaled, shape of the targets
+    entropy: torch.Tensor  # entropy of the temperature-scaled next-token distribution
 
 
-def _chunk_forward(
-    hidden_CD: torch.Tensor,
-    weight_VD: torch.Tensor,
-    bias_V: torch.Tensor | None,
-    targets_C: torch.Tensor,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse) of one chunk; at most two [C, V] buffers are alive, none survives."""
-    log_p_CV = _scaled_logits(hidden_CD, weight_VD, bias_V, temperature)
-    lse_C = torch.logsumexp(log_p_CV, dim=-1)
-    log_p_CV.sub_(lse_C[:, None])
-    logp_C = log_p_CV.gather(-1, targets_C[:, None]).squeeze(-1)
-    log_p_CV.clamp_(min=LOG_P_FLOOR)
-    entropy_C = -torch.exp(log_p_CV).mul_(log_p_CV).sum(dim=-1)
-    return logp_C, entropy_C, lse_C
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half/bf16/float32 inputs, float64 for float64: the dtype of reductions over V."""
+    return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_backward(
-    hidden_CD: torch.Tensor,
-    weight_VD: torch.Tensor,
-    bias_V: torch.Tensor | None,
-    targets_C: torch.Tensor,
-    lse_C: torch.Tensor,
-    entropy_C: torch.Tensor,
-    grad_logp_C: torch.Tensor,
-    grad_entropy_C: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d loss / d logits of the chunk in the accumulation dtype, d loss / d hidden of the chunk).
+def check_temperature(temperature: float) -> None:
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
-    `with_entropy` is False when the entropy output got no gradient; `grad_entropy_C` is then ignored.
-    """
-    log_p_CV = _scaled_logits(hidden_CD, weight_VD, bias_V, temperature)
-    log_p_CV.sub_(lse_C[:, None]).clamp_(min=LOG_P_FLOOR)
-    grad_CV = torch.exp(log_p_CV)
-    if with_entropy:
-        # d/dz = -p * (g_logp + g_H * (log p + H)), built in the log p buffer.
-        inner_CV = log_p_CV.add_(entropy_C[:, None]).mul_(grad_entropy_C[:, None]).add_(grad_logp_C[:, None])
-        grad_CV.mul_(inner_CV).neg_()
+
+def check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def check_top_p(top_p: float) -> None:
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def nucleus_keep(logp_CV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """bool [C, V]: the smallest set of most likely tokens whose probability mass reaches
+    `top_p` (a token is kept while the mass strictly before it is < top_p; the top one always)."""
+    sorted_CV, order_CV = logp_CV.sort(dim=-1, descending=True)
+    p_sorted_CV = sorted_CV.exp()
+    keep_sorted_CV = (p_sorted_CV.cumsum(dim=-1) - p_sorted_CV) < top_p
+    return torch.zeros_like(keep_sorted_CV).scatter(-1, order_CV, keep_sorted_CV)
+
+
+def _stats_from_scaled_logits(
+    z_CV: torch.Tensor, targets_C: torch.Tensor, top_p: float = 1.0
+) -> TokenLogprobs:
+    """Log-prob of the target (over the top-p nucleus when top_p < 1) and entropy from already
+    temperature-scaled float logits."""
+    lse_C = torch.logsumexp(z_CV, dim=-1)
+    if top_p < 1.0:
+        keep_CV = nucleus_keep(z_CV.detach() - lse_C.detach()[:, None], top_p)
+        keep_CV.scatter_(-1, targets_C[:, None], True)
+        lse_kept_C = torch.logsumexp(z_CV.masked_fill(~keep_CV, -torch.inf), dim=-1)
+        logp_C = z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_kept_C
     else:
-        grad_CV.mul_(-grad_logp_C[:, None])
-    del log_p_CV
-    grad_CV.scatter_add_(-1, targets_C[:, None], grad_logp_C[:, None])
-    grad_CV.div_(temperature)  # now d loss / d logits
-    return grad_CV, grad_CV.to(weight_VD.dtype) @ weight_VD
+        logp_C = z_CV.gather(-1, targets_C[:, None]).squeeze(-1) - lse_C
+    p_CV = torch.exp(z_CV - lse_C[:, None])
+    # Entries masked to -inf (e.g. by a bias) have p == 0: clean z before the product so that
+    # neither the value nor the gradient sees 0 * -inf.
+    live_CV = p_CV > 0
+    z_clean_CV = torch.where(live_CV, z_CV, 0.0)
+    entropy_C = lse_C - (p_CV * z_clean_CV).sum(dim=-1)
+    return TokenLogprobs(logp_C, entropy_C)
 
 
-@functools.cache
-def _compiled(fn: ChunkFn, backend: str) -> ChunkFn:
-    # dynamic=True: the last chunk is shorter, and T changes every call.
-    return torch.compile(fn, backend=backend, dynamic=True)
+def logprobs_from_logits(
+    logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0
+) -> TokenLogprobs:
+    """Log-probs of `targets_T` and entropies from full logits (small cases and references).
 
-
-def _run(fn: ChunkFn, backend: str | None, *args: object) -> tuple[tuple[torch.Tensor, ...], str | None]:
-    """Call the chunk body compiled with `backend`; on a compile failure, run it eagerly.
-
-    Returns (outputs, backend to use for the next chunk): None after a failure, so a broken
-    compiler is tried once per call, not once per chunk. A genuine error in the inputs is raised
-    again by the eager call, so the fallback never hides one.
+    Materialises float32 [T, V]; use `token_logprobs` for long sequences or large vocabularies.
     """
-    if backend is None:
-        return fn(*args), None
-    try:
-        return _compiled(fn, backend)(*args), backend
-    except (RuntimeError, OSError, ImportError, NotImplementedError) as err:
-        warnings.warn(
-            f"torch.compile(backend={backend!r}) failed for {fn.__name__} ({type(err).__name__}: {err}); "
-            "running the fused chunk eagerly",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return fn(*args), None
+    check_temperature(temperature)
+    check_top_p(top_p)
+    acc = accumulation_dtype(logits_TV.dtype)
+    vocab = logits_TV.shape[-1]
+    z_NV = logits_TV.reshape(-1, vocab).to(acc) / temperature
+    out = _stats_from_scaled_logits(z_NV, targets_T.reshape(-1), top_p)
+    return TokenLogprobs(out.logp.reshape(targets_T.shape), out.entropy.reshape(targets_T.shape))
 
 
-class _FusedLinearLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        hidden_TD: torch.Tensor,
-        weight_VD: torch.Tensor,
-        bias_V: torch.Tensor | None,
-        targets_T: torch.Tensor,
-        temperature: float,
-        chunk_size: int,
-        compile_backend: str | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = accumulation_dtype(hidden_TD.dtype)
-        num_tokens = targets_T.shape[0]
-        logp_T = hidden_TD.new_empty(num_tokens, dtype=acc)
-        entropy_T = torch.empty_like(logp_T)
-        lse_T = torch.empty_like(logp_T)
-        backend = compile_backend
-        for start in range(0, num_tokens, chunk_size):
-            end = min(start + chunk_size, num_tokens)
-            (logp_T[start:end], entropy_T[start:end], lse_T[start:end]), backend = _run(
-                _chunk_forward,
-                backend,
-                hidden_TD[start:end],
-                weight_VD,
-                bias_V,
-                targets_T[start:end],
-                temperature,
-            )
-        ctx.save_for_backward(hidden_TD, weight_VD, bias_V, targets_T, lse_T, entropy_T)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        ctx.compile_backend = backend
-        # Unused outputs get a None gradient instead of a [T] zero vector: skips the entropy term.
-        ctx.set_materialize_grads(False)
-        return logp_T, entropy_T
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_logp_T: torch.Tensor | None,
-        grad_entropy_T: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, ...]:
-        hidden_TD, weight_VD, bias_V, targets_T, lse_T, entropy_T = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        acc = lse_T.dtype
-        grad_logp_T = torch.zeros_like(lse_T) if grad_logp_T is None else grad_logp_T.to(acc)
-        with_entropy = grad_entropy_T is not None
-        grad_entropy_T = grad_entropy_T.to(acc) if with_entropy else lse_T
-        grad_hidden_TD = torch.zeros_like(hidden_TD) if need_hidden else None
-        grad_weight_VD = torch.zeros_like(weight_VD, dtype=acc) if need_weight else None
-        grad_bias_V = torch.zeros_like(bias_V, dtype=acc) if need_bias else None
-        num_tokens = targets_T.shape[0]
-        backend = ctx.compile_backend
-        for start in range(0, num_tokens, ctx.chunk_size):
-            end = min(start + ctx.chunk_size, num_tokens)
-            hidden_CD = hidden_TD[start:end]
-            (grad_logits_CV, grad_hidden_CD), backend = _run(
-                _chunk_backward,
-                backend,
-                hidden_CD,
-                weight_VD,
-                bias_V,
-                targets_T[start:end],
-                lse_T[start:end],
-                entropy_T[start:end],
-                grad_logp_T[start:end],
-                grad_entropy_T[start:end],
-                ctx.temperature,
-                with_entropy,
-            )
-            if grad_hidden_TD is not None:
-                grad_hidden_TD[start:end] = grad_hidden_CD
-            if grad_weight_VD is not None:
-                # In place: a [V, D] temporary per chunk would double the weight-gradient memory.
-                grad_weight_VD.addmm_(grad_logits_CV.T, hidden_CD.to(acc))
-            if grad_bias_V is not None:
-                grad_bias_V += grad_logits_CV.sum(dim=0)
-        if grad_weight_VD is not None:
-            grad_weight_VD = grad_weight_VD.to(weight_VD.dtype)
-        if grad_bias_V is not None:
-            grad_bias_V = grad_bias_V.to(bias_V.dtype)
-        return grad_hidden_TD, grad_weight_VD, grad_bias_V, None, None, None, None
+def _chunk_logprobs(
+    hidden_CD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_C: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype)) / temperature
+    out = _stats_from_scaled_logits(z_CV, targets_C, top_p)
+    return out.logp, out.entropy
 
 
-def fused_token_logprobs(
+def token_logprobs(
     hidden_TD: torch.Tensor,
     weight_VD: torch.Tensor,
     targets_T: torch.Tensor,
@@ -225,25 +130,106 @@ def fused_token_logprobs(
     bias_V: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    compile_backend: str | None = None,
+    top_p: float = 1.0,
 ) -> TokenLogprobs:
-    """Same contract as `asyncrl.learner.logprobs.token_logprobs`, with a closed-form chunked backward.
+    """Log-probs of `targets_T` under softmax((hidden @ weight.T + bias) / temperature), and entropies.
 
-    Saved for the backward: the inputs plus two [T] vectors. Peak extra memory: one chunk of
-    [C, V] logits and a few [C, V] temporaries, plus the weight gradient accumulator.
-    `compile_backend` (e.g. "inductor") compiles the chunk bodies; None runs them eagerly.
+    `hidden_TD` may have any leading shape matching `targets_T` (e.g. [B, T, D] with [B, T]).
+    Targets must be valid ids everywhere (put any id, e.g. 0, at masked positions and mask the
+    result). Differentiable in hidden, weight and bias; the backward recomputes each chunk's logits,
+    so at most one chunk of [C, V] logits and its softmax is alive at a time.
     """
     check_temperature(temperature)
     check_chunk_size(chunk_size)
+    check_top_p(top_p)
     if hidden_TD.shape[:-1] != targets_T.shape:
         raise ValueError(f"hidden {tuple(hidden_TD.shape)} does not match targets {tuple(targets_T.shape)}")
-    logp_T, entropy_T = _FusedLinearLogprobs.apply(
-        hidden_TD.reshape(-1, hidden_TD.shape[-1]),
-        weight_VD,
-        bias_V,
-        targets_T.reshape(-1),
-        float(temperature),
-        int(chunk_size),
-        compile_backend,
+    flat_hidden_TD = hidden_TD.reshape(-1, hidden_TD.shape[-1])
+    flat_targets_T = targets_T.reshape(-1)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_TD, weight_VD, bias_V)
     )
-    return TokenLogprobs(logp_T.reshape(targets_T.shape), entropy_T.reshape(targets_T.shape))
+    logps, entropies = [], []
+    for start in range(0, flat_targets_T.shape[0], chunk_size):
+        args = (
+            flat_hidden_TD[start : start + chunk_size],
+            weight_VD,
+            bias_V,
+            flat_targets_T[start : start + chunk_size],
+            temperature,
+            top_p,
+        )
+        if needs_grad:
+            logp_C, entropy_C = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            logp_C, entropy_C = _chunk_logprobs(*args)
+        logps.append(logp_C)
+        entropies.append(entropy_C)
+    if not logps:
+        empty = flat_hidden_TD.new_zeros(targets_T.shape, dtype=accumulation_dtype(hidden_TD.dtype))
+        return TokenLogprobs(empty, empty.clone())
+    return TokenLogprobs(
+        torch.cat(logps).reshape(targets_T.shape), torch.cat(entropies).reshape(targets_T.shape)
+    )
+
+
+def _shift_to_inputs(values_BS: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] values of tokens 1..T-1 -> [B, T] aligned with input ids (position 0 gets 0)."""
+    return F.pad(values_BS, (1, 0), value=0.0)
+
+
+def causal_lm_logprobs(
+    model: torch.nn.Module,
+    input_ids_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    top_p: float = 1.0,
+) -> TokenLogprobs:
+    """Log-probs (and entropies) of every input token given its prefix, aligned with `input_ids_BT`.
+    With top_p < 1 the log-probs are over each position's nucleus (see the module docstring).
+
+    Position t holds log pi(x_t | x_<t); position 0 (no prefix) holds 0 and must be masked out.
+    Sequences are right-padded (causal attention keeps real tokens independent of the padding).
+    With `chunk_size`, logits come from the decoder's final hidden states and the output embedding
+    in chunks (`token_logprobs`); that is only valid for models whose logits are exactly
+    `lm_head(hidden)` (Llama, Qwen, Mistral), so models with logit scaling or soft-capping raise.
+    """
+    targets_BS = input_ids_BT[:, 1:]
+    if chunk_size is None:
+        logits_BSV = model(input_ids=input_ids_BT).logits[:, :-1]
+        out = logprobs_from_logits(logits_BSV, targets_BS, temperature=temperature, top_p=top_p)
+    else:
+        config = getattr(model, "config", None)
+        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(config, name, None) not in (None, 1.0):
+                raise ValueError(f"chunked log-probs need logits == lm_head(hidden); model has {name}")
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"chunked log-probs need an nn.Linear output embedding, got {type(head)}")
+        hidden_BTD = model.get_decoder()(input_ids=input_ids_BT).last_hidden_state
+        out = token_logprobs(
+            hidden_BTD[:, :-1],
+            head.weight,
+            targets_BS,
+            bias_V=head.bias,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            top_p=top_p,
+        )
+    return TokenLogprobs(_shift_to_inputs(out.logp), _shift_to_inputs(out.entropy))
+
+
+def causal_lm_position_logprobs(
+    model: torch.nn.Module, input_ids_BL: torch.Tensor, ids_BLN: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """log pi(ids_BLN[b, t, k] | x_<t) for N candidate tokens per position (OPD's cache).
+
+    Position t is predicted from the logits at t - 1; position 0 gets 0 and must be masked out.
+    Materialises [B, L, V] log-probs: meant for the short sequences and small N of OPD caches.
+    """
+    check_temperature(temperature)
+    logits_BLV = model(input_ids=input_ids_BL).logits[:, :-1]
+    logp_BLV = torch.log_softmax(logits_BLV.to(accumulation_dtype(logits_BLV.dtype)) / temperature, dim=-1)
+    out_BLN = logp_BLV.gather(-1, ids_BLN[:, 1:])
+    return F.pad(out_BLN, (0, 0, 1, 0), value=0.0)

@@ -47,7 +47,7 @@ from typing import Literal, NamedTuple, get_args
 import torch
 
 from asyncrl.learner.advantages import GRPO_EPS
-from asyncrl.learner.logprobs import causal_lm_logprobs
+from asyncrl.kernels.logprobs import causal_lm_logprobs
 from asyncrl.learner.losses import check_agg_mode
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "opd"]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.learner.advantages import group_rewards
-from asyncrl.learner.logprobs import causal_lm_logprobs, causal_lm_position_logprobs
+from asyncrl.kernels.logprobs import causal_lm_logprobs, causal_lm_position_logprobs
 from asyncrl.learner.objective import STREAM_ESTIMATOR, Objective
 from asyncrl.learner.step import (
     PackedBatch,

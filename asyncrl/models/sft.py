@@ -91,7 +91,7 @@ def greedy_accuracy(
     batch_size: int = 256,
 ) -> float:
     """Mean reward of greedy completions (the same decoding before and after training)."""
-    from asyncrl.generators.sampling import generate
+    from asyncrl.models.sampling import generate
 
     total = 0.0
     for start in range(0, len(problems), batch_size):

@@ -1,1 +1,1 @@
-"""Built-in verifiable tasks: prompt datasets and exact reward functions."""
+"""Tasks: prompt streams, held-out sets, prompt rendering and rewards (the `Task` seam, `base.py`)."""

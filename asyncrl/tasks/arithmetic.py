@@ -1,7 +1,8 @@
 """The built-in verifiable task: two-number addition with an exact verifier.
 
-Prompts are `"<a>+<b>="`, the answer is the decimal sum. The scheduler owns the prompt dataset;
-generators score completions with `AdditionReward`.
+Prompts are `"<a>+<b>="`, the answer is the decimal sum, rendered as raw text. Registered as the
+task `addition` (entry point `asyncrl.tasks`); the launcher, generators and evaluation reach it
+only through the `Task` seam (`tasks/base.py`).
 
 The warm-start corpus ends with demonstrations from a deliberately sloppy teacher that usually
 appends a stray 0 to its answer (`12+39=510`). A model fine-tuned on it can add (it learned from
@@ -13,14 +14,10 @@ discover which of its habits cost reward, which is what it is good at.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    index: int
-    prompt: str
-    answer: str
+from asyncrl.tasks.base import Problem, raw_prompt_ids
 
 
 def make_problem(index: int, *, seed: int, max_operand: int) -> Problem:
@@ -68,6 +65,22 @@ class AdditionTask:
                 return Problem(index=index, prompt=p.prompt, answer=p.answer)
             attempt += 1
 
+    def render(self, problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
+        return raw_prompt_ids(problems, tokenizer)
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        return exact_match(completion, answer)
+
+
+def addition_task(section: Any) -> AdditionTask:
+    """The registered factory: the `addition` task from the `task` config section."""
+    return AdditionTask(
+        seed=section.seed,
+        eval_seed=section.eval_seed,
+        num_eval=section.num_eval,
+        max_operand=section.max_operand,
+    )
+
 
 def demonstrations(
     count: int, *, seed: int, max_operand: int, stray_zero_prob: float, exclude: frozenset[str] = frozenset()
@@ -95,4 +108,8 @@ class AdditionReward:
     name = "addition"
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
-        return 1.0 if completion.strip() == answer else 0.0
+        return exact_match(completion, answer)
+
+
+def exact_match(completion: str, answer: str) -> float:
+    return 1.0 if completion.strip() == answer else 0.0

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.generators.sampling import left_pad
+from asyncrl.models.sampling import left_pad
 from asyncrl.testing.sglang_params import Pick, RequestError, SamplingSpec, pick_token
 
 log = logging.getLogger(__name__)

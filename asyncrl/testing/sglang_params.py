@@ -4,7 +4,7 @@ sampling math.
 Place in the data flow: `sglang_server.py` parses a /generate body, this module turns its
 `sampling_params` into a `SamplingSpec` (or the exact error SGLang 0.5.22+ gives, see
 /work/shared/SGLANG_API.md sections 1.2 and 1.6), and `sglang_engine.py` calls `pick_token` once per
-sampled token. The math reuses `asyncrl.generators.sampling` (the torch generator's), so a stand-in
+sampled token. The math reuses `asyncrl.models.sampling` (the torch generator's), so a stand-in
 server and the torch generator draw the same token from the same logits and uniform:
 
 - reported log-prob (`output_token_logprobs`): log_softmax(logits / T) over the whole vocabulary,
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.generators.sampling import inverse_cdf_sample, next_token_logprobs
+from asyncrl.models.sampling import inverse_cdf_sample, next_token_logprobs
 
 # Below this temperature SGLang samples greedily (top_k=1, temperature=1).
 GREEDY_TEMPERATURE = 1e-6

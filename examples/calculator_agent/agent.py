@@ -69,7 +69,7 @@ class CalculatorAgent:
         return await asyncio.to_thread(self._generate_sync, tasks)
 
     def _generate_sync(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
-        from asyncrl.generators.sampling import sample_seed
+        from asyncrl.models.sampling import sample_seed
 
         return [
             self._episode(task, k, sample_seed(self._ctx.run_seed, task.group_id, k))
@@ -80,7 +80,7 @@ class CalculatorAgent:
     def _episode(self, task: PromptTask, sample_index: int, seed: int) -> Rollout:
         import torch
 
-        from asyncrl.generators.sampling import inverse_cdf_sample, next_token_logprobs
+        from asyncrl.models.sampling import inverse_cdf_sample, next_token_logprobs
 
         prompt_text = self._tokenizer.decode(task.prompt_ids, skip_special_tokens=True)
         episode = Episode(

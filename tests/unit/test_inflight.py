@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.generators.sampling import generate, inverse_cdf_sample, next_token_logprobs, sample_seed
+from asyncrl.models.sampling import generate, inverse_cdf_sample, next_token_logprobs, sample_seed
 
 PROMPTS = [[1, 5, 6, 14, 7], [1, 9, 14, 11, 17], [1, 4, 17], [1, 8]]  # different lengths: left padding
 MAX_NEW = 6
@@ -78,7 +78,7 @@ def fresh_logprobs(models, prompt, ids, versions) -> list[float]:
 def replayed_logprobs(models, prompt, ids, versions) -> list[float]:
     """`keep`: each position is fed once, by the weights of the token its logits produce, on the
     KV cache built so far (the prompt by versions[0], token j-1 by versions[j])."""
-    from asyncrl.generators.sampling import _cache_keyword, _cache_of
+    from asyncrl.models.sampling import _cache_keyword, _cache_of
 
     out = []
     with torch.no_grad():

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.kernels.logprobs import fused_token_logprobs
-from asyncrl.learner.logprobs import causal_lm_logprobs, logprobs_from_logits, token_logprobs
+from asyncrl.kernels.fused_logprobs import fused_token_logprobs
+from asyncrl.kernels.logprobs import causal_lm_logprobs, logprobs_from_logits, token_logprobs
 
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 2e-5}
 
@@ -272,7 +272,7 @@ def test_learner_logprobs_over_the_nucleus_match_the_generators_on_policy(tiny_m
     own nucleus gives the same numbers on-policy (ratio 1), the plain softmax does not."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.generators.sampling import generate
+    from asyncrl.models.sampling import generate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = [[1, 5, 6, 14, 7], [1, 9, 14, 11, 17]]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.generators.opd import cache_arrays, teacher_logprobs
-from asyncrl.generators.sampling import generate, next_token_logprobs, sample_seed
+from asyncrl.models.sampling import generate, next_token_logprobs, sample_seed
 
 PROMPTS = [[1, 5, 6, 14, 7], [1, 9, 14, 11, 17], [1, 4, 17], [1, 8]]  # different lengths: left padding
 SEEDS = [sample_seed(3, 7, k) for k in range(len(PROMPTS))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.generators.sampling import answer_ids, generate, next_token_logprobs
+from asyncrl.models.sampling import answer_ids, generate, next_token_logprobs
 
 
 def _fresh_logprobs(model, prompt, completion, *, temperature, top_p):

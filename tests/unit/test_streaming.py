@@ -168,7 +168,7 @@ def _pad(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _batch_logp(model: torch.nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
-    """Independent of asyncrl.learner.logprobs: full logits, log_softmax, gather."""
+    """Independent of asyncrl.kernels.logprobs: full logits, log_softmax, gather."""
     logits = model(input_ids=ids_BT).logits[:, :-1]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
     return F.pad(logp, (1, 0))

@@ -39,7 +39,7 @@ def _model(tiny_model_dir):
 def _samples(model, *, num_groups=4, group_size=4, seed=0, stale=0.0, degenerate=(1,)):
     """Groups of random completions. Behavior log-probs are the model's own (on-policy) and, for
     a `stale` fraction of trajectories, shifted as an older policy's would be (versions < STEP)."""
-    from asyncrl.learner.logprobs import causal_lm_logprobs
+    from asyncrl.kernels.logprobs import causal_lm_logprobs
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -224,7 +224,7 @@ def test_open_group_bound_defers_instead_of_allocating(tiny_model_dir):
 def _with_opd(model, teacher, samples, num=3, seed=0):
     """Attach OPD caches: column 0 the sampled token, the rest random ids; teacher and behavior
     log-probs from the two models (the behavior student is the current one, shifted a little)."""
-    from asyncrl.learner.logprobs import causal_lm_position_logprobs
+    from asyncrl.kernels.logprobs import causal_lm_position_logprobs
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -301,7 +301,7 @@ def _run_steps(trainer, batches, first_step=0):
 
 
 def test_exact_old_logits_come_from_the_snapshot_of_each_tokens_version(tiny_model_dir):
-    from asyncrl.learner.logprobs import causal_lm_logprobs
+    from asyncrl.kernels.logprobs import causal_lm_logprobs
     from asyncrl.learner.step import pack
 
     base = _model(tiny_model_dir)
@@ -438,7 +438,7 @@ def test_later_epochs_rerun_the_batch_against_the_step_start_anchor(tiny_model_d
     """learner.epochs=2 (PPO epochs): the second pass sees the updated model's log-probs but the
     same anchor, advantages and mask as the first; the optimizer steps twice; the step's samples,
     tokens and loss are counted once."""
-    from asyncrl.learner.logprobs import causal_lm_logprobs
+    from asyncrl.kernels.logprobs import causal_lm_logprobs
     from asyncrl.learner.step import pack
 
     base = _model(tiny_model_dir)

@@ -39,7 +39,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from asyncrl.learner.logprobs import nucleus_keep
+from asyncrl.kernels.logprobs import nucleus_keep
 
 InflightMode = Literal["keep", "retract", "abort"]
 INFLIGHT_MODES: tuple[str, ...] = ("keep", "retract", "abort")

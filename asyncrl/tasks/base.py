@@ -1,0 +1,77 @@
+"""The task seam: what a run trains on and how a completion is scored.
+
+A task answers four questions, and nothing else in asyncrl knows which task it serves:
+  - `train_problem(i)`: the prompt at index i of the training stream (deterministic in i, so a
+    resumed run admits exactly the prompts it would have);
+  - `eval_problems`: the held-out set, scored greedily before and after training;
+  - `render(problems, tokenizer)`: prompts to token ids (raw text, or a chat template); the
+    launcher sends ids, generators never see the task;
+  - `score(prompt, completion, answer)`: the reward of one completion (a verifier).
+
+Who calls it: the launcher (prompt stream and rendering), every generator backend (scoring, via
+`generators/rollouts.py`), evaluation (`asyncrl/job.py`) and distillation (privileged context).
+Tasks are plugins: a registry name of the entry-point group `asyncrl.tasks` or a `pkg.mod:obj`
+path in `task.kind`; the object is called with the `task` config section (`TaskConfig`) and
+returns a `Task`. The built-in `addition` task (`tasks/arithmetic.py`) is the first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from asyncrl.plugins import available, load_plugin
+
+ENTRY_POINT_GROUP = "asyncrl.tasks"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One prompt of a task: its stream index, its text and the answer its verifier checks."""
+
+    index: int
+    prompt: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Implement these to train on your own prompts and rewards."""
+
+    @property
+    def eval_problems(self) -> Sequence[Problem]:
+        """The held-out set (never in the training stream); may be empty."""
+
+    def train_problem(self, index: int) -> Problem:
+        """Problem number `index` of the training stream; the same index, the same problem."""
+
+    def render(self, problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
+        """The prompt token ids of `problems`, in order (`raw_prompt_ids` for plain text)."""
+
+    def score(self, prompt: str, completion: str, answer: str) -> float:
+        """The reward of `completion` (decoded, up to its first eos) for `prompt`."""
+
+
+def raw_prompt_ids(problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
+    """Prompts as plain text, tokenized in one call (one call per prompt costs several times the CPU)."""
+    if not problems:
+        return []
+    return tokenizer([p.prompt for p in problems])["input_ids"]
+
+
+def available_tasks() -> dict[str, str]:
+    """Registry name -> `module:object` for every installed task plugin."""
+    return available(ENTRY_POINT_GROUP)
+
+
+def make_task(section: Any) -> Task:
+    """The task of a `task` config section; ValueError naming the problem if it cannot be built."""
+    factory = load_plugin(ENTRY_POINT_GROUP, section.kind, field="task.kind", what="task")
+    task = factory(section)
+    if not isinstance(task, Task):
+        raise ValueError(
+            f"task plugin {section.kind!r} returned {type(task).__name__}, which is not a Task "
+            "(it needs eval_problems, train_problem, render and score; asyncrl/tasks/base.py)"
+        )
+    return task
