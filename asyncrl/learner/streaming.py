@@ -46,8 +46,8 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from asyncrl.learner.advantages import GRPO_EPS
 from asyncrl.kernels.logprobs import causal_lm_logprobs
+from asyncrl.learner.advantages import GRPO_EPS
 from asyncrl.learner.losses import check_agg_mode
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "opd"]

@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from asyncrl.learner.advantages import group_rewards
 from asyncrl.kernels.logprobs import causal_lm_logprobs, causal_lm_position_logprobs
+from asyncrl.learner.advantages import group_rewards
 from asyncrl.learner.objective import STREAM_ESTIMATOR, Objective
 from asyncrl.learner.step import (
     PackedBatch,
