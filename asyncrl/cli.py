@@ -121,7 +121,7 @@ def sft(
     """Build the embedded tiny model and tokenizer and warm-start them on the built-in task."""
     from dataclasses import replace
 
-    from asyncrl.models.default import (
+    from asyncrl.tasks.arithmetic_model import (
         SftSettings,
         TeacherSettings,
         build_default_checkpoint,
