@@ -26,17 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from asyncrl.generators.base import GeneratorContext, Rollout
+from asyncrl.generators.rollouts import OpdArrays, RolloutBuilder
 from asyncrl.messages import PromptTask
 
 log = logging.getLogger(__name__)
-
-
-def make_reward(task_kind: str):
-    if task_kind == "addition":
-        from asyncrl.tasks.arithmetic import AdditionReward
-
-        return AdditionReward()
-    raise ValueError(f"unknown task kind {task_kind!r}; valid: addition")
 
 
 def load_teacher(path: str, student_tokenizer):
@@ -99,7 +92,7 @@ class TorchGenerator:
         self._model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32).eval()
         self._run_seed = ctx.run_seed
         self._inflight = ctx.inflight
-        self._reward = make_reward(ctx.task.kind)
+        self._rollouts = RolloutBuilder.for_task(ctx.task, self._tokenizer)
         if ctx.opd is not None and ctx.opd.enabled:
             self._teacher = load_teacher(ctx.opd.teacher, self._tokenizer)
             self._opd_samples = ctx.opd.num_samples
@@ -121,7 +114,7 @@ class TorchGenerator:
         return self._tokenizer
 
     def generate_sync(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
-        from asyncrl.models.sampling import answer_ids, generate, sample_seed
+        from asyncrl.models.sampling import generate, sample_seed
 
         assert self._ctx is not None and self._tokenizer is not None, "setup() was not called"
         tok = self._tokenizer
@@ -148,31 +141,25 @@ class TorchGenerator:
         )
         self.num_inflight_updates += out.num_weight_updates
         opd = self._score_with_teacher(prompts, out) if self._teacher is not None else None
-        rollouts = []
-        prompt_texts = {t.task_id: tok.decode(t.prompt_ids, skip_special_tokens=True) for t in tasks}
-        for j, ((task, k), ids, logps, versions, finish) in enumerate(
-            zip(owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True)
-        ):
-            text = tok.decode(answer_ids(ids, tok.eos_token_id), skip_special_tokens=True)
-            prompt_text = prompt_texts[task.task_id]
-            rollouts.append(
-                Rollout(
-                    task_id=task.task_id,
-                    sample_index=k,
-                    completion_ids=ids,
-                    behavior_logprobs=logps,
-                    token_versions=versions,
-                    reward=float(self._reward(prompt_text, text, task.answer)),
-                    finish_reason=finish,
-                    opd_ids=None if opd is None else opd[j][0],
-                    opd_behavior_logprobs=None if opd is None else opd[j][1],
-                    teacher_logprobs=None if opd is None else opd[j][2],
-                )
+        prompt_texts = {t.task_id: self._rollouts.prompt_text(t) for t in tasks}
+        return [
+            self._rollouts.build(
+                task,
+                k,
+                completion_ids=ids,
+                behavior_logprobs=logps,
+                token_versions=versions,
+                finish_reason=finish,
+                prompt_text=prompt_texts[task.task_id],
+                opd=None if opd is None else opd[j],
             )
-        return rollouts
+            for j, ((task, k), ids, logps, versions, finish) in enumerate(
+                zip(owners, out.completion_ids, out.logprobs, out.versions, out.finish_reasons, strict=True)
+            )
+        ]
 
-    def _score_with_teacher(self, prompts, out) -> list[tuple[list, list, list]]:
-        """(opd_ids, opd_behavior_logprobs, teacher_logprobs) as [T][N] lists per sample."""
+    def _score_with_teacher(self, prompts, out) -> list[OpdArrays]:
+        """The [T][N] arrays of on-policy distillation, per sample."""
         from asyncrl.generators.opd import cache_arrays, teacher_logprobs
 
         start = time.perf_counter()
@@ -193,7 +180,7 @@ class TorchGenerator:
         )
         self.teacher_s += time.perf_counter() - start
         return [
-            (ids_TN.tolist(), behav_TN.tolist(), teacher_TN.tolist())
+            OpdArrays(ids_TN.tolist(), behav_TN.tolist(), teacher_TN.tolist())
             for (ids_TN, behav_TN), teacher_TN in zip(caches, scores, strict=True)
         ]
 

@@ -1,9 +1,9 @@
 """Test support for plugin authors and for our own suites (nothing here runs in a training job).
 
-- `asyncrl.testing.sglang_server`: a stand-in SGLang HTTP server backed by a real torch model, for
+- `asyncrl.testing.sglang.server`: a stand-in SGLang HTTP server backed by a real torch model, for
   exercising the `sglang` generator (or any SGLang client) on CPU.
 - `asyncrl.testing.contract`: the contract suite a generator plugin author runs against their own
   generator (`check_generator`, or the pytest mixin `GeneratorContractTests`).
-- `asyncrl.testing.sglang_engine`: the engine behind it (continuous batching, pause modes, weight
+- `asyncrl.testing.sglang.engine`: the engine behind it (continuous batching, pause modes, weight
   versions), usable without HTTP.
 """

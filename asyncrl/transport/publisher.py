@@ -7,10 +7,16 @@ suits it (shards: after the atomic rename; a broadcast group: before the bytes m
 join) and returns the announcement it sent. Each generator's `WeightsLoaded` comes back on the
 same loop as `on_loaded`. Retention (which versions may be deleted) lives here too.
 
-Implementations: `ShardPublisher` (weights.transport = "shards") and `BroadcastPublisher`
-("broadcast": the store address and layout go out in the announcement, generators join the group
-lazily, the bytes follow over it; then catch-up shards for generators outside the group);
-`make_publisher` picks one from the config. See docs/weights.md.
+Implementations of `WeightPublisher`: `ShardPublisher` (weights.transport = "shards") and
+`BroadcastPublisher` ("broadcast": the store address and layout go out in the announcement,
+generators join the group lazily, the bytes follow over it; then catch-up shards for generators
+outside the group). Both broadcast flavours share `GroupPublisher`, the announce / send / catch-up /
+retention flow written once; a backend only says how the bytes cross the group.
+
+`make_publisher` picks one from the config. A generator backend whose servers take weights in their
+own way registers a factory (`PublisherFactory`) under the entry-point group `asyncrl.publishers`,
+named `<generator registry name>.<weights transport>` (e.g. `mybackend.broadcast`); this module never
+names a backend. See docs/weights.md.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
 
 from asyncrl.messages import WeightsPublished
+from asyncrl.plugins import available, load_plugin
 from asyncrl.transport.retention import VersionRetention, prune
 from asyncrl.transport.shards import write_shards
 
@@ -36,13 +44,48 @@ Announce = Callable[[WeightsPublished], Awaitable[None]]
 # Shards of at most this size: small enough to load in parallel, large enough to stream well.
 MAX_SHARD_BYTES = 512 * 1024 * 1024
 
+PUBLISHERS_GROUP = "asyncrl.publishers"
+# Read only for its registry names (a `pkg.mod:obj` generators.kind maps back to its name);
+# transport never imports a generator.
+GENERATORS_GROUP = "asyncrl.generators"
+
+
+@runtime_checkable
+class WeightPublisher(Protocol):
+    """What the learner calls, on its event loop, to ship every policy_version."""
+
+    async def publish(
+        self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
+    ) -> WeightsPublished:
+        """Make `version` available to every generator and `announce` it; returns the announcement
+        of the version's main transport (a catch-up copy may be announced after it)."""
+
+    def on_loaded(self, generator_id: str, version: int) -> None:
+        """A generator acknowledged holding `version`: retention may drop what nobody needs."""
+
+    def close(self) -> None:
+        """Release sockets and groups; idempotent."""
+
+
+class PublisherFactory(Protocol):
+    """An `asyncrl.publishers` plugin: builds the backend's publisher from the whole config.
+
+    `generator_ids` are the run's generators; `catchup` is the shard publisher to copy each version
+    to for generators outside a group (None with weights.transport = "shards" or catchup_shards
+    off).
+    """
+
+    def __call__(
+        self, config: Any, *, generator_ids: Sequence[str], catchup: ShardPublisher | None
+    ) -> WeightPublisher: ...
+
 
 class ShardPublisher:
     """Versioned safetensors shards under `weights_dir` (see `shards.py`), last K kept.
 
     With `recycle` (the default) the newest pruned version stays as a hidden spare whose files the
-    next publish overwrites (`retention.prune(..., keep_spare=True)`): on tmpfs, writing into new
-    files costs about 2.5 times the CPU of overwriting old ones (docs/weights.md).
+    next publish overwrites (`retention.prune(..., keep_spare=True)`): on tmpfs, overwriting old
+    files costs less CPU than writing new ones (docs/weights.md).
     """
 
     transport = "safetensors"
@@ -106,40 +149,55 @@ class ShardPublisher:
         pass
 
 
-class BroadcastPublisher:
-    """A torch.distributed weight update group: learner rank 0 -> every generator (docs/weights.md).
+class GroupPublisher:
+    """Learner rank 0 of a torch.distributed weight update group whose other ranks are `members`.
 
     The first `publish` hosts the group's store on a free port, announces it with the layout and
     the member list, and creates the group (blocking, off the loop, until every member has joined).
-    Each publish announces first and then broadcasts, so the members are already receiving. With
+    Each publish announces first and then sends, so the members are already receiving. With
     `catchup` (a ShardPublisher) the version is then also written as shards and announced again,
-    marked `catchup`, for generators outside the group (late joiners, restarted generators).
+    marked `catchup`, for generators outside the group (late joiners, restarted generators). If a
+    send fails with one of `send_errors` (a member died, the rendezvous timed out) and there is a
+    catch-up path, the group is dropped and shards carry every later version.
+
+    Subclasses say how the bytes cross the group (`_transfer`).
     """
 
     transport = "broadcast"
+    send_errors: tuple[type[Exception], ...] = (RuntimeError,)
 
     def __init__(
         self,
         *,
-        generator_ids: Iterable[str],
+        members: Iterable[str],
         bucket_bytes: int,
         timeout_s: float,
         catchup: ShardPublisher | None,
         master_addr: str = "127.0.0.1",
-        group_name: str | None = None,
+        group_name: str,
     ) -> None:
-        self.members = tuple(generator_ids)
+        self.members = tuple(members)  # member i (a generator id) owns group rank i + 1
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.catchup = catchup
         self.master_addr = master_addr
-        self.group_name = group_name or f"asyncrl-weights-{os.getpid()}"
+        self.group_name = group_name
         self.group = None
         self._store = None
         self._location = ""
         self._first_version = -1
         self._early_acks: dict[str, int] = {}
         self.failed = False
+        self.num_bytes_sent = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members) + 1
+
+    def _transfer(self, items: list[tuple[str, torch.Tensor]], backend: str) -> int:
+        """Worker thread: send every tensor of `items` to the members over `self.group`, in the
+        order the announcement lists them; returns the bytes sent."""
+        raise NotImplementedError
 
     async def publish(
         self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
@@ -150,11 +208,12 @@ class BroadcastPublisher:
             assert self.catchup is not None
             return await self.catchup.publish(state, version, announce)
         start = time.perf_counter()
-        items = list(state.items())
+        items = [(name, t.detach()) for name, t in state.items()]
         backend = "nccl" if items and items[0][1].is_cuda else "gloo"
-        world_size = len(self.members) + 1
         if self._store is None:
-            self._store, port = host_store(self.master_addr, world_size=world_size, timeout_s=self.timeout_s)
+            self._store, port = host_store(
+                self.master_addr, world_size=self.world_size, timeout_s=self.timeout_s
+            )
             self._location = f"{self.master_addr}:{port}"
             self._first_version = version
         msg = WeightsPublished(
@@ -172,14 +231,15 @@ class BroadcastPublisher:
         )
         await announce(msg)
         try:
-            await self._send(items, world_size, backend)
-        except RuntimeError as exc:  # gloo/NCCL: a member died or the rendezvous timed out
+            await asyncio.to_thread(self._send, items, backend)
+        except self.send_errors as exc:
             if self.catchup is None:
                 raise
             log.error(
-                "broadcast of weights version %d failed (%s); the group is dropped and weights go as "
-                "shards from now on",
+                "sending weights version %d over the group %r failed (%s); the group is dropped and "
+                "weights go as shards from now on",
                 version,
+                self.group_name,
                 exc,
             )
             self.failed = True
@@ -193,32 +253,25 @@ class BroadcastPublisher:
                     self.catchup.on_loaded(gid, acked)
         return msg
 
-    async def _send(self, items: list, world_size: int, backend: str) -> None:
-        from asyncrl.transport.broadcast import (
-            broadcast_tensors,
-            init_weight_update_group,
-            uses_point_to_point,
-        )
-
+    def _send(self, items: list[tuple[str, torch.Tensor]], backend: str) -> None:
+        """Worker thread: create the group on the first version (blocks until every member joined),
+        then transfer."""
         if self.group is None:
-            self.group = await asyncio.to_thread(
-                init_weight_update_group,
+            from asyncrl.transport.broadcast import init_weight_update_group
+
+            assert self._store is not None
+            self.group = init_weight_update_group(
                 master_addr=self.master_addr,
-                master_port=0,
+                master_port=self._store.port,
                 rank=0,
-                world_size=world_size,
+                world_size=self.world_size,
                 group_name=self.group_name,
                 backend=backend,
                 timeout_s=self.timeout_s,
                 store=self._store,
             )
-        await asyncio.to_thread(
-            broadcast_tensors,
-            self.group,
-            items,
-            bucket_bytes=self.bucket_bytes,
-            p2p=uses_point_to_point(backend),
-        )
+            log.info("weight update group %r formed with %d member ranks", self.group_name, len(self.members))
+        self.num_bytes_sent += self._transfer(items, backend)
 
     def on_loaded(self, generator_id: str, version: int) -> None:
         """Members may ack a version before its catch-up shards exist: retention hears it then."""
@@ -239,10 +292,59 @@ class BroadcastPublisher:
         self._store = None
 
 
+class BroadcastPublisher(GroupPublisher):
+    """The group's members are generator processes (docs/weights.md): bucketed broadcasts, or
+    point-to-point sends on gloo, received by `transport/receiver.py` in the generator service."""
+
+    def __init__(
+        self,
+        *,
+        generator_ids: Iterable[str],
+        bucket_bytes: int,
+        timeout_s: float,
+        catchup: ShardPublisher | None,
+        master_addr: str = "127.0.0.1",
+        group_name: str | None = None,
+    ) -> None:
+        super().__init__(
+            members=generator_ids,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            catchup=catchup,
+            master_addr=master_addr,
+            group_name=group_name or f"asyncrl-weights-{os.getpid()}",
+        )
+
+    def _transfer(self, items: list[tuple[str, torch.Tensor]], backend: str) -> int:
+        from asyncrl.transport.broadcast import broadcast_tensors, uses_point_to_point
+
+        return broadcast_tensors(
+            self.group, items, bucket_bytes=self.bucket_bytes, p2p=uses_point_to_point(backend)
+        )
+
+
+def generator_name(kind: str) -> str | None:
+    """The registry name of `generators.kind`: the name itself, or the name whose entry point is the
+    `pkg.mod:obj` path given; None for a path no installed generator registers."""
+    if ":" not in kind:
+        return kind
+    return next((name for name, target in available(GENERATORS_GROUP).items() if target == kind), None)
+
+
+def publisher_key(config: Any) -> str | None:
+    """The `asyncrl.publishers` name that replaces the built-in publisher for `config`, if any:
+    `<generator registry name>.<weights transport>`, when such a plugin is installed."""
+    name = generator_name(config.generators.kind)
+    if name is None:
+        return None
+    key = f"{name}.{config.weights.kind}"
+    return key if key in available(PUBLISHERS_GROUP) else None
+
+
 def make_publisher(
-    config, *, run_dir: Path, model_dir: Path, generator_ids: Iterable[str]
-) -> ShardPublisher | BroadcastPublisher:
-    """The publisher for `config.weights.transport`."""
+    config: Any, *, run_dir: Path, model_dir: Path, generator_ids: Iterable[str]
+) -> WeightPublisher:
+    """The publisher for `config.weights.transport` (and the generator backend, see the module doc)."""
     from asyncrl.transport.shards import collect_config_files
 
     w = config.weights
@@ -255,15 +357,18 @@ def make_publisher(
         max_shard_bytes=w.max_shard_bytes,
         catchup=w.kind == "broadcast",
     )
+    catchup = shards if w.kind != "shards" and w.catchup_shards else None
+    key = publisher_key(config)
+    if key is not None:
+        factory: PublisherFactory = load_plugin(
+            PUBLISHERS_GROUP, key, field="generators.kind", what="weight publisher"
+        )
+        return factory(config, generator_ids=ids, catchup=catchup)
     if w.kind == "shards":
         return shards
-    from asyncrl.transport.sglang_dist import make_sglang_publisher, uses_sglang_group
-
-    if uses_sglang_group(config):  # the SGLang servers are the group's ranks (sglang_dist.py)
-        return make_sglang_publisher(config, generator_ids=ids, catchup=shards if w.catchup_shards else None)
     return BroadcastPublisher(
         generator_ids=ids,
         bucket_bytes=w.bucket_bytes,
         timeout_s=w.group_timeout_s,
-        catchup=shards if w.catchup_shards else None,
+        catchup=catchup,
     )

@@ -1,6 +1,6 @@
 """The `sglang` generator against in-process stand-in SGLang servers on loopback (CPU, real model).
 
-Each server is `asyncrl.testing.sglang_server.StandInServer` on a free 127.0.0.1 port, in a
+Each server is `asyncrl.testing.sglang.server.StandInServer` on a free 127.0.0.1 port, in a
 thread of the test process: nothing is spawned, nothing to kill.
 
 With `ASYNCRL_SGLANG_URL` (a running real SGLang server) and `ASYNCRL_SGLANG_MODEL` (the model
@@ -54,7 +54,7 @@ async def poll(condition, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture
 def servers(tiny_model_dir):
-    from asyncrl.testing.sglang_server import StandInServer
+    from asyncrl.testing.sglang.server import StandInServer
 
     started = []
 
@@ -220,7 +220,7 @@ def test_server_failing_mid_request_reissues_once_without_duplicates(tiny_model_
 
 
 def test_unknown_sampling_parameter_is_a_clear_error(tiny_model_dir, servers):
-    from asyncrl.generators.sglang_client import SGLangRequestError
+    from asyncrl.generators.sglang.client import SGLangRequestError
 
     (a,) = servers(1)
     gen = make_gen(tiny_model_dir, [a.url], extra_sampling_params='{"max_tokens": 4}')

@@ -1,8 +1,8 @@
 """Distributed weight updates into stand-in SGLang servers (gloo on 127.0.0.1), and server launching.
 
-The servers are real processes started by `asyncrl.generators.sglang_launch` (the generator's own
+The servers are real processes started by `asyncrl.generators.sglang.launch` (the generator's own
 launcher, with the stand-in as the launch command); the learner's publisher
-(`transport/sglang_dist.py`) and the generator's HTTP side (`generators/sglang_group.py`) run in
+(`generators/sglang/publisher.py`) and the generator's HTTP side (`generators/sglang/group.py`) run in
 the test process, as rank 0 and as the client. Only the launched pids are ended (stop_servers).
 """
 
@@ -16,22 +16,22 @@ import urllib.request
 import pytest
 import torch
 
-from asyncrl.generators.sglang_client import Fleet, SGLangRequestError
-from asyncrl.generators.sglang_group import GroupUpdater
-from asyncrl.generators.sglang_launch import (
+from asyncrl.generators.sglang.client import Fleet, SGLangRequestError
+from asyncrl.generators.sglang.group import GroupUpdater
+from asyncrl.generators.sglang.launch import (
     LaunchSpec,
     ServerLaunchError,
     launch_servers,
     stop_servers,
     wait_ready,
 )
+from asyncrl.generators.sglang.publisher import SGLangGroupPublisher
 from asyncrl.messages import TensorMeta, WeightsPublished
-from asyncrl.transport.sglang_dist import SGLangGroupPublisher
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-STANDIN = ("python", "-m", "asyncrl.testing.sglang_server")
+STANDIN = ("python", "-m", "asyncrl.testing.sglang.server")
 TIMEOUT_S = 60.0  # group rendezvous and collectives; pytest-timeout is the outer guard
 
 
@@ -131,7 +131,7 @@ def test_session_rule_errors_surface(tiny_model_dir):
     """SGLang >= 0.5.21: a distributed update outside begin/end is 400, and a second begin too;
     the generator's updater names the server, the call and the server's reason, and leaves the
     server serving (not paused) without closing a session it did not open."""
-    from asyncrl.testing.sglang_server import StandInServer
+    from asyncrl.testing.sglang.server import StandInServer
 
     with StandInServer(str(tiny_model_dir)) as server:
         body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[4]], "group_name": "g"}

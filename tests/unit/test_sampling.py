@@ -106,7 +106,7 @@ def test_torch_generator_with_ignore_eos_scores_the_answer_up_to_its_eos():
     from asyncrl.generators.torch_gen import TorchGenerator
     from asyncrl.messages import PromptTask, SamplingParams
     from asyncrl.models.default import DEFAULT_MODEL_DIR
-    from asyncrl.tasks.arithmetic import AdditionReward
+    from asyncrl.tasks.base import make_task
 
     gen = TorchGenerator()
     ctx = GeneratorContext(
@@ -134,7 +134,7 @@ def test_torch_generator_with_ignore_eos_scores_the_answer_up_to_its_eos():
         for i, (p, a) in enumerate(problems)
     ]
     rollouts = gen.generate_sync(batch)
-    verify = AdditionReward()
+    verify = make_task(TaskConfig()).score
     for r in rollouts:
         assert len(r.completion_ids) == len(r.behavior_logprobs) == 8 and r.finish_reason == "length"
         answer = tok.decode(answer_ids(r.completion_ids, tok.eos_token_id), skip_special_tokens=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.generators.sglang_group import member_ranks, name_buckets
-from asyncrl.generators.sglang_launch import LaunchSpec, assign_gpus, server_argv
-from asyncrl.generators.sglang_options import check_config, parse_options, servers_per_generator
+from asyncrl.generators.sglang.group import member_ranks, name_buckets
+from asyncrl.generators.sglang.launch import LaunchSpec, assign_gpus, server_argv
+from asyncrl.generators.sglang.options import check_config, parse_options, servers_per_generator
 from asyncrl.messages import TensorMeta
 
 
@@ -29,7 +29,7 @@ def test_attach_and_launch_defaults():
     custom = parse_options(
         {
             "launch": 2,
-            "launch_command": "python -m asyncrl.testing.sglang_server",
+            "launch_command": "python -m asyncrl.testing.sglang.server",
             "launch_args": "--disable-cuda-graph --log-level 'warning'",
             "gpus": "2, 3",
             "mem_fraction_static": 0.5,

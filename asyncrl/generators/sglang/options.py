@@ -3,8 +3,8 @@
 Place in the data flow: pure. `parse_options` runs in the generator's `setup` and, through
 `check_config`, in `asyncrl launch` before any process starts, so a misspelled or inconsistent
 option fails at load time with the option's name. The learner's weight publisher asks
-`servers_per_generator` how many group ranks each generator brings (`transport/sglang_dist.py`).
-The options table for users is at the top of `sglang.py`.
+`servers_per_generator` how many group ranks each generator brings (`publisher.py`).
+The options table for users is at the top of `generator.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine of the stand-in SGLang server: a real torch causal LM under SGLang's scheduling rules.
 
-Place in the data flow: `sglang_server.py` (HTTP) hands each /generate item to `Engine.submit` and
+Place in the data flow: `server.py` (HTTP) hands each /generate item to `Engine.submit` and
 waits for it to finish; one scheduler thread steps every running request together, one token per
 step, and the control endpoints (pause, continue, abort, weight updates) act on the same state.
 What it reproduces (/work/shared/SGLANG_API.md sections 1-3):
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from asyncrl.models.sampling import left_pad
-from asyncrl.testing.sglang_params import Pick, RequestError, SamplingSpec, pick_token
+from asyncrl.testing.sglang.params import Pick, RequestError, SamplingSpec, pick_token
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The stand-in SGLang server's torch.distributed weight update groups (the receiving side of
 SGLANG_API.md sections 2.2, 2.4 and 2.8), over gloo on the CPU.
 
-Place in the data flow: `sglang_server.py` routes /init_weights_update_group,
+Place in the data flow: `server.py` routes /init_weights_update_group,
 /update_weights_from_distributed and /destroy_weights_update_group here; received tensors go to
 `Engine.update_weights_from_tensors`, which loads them into the torch model under the engine's
 rules (at once when paused, else after running requests drain). The server has tp_size 1, so it is

@@ -1,6 +1,6 @@
 """HTTP/JSON client side of the `sglang` generator: wire types, one call, and the server fleet.
 
-Place in the data flow: `sglang.py` (the generator) asks the `Fleet` for the least-loaded server
+Place in the data flow: `generator.py` (the generator) asks the `Fleet` for the least-loaded server
 in service, sends it one native /generate per sample and the weight-update control calls
 (/pause_generation, /update_weights_from_disk, /model_info, /continue_generation). The wire shapes
 are our own msgspec types written from /work/shared/SGLANG_API.md; `sglang` is never imported.

@@ -1,6 +1,6 @@
 """The generator's half of a distributed weight update for SGLang servers (weights.transport=broadcast).
 
-Place in the data flow: the learner (`transport/sglang_dist.py`) is rank 0 of a weight update
+Place in the data flow: the learner (`publisher.py`, in the learner process) is rank 0 of a weight update
 group whose other ranks are the SGLang servers themselves (tp_size 1: one rank per server). The
 learner announces each version (`WeightsPublished`, transport "broadcast") and then broadcasts
 every tensor from rank 0, in the announced order. The generator process, which owns the servers
@@ -44,7 +44,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from asyncrl.generators.sglang_client import (
+from asyncrl.generators.sglang.client import (
     Server,
     ServerUnavailable,
     SGLangRequestError,

@@ -1,8 +1,8 @@
 """A stand-in SGLang server: the HTTP contract of /work/shared/SGLANG_API.md over a real torch model.
 
 Place in the data flow: stands where a real SGLang server stands, between the `sglang` generator
-(`asyncrl/generators/sglang.py`, or any SGLang client) and a model, on a loopback port. Its outputs
-are real samples with exact log-probs (`sglang_engine.py`, `sglang_params.py`), so tests of the
+(`asyncrl/generators/sglang/generator.py`, or any SGLang client) and a model, on a loopback port. Its outputs
+are real samples with exact log-probs (`engine.py`, `params.py`), so tests of the
 client check numbers, not mocks. Stdlib `http.server` with one thread per connection: no
 dependency, and a blocked /generate (paused server) does not block control calls.
 
@@ -12,7 +12,7 @@ its error shapes), /pause_generation, /continue_generation, /abort_request,
 /update_weights_from_disk, /update_weight_version, /begin_weight_update, /end_weight_update
 (and the session rule: updates from the group or from tensors outside a session are 400),
 /init_weights_update_group, /update_weights_from_distributed (gloo only; tensors really arrive
-over the group and are loaded into the model, `sglang_groups.py`), /destroy_weights_update_group,
+over the group and are loaded into the model, `groups.py`), /destroy_weights_update_group,
 /get_weights_by_name, /flush_cache, GET /health, /health_generate, /ready, /model_info,
 /server_info (and their /get_* aliases), /v1/loads; /get_weight_version is 404 as in 0.5.21+.
 Not implemented: streaming (400), /update_weights_from_tensor (400), the flattened_bucket load
@@ -20,12 +20,12 @@ format, multimodal inputs, LoRA.
 
 Run it as a process (prints `SGLANG_STANDIN_URL http://127.0.0.1:PORT` once it listens):
 
-    python -m asyncrl.testing.sglang_server --model-path DIR --port 0 [--weight-version 0]
+    python -m asyncrl.testing.sglang.server --model-path DIR --port 0 [--weight-version 0]
 
 It takes the flags asyncrl passes to `python -m sglang.launch_server` when it launches servers
 (`--host`, `--skip-tokenizer-init`, `--log-level`, `--tp-size 1`), ignores GPU-only ones
 (`--mem-fraction-static`, `--disable-cuda-graph`, ...) and warns about unknown ones, so
-`generators.options.launch_command="python -m asyncrl.testing.sglang_server"` launches it through
+`generators.options.launch_command="python -m asyncrl.testing.sglang.server"` launches it through
 the same code path as a real server.
 
 or in-process: `with StandInServer(model_dir) as server: ... server.url ...`. In-process tests
@@ -47,9 +47,9 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from asyncrl.testing.sglang_engine import Engine, EngineRequest, new_request, version_spans
-from asyncrl.testing.sglang_groups import GroupError, WeightGroups
-from asyncrl.testing.sglang_params import ContractError, RequestError, parse_sampling_params
+from asyncrl.testing.sglang.engine import Engine, EngineRequest, new_request, version_spans
+from asyncrl.testing.sglang.groups import GroupError, WeightGroups
+from asyncrl.testing.sglang.params import ContractError, RequestError, parse_sampling_params
 
 log = logging.getLogger(__name__)
 SERVER_VERSION = "0.5.23-standin"

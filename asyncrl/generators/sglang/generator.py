@@ -3,15 +3,15 @@
 Place in the data flow: the generator service hands it PromptTasks; it sends one native /generate
 per sample (`input_ids`, `return_logprob`) to the least-loaded healthy server, reads the sampled
 ids, behavior log-probs and per-token weight versions (`meta_info.weight_versions` spans) from
-the answer, scores the completion with the task's verifier and returns Rollouts. It attaches to
-running servers (`urls`) or starts them itself (`launch`, `sglang_launch.py`; stopped on close).
+the answer, and returns Rollouts scored by the task (`generators/rollouts.py`). It attaches to
+running servers (`urls`) or starts them itself (`launch`, `launch.py`; stopped on close).
 Weights: safetensors shards go pause -> /update_weights_from_disk -> /model_info check ->
 continue on every server (SGLANG_API.md section 6); with weights.transport=broadcast the servers
-join the learner's weight update group and take every version over it (`sglang_group.py`, the
-learner's side in `transport/sglang_dist.py`).
+join the learner's weight update group and take every version over it (`group.py`, the
+learner's side in `publisher.py`, found through the `asyncrl.publishers` plugin registry).
 
 Options (`generators.options.*`; either `urls` or `launch`, the rest optional; checked by
-`sglang_options.py` when the job is loaded):
+`options.py` when the job is loaded):
 
 | option | default | meaning |
 |---|---|---|
@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.generators.base import GeneratorContext, Rollout
-from asyncrl.generators.sglang_client import (
+from asyncrl.generators.rollouts import RolloutBuilder
+from asyncrl.generators.sglang.client import (
     Fleet,
     GenerateRequest,
     GenerateResponse,
@@ -67,7 +68,7 @@ from asyncrl.generators.sglang_client import (
     decode_update,
     wait_until_healthy,
 )
-from asyncrl.generators.sglang_options import OPTIONS, PAUSE_MODES, check_config, parse_options
+from asyncrl.generators.sglang.options import OPTIONS, PAUSE_MODES, check_config, parse_options
 from asyncrl.messages import PromptTask, WeightsPublished
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,10 @@ class SGLangGenerator:
         self._weights: tuple[int, str] | None = None  # (version, directory) the servers should hold
         self._weights_lock: asyncio.Lock | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._launched: list = []  # sglang_launch.ServerProcess, when the generator started them
+        self._launched: list = []  # launch.ServerProcess, when the generator started them
         self._ready_lock: asyncio.Lock | None = None
         self._ready = False
-        self._group = None  # sglang_group.GroupUpdater, once the servers joined a weight update group
+        self._group = None  # group.GroupUpdater, once the servers joined a weight update group
         self._closed = False
         self.num_reissues = 0
         self.num_aborted_segments = 0
@@ -111,8 +112,6 @@ class SGLangGenerator:
 
     def setup(self, ctx: GeneratorContext) -> None:
         from transformers import AutoTokenizer
-
-        from asyncrl.generators.torch_gen import make_reward
 
         self._ctx = ctx
         self.opts = parse_options(dict(ctx.options), ctx.inflight)
@@ -132,11 +131,10 @@ class SGLangGenerator:
                 wait_timeout_s=float(self.opts["request_timeout_s"]),
             )
             self.fleet.on_readmit = self._bring_up_to_date
-            self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
-            self._reward = make_reward(ctx.task.kind)
+            self._rollouts = RolloutBuilder.for_task(ctx.task, AutoTokenizer.from_pretrained(ctx.model_path))
         except BaseException:
             if self._launched:  # nobody will call close() on a generator whose setup failed
-                from asyncrl.generators.sglang_launch import stop_servers
+                from asyncrl.generators.sglang.launch import stop_servers
 
                 stop_servers(self._launched)
             raise
@@ -145,7 +143,7 @@ class SGLangGenerator:
             self._ready = True
 
     def _launch(self, ctx: GeneratorContext) -> list[str]:
-        from asyncrl.generators.sglang_launch import LaunchSpec, launch_servers, write_record
+        from asyncrl.generators.sglang.launch import LaunchSpec, launch_servers, write_record
 
         log_dir = (
             Path(ctx.run_dir) / "logs" if ctx.run_dir else Path(tempfile.mkdtemp(prefix="asyncrl-sglang-"))
@@ -169,7 +167,7 @@ class SGLangGenerator:
         """Launched servers: wait (once) until all answer /health_generate; on failure stop them."""
         if self._ready:
             return
-        from asyncrl.generators.sglang_launch import stop_servers, wait_ready
+        from asyncrl.generators.sglang.launch import stop_servers, wait_ready
 
         if self._ready_lock is None:
             self._ready_lock = asyncio.Lock()
@@ -249,7 +247,7 @@ class SGLangGenerator:
         return decode_generate(data)
 
     async def _sample(self, task: PromptTask, k: int) -> Rollout:
-        from asyncrl.models.sampling import answer_ids, sample_seed
+        from asyncrl.models.sampling import sample_seed
 
         assert self._ctx is not None and self._slots is not None
         max_new = task.sampling.max_new_tokens
@@ -312,15 +310,12 @@ class SGLangGenerator:
                         f"SGLang server {server.url} answered finish_reason {finish!r} for {rid}"
                     )
                 break
-        text = self._tokenizer.decode(answer_ids(ids, self._tokenizer.eos_token_id), skip_special_tokens=True)
-        prompt_text = self._tokenizer.decode(task.prompt_ids, skip_special_tokens=True)
-        return Rollout(
-            task_id=task.task_id,
-            sample_index=k,
+        return self._rollouts.build(
+            task,
+            k,
             completion_ids=ids,
             behavior_logprobs=logps,
             token_versions=versions,
-            reward=float(self._reward(prompt_text, text, task.answer)),
             finish_reason="stop" if finish == "stop" else "length",
         )
 
@@ -438,8 +433,8 @@ class SGLangGenerator:
 
     async def receive_broadcast(self, msg: WeightsPublished) -> None:
         """weights.transport=broadcast: the servers take version `msg.version` over the learner's
-        weight update group, joining it on the founding announcement (`sglang_group.py`)."""
-        from asyncrl.generators.sglang_group import GroupUpdater
+        weight update group, joining it on the founding announcement (`group.py`)."""
+        from asyncrl.generators.sglang.group import GroupUpdater
 
         assert self._ctx is not None
         await self._servers_ready()
@@ -467,7 +462,7 @@ class SGLangGenerator:
                 await self.fleet.close()
         finally:
             if self._launched:
-                from asyncrl.generators.sglang_launch import stop_servers
+                from asyncrl.generators.sglang.launch import stop_servers
 
                 await asyncio.to_thread(stop_servers, self._launched)
 
@@ -494,7 +489,7 @@ def verify_shards(root: Path, version: int) -> None:
 
 
 def _short(data: bytes, limit: int = 600) -> str:
-    from asyncrl.generators.sglang_client import error_message
+    from asyncrl.generators.sglang.client import error_message
 
     text = error_message(data)
     return text if len(text) <= limit else text[:limit] + "..."

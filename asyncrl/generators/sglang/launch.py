@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.generators.sglang_client import ServerUnavailable, http_call
+from asyncrl.generators.sglang.client import ServerUnavailable, http_call
 
 log = logging.getLogger(__name__)
 
