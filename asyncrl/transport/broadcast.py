@@ -11,12 +11,12 @@ exactly as SGLang's `init_weights_update_group` does on the server side, so it n
 learner's default (data-parallel) group and SGLang ranks can join it.
 
 Bytes travel in buckets (`plan_buckets`): small tensors grouped up to `bucket_bytes`, large ones
-alone, each bucket one flat uint8 buffer, sent as one broadcast (what SGLang ranks receive) or, with
+alone, each bucket one flat uint8 buffer, sent as one broadcast (what inference-server ranks receive) or, with
 `p2p` (`uses_point_to_point`: gloo, between our own processes), as one send per receiver with
 receives posted several buckets ahead. Inside a bucket tensors are ordered by element size, largest
 first, so every tensor starts at an offset that is a multiple of its element size with no padding:
-the layout of SGLang's `load_format="flattened_bucket"` (`Bucket.sglang_fields()` gives the
-request). A bucket of one tensor is sent straight from (received straight into) that tensor.
+the layout an inference server's flattened-bucket loader expects (the SGLang backend builds its
+request from the bucket's entries, `generators/sglang/group.py`). A bucket of one tensor is sent straight from (received straight into) that tensor.
 On gloo (CPU) pick `bucket_bytes` around a few MiB so large tensors go without copies; for NCCL
 and SGLang larger buckets (hundreds of MiB) mean fewer calls.
 """
@@ -66,14 +66,6 @@ class Bucket(msgspec.Struct, frozen=True, kw_only=True):
 
     entries: tuple[BucketEntry, ...]
     num_bytes: int
-
-    def sglang_fields(self) -> dict[str, list]:
-        """`names`/`dtypes`/`shapes` for SGLang's /update_weights_from_distributed with this bucket."""
-        return {
-            "names": [e.name for e in self.entries],
-            "dtypes": [e.dtype for e in self.entries],
-            "shapes": [list(e.shape) for e in self.entries],
-        }
 
 
 def tensor_metas(

@@ -129,8 +129,8 @@ def collect_config_files(model_dir: Path) -> dict[str, bytes]:
 def fresh_cpu_bytes(num_bytes: int) -> torch.Tensor:
     """A new uint8 CPU tensor of `num_bytes` (contents undefined), cheap to fill for the first time.
 
-    Memory fresh from `torch.empty` takes a page fault per 4 KiB page when first written: filling
-    200 MB that way cost 4x the copy itself. Buffers of `_HUGE_PAGE_MIN_BYTES` or more are mapped
+    Memory fresh from `torch.empty` takes a page fault per 4 KiB page when first written, which
+    costs several times the copy itself (bench/README.md, "Weight sync"). Buffers of `_HUGE_PAGE_MIN_BYTES` or more are mapped
     with transparent huge pages where the kernel allows them (`madvise` or `always` mode; else this
     is plain memory, as from `torch.empty`). The mapping lives as long as any view of the tensor.
     """

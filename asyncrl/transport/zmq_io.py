@@ -14,9 +14,9 @@ queue full) waits, on the socket's file descriptor (`loop.add_reader`). That des
 edge-triggered: it signals that ZMQ_EVENTS may have changed, and any operation on the socket can
 take the signal. So a waiter is woken by the descriptor, and also after each operation of the
 other direction when the socket's events say it can proceed. pyzmq's asyncio sockets do the same
-with a Future and several callbacks per message (a ROUTER/DEALER round trip cost ~100 us of CPU
-through them, ~43 us here; bench/README.md, "Pipeline"). Sends stay in order (a send that had to wait holds back later ones
-until it has gone), and a receiver yields to the loop after `RECV_STREAK` messages in a row so a
+with a Future and several callbacks per message, which cost more CPU per round trip (the figures
+are in bench/README.md, "Pipeline"). Sends stay in order (a send that had to wait holds back later
+ones until it has gone), and a receiver yields to the loop after `RECV_STREAK` messages in a row so a
 busy socket cannot starve the process's other tasks.
 """
 

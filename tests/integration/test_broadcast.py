@@ -105,11 +105,10 @@ def test_small_tensors_share_buckets_across_large_ones() -> None:
     buckets = plan_buckets(metas, bucket_bytes=100)
     assert [[e.name for e in b.entries] for b in buckets] == [["big1"], ["big2"], ["a", "b"]]
     assert [(e.offset_bytes, e.num_bytes) for e in buckets[2].entries] == [(0, 8), (8, 3)]
-    assert buckets[2].sglang_fields() == {
-        "names": ["a", "b"],
-        "dtypes": ["float32", "int8"],
-        "shapes": [[2], [3]],
-    }
+    assert [(e.name, e.dtype, list(e.shape)) for e in buckets[2].entries] == [
+        ("a", "float32", [2]),
+        ("b", "int8", [3]),
+    ]
 
 
 def test_plan_rejects_bad_input_and_fingerprints_differ() -> None:
