@@ -117,9 +117,8 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # Streaming: while more of the step's window is still to come, the learner starts training
     # only once this many trajectories wait (then trains all it can); the window's last
     # `min_chunk` - 1 train as they arrive, so a step still ends one arrival after its last
-    # trajectory. Larger chunks cost less per trajectory (a 16-trajectory chunk ~1.6x a 256 one on
-    # the CPU default model), and a learner that keeps up leaves its CPU free. 1 = train every
-    # arrival at once.
+    # trajectory. Larger chunks cost less per trajectory (bench/README.md, "min_chunk"), and a
+    # learner that keeps up leaves its CPU free. 1 = train every arrival at once.
     min_chunk: PosInt = 64
     # Benchmarks: record each window to <run>/trajectories.jsonl and train nothing (the
     # generator-only run of `asyncrl bench pipeline`).
@@ -392,24 +391,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             f"config error at buffer.action: staleness policy {policy.name!r} keeps the last "
             "max_staleness + 1 versions, and 'downweight' trains groups older than that; use withhold or drop"
         )
-    if config.learner.world_size > 1 and not config.opd.enabled:
-        from asyncrl.learner.objective import Objective
-
-        if Objective.from_config(config).needs_whole_batch(policy):
-            raise ConfigError(
-                f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
-                "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
-            )
+    if needs_one_rank(policy, world_size=config.learner.world_size, distills=config.opd.enabled):
+        raise ConfigError(
+            f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
+            "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
+        )
     return config
 
 
-# Optional policy inputs the learner computes: "prox" is the step-start forward, "ewma" a forward
-# of its EWMA of the parameters, "old_train" forwards of its snapshots of recent versions.
-LEARNER_PROVIDES = ("prox", "ewma", "old_train")
+def needs_one_rank(policy, *, world_size: int, distills: bool) -> bool:
+    """A batch-global correction (the policy says so) on several data-parallel ranks: each rank
+    would see only its share of the batch. Distillation applies no staleness correction."""
+    return world_size > 1 and not distills and bool(policy.batch_global)
 
 
 def check_staleness_policy(section: StalenessConfig):
     """Build the configured policy once, so a misspelled name or parameter fails at load time."""
+    from asyncrl.staleness import LEARNER_PROVIDES
     from asyncrl.staleness.registry import make_policy
 
     try:

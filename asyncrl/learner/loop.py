@@ -13,6 +13,11 @@ about one arrival after its last trajectory.
 
 Data parallelism: group j belongs to rank j % world_size (all of its samples, so S0/S1 never
 cross ranks); `local_window_size` counts a rank's trajectories of one step.
+
+`StepLoop` is also the learner service's step source for `buffer.mode = "window"`; the pool mode's
+`PoolLoop` (`pool.py`) has the same interface, so the service chooses one at start and never asks
+which: `accepts`, `resume`, `overlap_close`, `step_report`, `take_left` and `metrics` say what the
+service does differently.
 """
 
 from __future__ import annotations
@@ -93,6 +98,10 @@ def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Tr
 
 
 class StepLoop:
+    # The next step may train while the last version is published and reported: its update
+    # waits for that (`before_update`), so the weights stay put meanwhile.
+    overlap_close = True
+
     def __init__(
         self,
         trainer: Trainer,
@@ -130,6 +139,29 @@ class StepLoop:
         if self.received[step] == self.window_size(step):
             self.last_arrival[step] = time.perf_counter()
         self.arrived.set()
+
+    def accepts(self, step: int, version: int) -> bool:
+        """Whether a trajectory admitted for `step` can still be trained at `version`: a window
+        is trained at its own version, so one for a past step never is."""
+        return step >= version
+
+    def resume(self, version: int, held: list[tuple[int, TrainSample, dict]]) -> None:
+        """Resume at `version`: put a checkpoint's held trajectories back into the inbox."""
+        for step, sample, _ in held:
+            self.add(step, sample)
+
+    def step_report(self) -> dict:
+        """StepDone's mode-specific fields for the step just finished (none for windows)."""
+        return {}
+
+    def take_left(self) -> dict | None:
+        """GroupsLeft's fields for what left the learner's buffer since the last call, or None
+        (always None here: GroupsLeft is a pool-mode message)."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Mode-specific buffer metrics (none for windows beyond `depth`)."""
+        return {}
 
     def held(self, after_step: int) -> list[tuple[int, TrainSample]]:
         """Loop thread: the (step, sample) pairs received for steps after `after_step` and not

@@ -1,8 +1,12 @@
-"""The configured training objective (pure): advantages, policy loss, KL, and whether it streams.
+"""The configured training objective (pure): RL (advantages, policy loss, KL) or on-policy
+distillation, and whether it streams.
 
-Place in the data flow: the learner's `Trainer` builds one `Objective` from `learner.*` and the
-staleness policy, then asks it for group advantages, for the loss of a packed chunk of
-trajectories, and, per arriving trajectory, for the sign-free streamed loss (`stream_loss`).
+Place in the data flow: the learner's `Trainer` builds one `Objective` from `learner.*` (and
+`opd.*`) with `Objective.from_config`, which returns an `RLObjective` or a
+`DistillationObjective`; the trainer's recipe for that kind (`recipes.py`) asks it for group
+advantages and for the loss of a packed chunk of trajectories and, per arriving trajectory, for
+the sign-free streamed loss (`stream_loss`). The staleness policy describes itself
+(`asyncrl.staleness.base.StalenessPolicy`); nothing here lists policy names.
 
 Every loss here is an *unnormalised sum*: aggregation denominators are 1, and the trainer divides
 the summed gradient by the global Z (all-reduced over data-parallel ranks) once per step. So a
@@ -15,9 +19,10 @@ that directly: the loss evaluated at A = +1 and A = -1 reports no clipped token.
 h_i = -grad l(+1) and the group's S0/S1 sums give sum_i A_i h_i. Otherwise the trajectory waits
 for its group (all of its members are then trained with known advantages in one backward).
 Whole-batch fallbacks (`fallback_reason`) cover what is never per-trajectory: batch-global
-corrections (M2PO's mask, VCPO, self-normalised weights), MC-GRPO's median pivot, KL terms (they
-need the reference model's forward), several epochs per batch (`learner.epochs` > 1: an epoch's
-gradient depends on the update before it) and `learner.streaming = "off"`.
+corrections (`StalenessPolicy.batch_global`), MC-GRPO's median pivot, KL terms (they need the
+reference model's forward), several epochs per batch (`learner.epochs` > 1: an epoch's gradient
+depends on the update before it) and `learner.streaming = "off"`. Distillation's per-token teacher
+advantages need no group, so each of its trajectories streams on its own.
 """
 
 from __future__ import annotations
@@ -45,54 +50,83 @@ NO_CLIP = (1.0, float("inf"))
 # Streaming estimators of `StreamingAccumulator` for each advantage (MC-GRPO never streams).
 STREAM_ESTIMATOR = {"grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
 
-# Policies whose only sign(A) dependence is the PPO clip against the behavior policy: such a
-# trajectory streams when the clip binds for neither sign (checked per trajectory).
-CLIP_ONLY_SIGN_DEPENDENCE = frozenset({"none"})
 
-# Policies whose correction is a statistic of the whole batch (M2PO's second-moment mask; VCPO's
-# ESS learning-rate scale, which could stream as running sums but is taken from the batch here).
-BATCH_GLOBAL = frozenset({"m2po", "vcpo"})
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Objective:
-    advantage: str
-    loss: str
+    """What every objective shares: how a step's loss sum is normalised and when it streams."""
+
     agg: str
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
     norm_constant: float
-    drop_degenerate_groups: bool
-    kl_coef: float
-    kl_estimator: str
-    kl_placement: str
     streaming: str
     epochs: int = 1  # optimizer updates per batch
-    opd: str | None = None  # OPD estimator (config `opd`), None for RL
-    opd_clip_eps: float = 0.2
 
-    @classmethod
-    def from_config(cls, config) -> Objective:
+    @staticmethod
+    def from_config(config) -> Objective:
+        """The configured objective: distillation when `opd.enabled`, RL otherwise."""
         lrn = config.learner
+        common = dict(
+            agg=lrn.agg,
+            norm_constant=float(lrn.norm_constant or config.sampling.max_new_tokens),
+            streaming=lrn.streaming,
+            epochs=lrn.epochs,
+        )
+        if config.opd.enabled:
+            return DistillationObjective(
+                estimator=config.opd.estimator, clip_eps=config.opd.clip_eps, **common
+            )
         clip_low, clip_high = lrn.clip_range()
-        return cls(
+        return RLObjective(
             advantage=lrn.advantage,
             loss=lrn.loss,
-            agg=lrn.agg,
             clip_low=clip_low,
             clip_high=clip_high,
             dual_clip=lrn.dual_clip,
-            norm_constant=float(lrn.norm_constant or config.sampling.max_new_tokens),
             drop_degenerate_groups=lrn.drop_degenerate_groups,
             kl_coef=lrn.kl_coef,
             kl_estimator=lrn.kl_estimator,
             kl_placement=lrn.kl_placement,
-            streaming=lrn.streaming,
-            epochs=lrn.epochs,
-            opd=config.opd.estimator if config.opd.enabled else None,
-            opd_clip_eps=config.opd.clip_eps,
+            **common,
         )
+
+    # -- units ---------------------------------------------------------------------------------
+
+    def units(self, mask_BT: torch.Tensor) -> float:
+        """This chunk's share of Z: tokens (token-mean) or sequences (seq-mean-*); 0 for the
+        constant-normaliser mode, whose Z is `norm_constant` whatever the batch."""
+        if self.agg == "token-mean":
+            return float(mask_BT.sum())
+        if self.agg == "seq-mean-token-sum-norm":
+            return 0.0
+        return float(mask_BT.any(dim=1).sum())
+
+    def denominator(self, units_global: float) -> float:
+        return self.norm_constant if self.agg == "seq-mean-token-sum-norm" else units_global
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    def fallback_reason(self, policy: StalenessPolicy) -> str | None:
+        """Why this configuration trains whole batches instead of streaming (None: it streams)."""
+        if self.streaming == "off":
+            return "learner.streaming = 'off'"
+        if self.epochs > 1:
+            return f"learner.epochs = {self.epochs}: each later epoch needs the update of the one before"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLObjective(Objective):
+    """Policy-gradient RL: group advantages, a clipped surrogate under the staleness correction,
+    and an optional KL term to the initial model."""
+
+    advantage: str
+    loss: str
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    drop_degenerate_groups: bool
+    kl_coef: float
+    kl_estimator: str
+    kl_placement: str
 
     # -- advantages ----------------------------------------------------------------------------
 
@@ -122,20 +156,6 @@ class Objective:
         if not self.uses_reference or self.kl_placement != "reward":
             return torch.zeros(mask_BT.shape[0], dtype=torch.float64)
         return k1_sequence_penalty(logp_BT - logp_ref_BT, mask_BT, kl_coef=self.kl_coef).double()
-
-    # -- units ---------------------------------------------------------------------------------
-
-    def units(self, mask_BT: torch.Tensor) -> float:
-        """This chunk's share of Z: tokens (token-mean) or sequences (seq-mean-*); 0 for the
-        constant-normaliser mode, whose Z is `norm_constant` whatever the batch."""
-        if self.agg == "token-mean":
-            return float(mask_BT.sum())
-        if self.agg == "seq-mean-token-sum-norm":
-            return 0.0
-        return float(mask_BT.any(dim=1).sum())
-
-    def denominator(self, units_global: float) -> float:
-        return self.norm_constant if self.agg == "seq-mean-token-sum-norm" else units_global
 
     # -- losses --------------------------------------------------------------------------------
 
@@ -202,34 +222,24 @@ class Objective:
 
     # -- streaming -----------------------------------------------------------------------------
 
+    @property
+    def stream_estimator(self) -> str | None:
+        """The `StreamingAccumulator` estimator of this advantage (None: it never streams)."""
+        return STREAM_ESTIMATOR.get(self.advantage)
+
     def fallback_reason(self, policy: StalenessPolicy) -> str | None:
-        """Why this configuration trains whole batches instead of streaming (None: it streams)."""
-        if self.streaming == "off":
-            return "learner.streaming = 'off'"
-        if self.epochs > 1:
-            return f"learner.epochs = {self.epochs}: each later epoch needs the update of the one before"
-        if self.opd is not None:
-            return None  # per-token teacher advantages: every trajectory streams on its own
-        if self.advantage not in STREAM_ESTIMATOR:
+        reason = super().fallback_reason(policy)
+        if reason is not None:
+            return reason
+        if self.stream_estimator is None:
             return f"advantage {self.advantage!r} needs the whole group (median pivot)"
         if self.uses_reference:
             return "a KL term needs the reference model's log-probs and a second weighting of the scores"
-        if self.needs_whole_batch(policy):
+        if policy.batch_global:
             return f"staleness policy {policy.name!r} uses batch-global statistics"
-        if not policy.streamable and policy.name not in CLIP_ONLY_SIGN_DEPENDENCE:
+        if not policy.streamable and not policy.clip_only_sign_dependence:
             return f"staleness policy {policy.name!r} clips against an anchor other than the current policy (sign(A))"
         return None
-
-    @staticmethod
-    def needs_whole_batch(policy: StalenessPolicy) -> bool:
-        """Corrections computed from the whole batch (M2PO's mask, VCPO's ESS learning-rate scale,
-        self-normalised weights): one rank must see every trajectory of the step."""
-        base = getattr(policy, "base", policy)  # freshness weighting wraps a policy
-        return (
-            base.name in BATCH_GLOBAL
-            or bool(getattr(policy, "self_normalize", False))
-            or bool(getattr(base, "self_normalize", False))
-        )
 
     def stream_loss(
         self, logp_BT: torch.Tensor, corr: Correction, mask_BT: torch.Tensor
@@ -247,7 +257,17 @@ class Objective:
             return None
         return pos, stats
 
-    def opd_loss(
+
+@dataclass(frozen=True, kw_only=True)
+class DistillationObjective(Objective):
+    """On-policy distillation (OPD, ALGORITHMS.md 6.2): the student's loss against a teacher's
+    log-probs cached per position. Advantages are per token, so it needs no group; it applies
+    no staleness correction and no KL term to the initial model."""
+
+    estimator: str  # config `opd.estimator`
+    clip_eps: float = 0.2
+
+    def loss(
         self,
         logp_BL: torch.Tensor,
         logp_BLN: torch.Tensor,
@@ -263,13 +283,13 @@ class Objective:
         mean over the N cached tokens per position. forward_kl: sum over the *distinct* cached
         tokens of p_T(y) (log p_T(y) - log pi(y)), the forward KL restricted to the cache."""
         common = dict(mode=self.agg, num_tokens_global=1.0, num_seqs_global=1.0, norm_constant=1.0)
-        if self.opd == "reverse_kl":
+        if self.estimator == "reverse_kl":
             loss, stats = pg_kl_loss(
-                logp_BL, behav_BLN[..., 0], teacher_BLN[..., 0], mask_BL, clip_eps=self.opd_clip_eps, **common
+                logp_BL, behav_BLN[..., 0], teacher_BLN[..., 0], mask_BL, clip_eps=self.clip_eps, **common
             )
-        elif self.opd == "mc_reverse_kl":
+        elif self.estimator == "mc_reverse_kl":
             loss, stats = multi_sample_reverse_kl(
-                logp_BLN, behav_BLN, teacher_BLN, mask_BL, clip_eps=self.opd_clip_eps, **common
+                logp_BLN, behav_BLN, teacher_BLN, mask_BL, clip_eps=self.clip_eps, **common
             )
         else:
             # Keep the first occurrence of each id at a position (later duplicates are masked).

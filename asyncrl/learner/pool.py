@@ -38,6 +38,10 @@ from asyncrl.learner.trainer import StepResult, Trainer
 
 
 class PoolLoop(StepLoop):
+    # Each step is published and reported before the next one starts: `run_step` has no
+    # `before_update` gate, and the groups a step releases go out right after its StepDone.
+    overlap_close = False
+
     def __init__(self, trainer: Trainer, config) -> None:
         super().__init__(trainer, lambda step: 0)
         b = config.buffer
@@ -87,6 +91,13 @@ class PoolLoop(StepLoop):
         self.buffer.put(item, reuse=reuse)
         self._note_events()
         self.arrived.set()
+
+    def accepts(self, step: int, version: int) -> bool:
+        return True  # any admitted group may be trained later: the buffer's bounds decide
+
+    def resume(self, version: int, held: list[tuple[int, TrainSample, dict]]) -> None:
+        self.buffer.update_version(version)
+        self.restore(held)
 
     def restore(self, held: list[tuple[int, TrainSample, dict]]) -> None:
         """Resume: put a checkpoint's `held` back, reuse counts and freshness included."""

@@ -43,7 +43,7 @@ from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import RankGroup
 from asyncrl.learner.step import TrainSample, sample_from_message
 from asyncrl.learner.trainer import StepResult
-from asyncrl.messages import GroupsLeft, Metrics, Shutdown, StepDone, Trajectories, Trajectory, WeightsLoaded
+from asyncrl.messages import GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.publisher import make_publisher
@@ -77,10 +77,10 @@ class LearnerService:
         )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
-        self.pool = cfg.buffer.mode == "pool"
-        self.loop = (
+        # The step source, chosen once: windows (the groups admitted for each step) or the pool.
+        self.loop: StepLoop = (
             PoolLoop(self.trainer, cfg)
-            if self.pool
+            if cfg.buffer.mode == "pool"
             else StepLoop(
                 self.trainer,
                 lambda step: local_window_size(
@@ -109,12 +109,7 @@ class LearnerService:
             for _, sample, _ in held:
                 self.seen.add(sample.traj_id)
                 self.restored.add(sample.traj_id)
-            if self.pool:
-                self.loop.buffer.update_version(self.start_version)
-                self.loop.restore(held)
-            else:
-                for step, sample, _ in held:
-                    self.loop.add(step, sample)
+            self.loop.resume(self.start_version, held)
             log.info(
                 "learner: resumed at version %d with %d buffered trajectories", self.start_version, len(held)
             )
@@ -138,7 +133,7 @@ class LearnerService:
             self.num_duplicates += 1
             log.error("learner: duplicate trajectory %d dropped", msg.traj_id)
             return
-        if msg.step < self.version and not self.pool:  # pool mode: the buffer's bounds decide
+        if not self.loop.accepts(msg.step, self.version):
             log.error(
                 "learner: trajectory %d for past step %d dropped (now at %d)",
                 msg.traj_id,
@@ -163,8 +158,7 @@ class LearnerService:
             await self.ranks.forward(rank, msg, tensors)
             return
         self.loop.add(msg.step, sample_from_message(msg, tensors))
-        if self.pool:
-            await self.send_left()  # a group withheld or dropped as it arrived frees its credit now
+        await self.send_left()  # a group withheld or dropped as it arrived frees its credit now
 
     async def ctrl_loop(self) -> None:
         while True:
@@ -226,8 +220,8 @@ class LearnerService:
                     checkpoint=checkpoint,
                     last=last,
                 )
-                if checkpoint or self.pool:
-                    await closing  # a checkpoint holds this version's state; pool mode reports in order
+                if checkpoint or not loop.overlap_close:
+                    await closing  # a checkpoint holds this version's state
                 else:
                     # The next step starts training while this version is published and reported;
                     # its update waits for that (`StepLoop.before_update`), the weights stay put.
@@ -275,27 +269,8 @@ class LearnerService:
             # The launcher ends the run on the last StepDone: the final model must exist by then.
             await asyncio.to_thread(self.save_final)
         held, windows = loop.depth()
-        await self.ctx.ctrl.send(
-            StepDone(
-                step=step,
-                version=version,
-                num_trajectories=result.num_trajectories,
-                num_tokens=result.num_tokens,
-                loss=result.loss,
-                mean_reward=result.mean_reward,
-                max_staleness=result.max_staleness,
-                mean_staleness=result.mean_staleness,
-                clip_fraction=result.clip_fraction,
-                grad_norm=result.grad_norm,
-                step_s=step_s,
-                idle_s=idle_s,
-                lr_scale=result.lr_scale,
-                stats=result.policy_stats,
-                **(self.loop.step_report() if self.pool else {}),
-            )
-        )
-        if self.pool:
-            await self.send_left()
+        await self.ctx.ctrl.send(result.step_done(step_s=step_s, idle_s=idle_s, **loop.step_report()))
+        await self.send_left()
         await self.ctx.ctrl.send(
             Metrics(
                 source="learner",
@@ -318,7 +293,7 @@ class LearnerService:
                     # Received for later steps (async: the generators' lead), not trained yet.
                     "buffer/held_trajectories": float(held),
                     "buffer/held_windows": float(windows),
-                    **(self.loop.metrics() if self.pool else {}),
+                    **loop.metrics(),
                 },
             )
         )
@@ -347,8 +322,7 @@ class LearnerService:
                 # Resumed: generators start from the base model, so hand them this version first.
                 state = {k: v.detach() for k, v in self.model.state_dict().items()}
                 await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
-                if self.pool:
-                    await self.send_left()  # groups the restored buffer set aside free their credits
+                await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self.data_loop(), name="learner-data")]
                 if self.ranks is not None:

@@ -1,7 +1,8 @@
 """Trajectories in the learner's terms, packed into padded batches (no sockets, no model).
 
 `trainer.py` packs what it trains on with `pack`; `staleness_B` gives each sequence's staleness;
-`StepTotals` sums a step's figures and `StepResult` reports them.
+`StepTotals` sums a step's figures and `StepResult` reports them. The learner service sends a
+step's result to the launcher as the `StepDone` message that `StepResult.step_done` builds.
 
 Legend: B sequences, L packed length (prompt + completion, right-padded), G groups, N samples
 per group. Log-probs are aligned with input positions: position t holds log pi(x_t | x_<t).
@@ -12,9 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import msgspec
 import torch
+
+from asyncrl.messages import StepDone
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +90,7 @@ def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete:
     have the same number of samples (a whole step); without it, any members may be packed.
 
     Written with one scatter per field over the whole batch (not a copy per row): a streaming
-    learner packs every chunk it trains, and row-by-row copies cost ~6% of its CPU."""
+    learner packs every chunk it trains (the cost of row copies: bench/README.md, "pack")."""
     if not samples:
         raise ValueError("cannot pack an empty batch")
     num = len(samples)
@@ -160,6 +164,9 @@ def staleness_B(batch: PackedBatch, policy_version: int) -> torch.Tensor:
 
 @dataclass
 class StepResult:
+    """One optimizer step's figures. Those it shares with `StepDone` by name go into the message
+    as they are (`step_done`); the rest (streaming and fallback figures) become metrics."""
+
     step: int
     num_trajectories: int
     num_tokens: int
@@ -175,6 +182,33 @@ class StepResult:
     deferred: int  # trajectories whose clip made them wait for their group
     peak_stream_bytes: int
     fallback: str  # "" when streaming, else why the step trained as one batch
+
+    @property
+    def version(self) -> int:
+        """The policy_version this step's update produced."""
+        return self.step + 1
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """`StepDone.stats`: the staleness policy's diagnostics."""
+        return self.policy_stats
+
+    def step_done(self, **extra: Any) -> StepDone:
+        """The `StepDone` message of this step: every StepDone field this result has (a field or a
+        property of the same name), plus `extra` (what only the service knows: timings, pool
+        reports). A required StepDone field found in neither raises TypeError; one with a default
+        (the pool reports) keeps it."""
+        known = {
+            name: getattr(self, name)
+            for name in _STEP_DONE_FIELDS
+            if name not in extra and hasattr(self, name)
+        }
+        return StepDone(**known, **extra)
+
+
+# StepDone's field names, read once; a field added to the message is filled from a StepResult
+# field or property of the same name, or must come from the service.
+_STEP_DONE_FIELDS = tuple(f.name for f in msgspec.structs.fields(StepDone))
 
 
 @dataclass

@@ -7,6 +7,7 @@ in `asyncrl.learner.losses` consumes it. Every module here is pure math; see doc
 """
 
 from asyncrl.staleness.base import (
+    LEARNER_PROVIDES,
     Correction,
     CorrectionStats,
     StalenessPolicy,
@@ -24,6 +25,7 @@ from asyncrl.staleness.registry import POLICIES, make_policy
 from asyncrl.staleness.vcpo import VCPO, ess_ratio, opob_baseline, opob_weights, vcpo_lr_scale
 
 __all__ = [
+    "LEARNER_PROVIDES",
     "M2PO",
     "POLICIES",
     "VCPO",

@@ -25,6 +25,12 @@ import torch
 
 Need = Literal["prox", "old_train", "ewma"]
 
+# Optional inputs the learner computes for a policy: "prox" is the step-start forward, "ewma" a
+# forward of its EWMA of the parameters (decay `StalenessPolicy.ewma_decay`), "old_train" forwards
+# of its snapshots of the last max_staleness + 1 versions. A policy needing anything else cannot
+# be selected (the config check names what is missing).
+LEARNER_PROVIDES: tuple[Need, ...] = ("prox", "ewma", "old_train")
+
 # Log-ratios are clamped before exp: a token that is very stale (or a rounding-level log-prob of a
 # near-impossible token) must not overflow to inf and poison a weight; e^20 ~ 5e8 is far beyond any
 # truncation cap in use, so clamping never changes a truncated weight (same bound as verl and
@@ -79,7 +85,14 @@ class Correction(NamedTuple):
 
 @runtime_checkable
 class StalenessPolicy(Protocol):
-    """An off-policy correction: pure function of a TokenBatch, configured by keyword scalars."""
+    """An off-policy correction: pure function of a TokenBatch, configured by keyword scalars.
+
+    A policy describes itself, so the learner and the config check read its facts from it and no
+    other module keeps a list of policy names: the inputs it needs (`needs`, `ewma_decay`),
+    whether its correction couples the trajectories of a batch (`batch_global`) and how its
+    weights depend on sign(A) (`streamable`, `clip_only_sign_dependence`). Wrappers (freshness
+    weighting) delegate to the policy they wrap and add their own facts.
+    """
 
     @property
     def name(self) -> str: ...
@@ -92,6 +105,25 @@ class StalenessPolicy(Protocol):
     @property
     def streamable(self) -> bool:
         """True when per-token weights depend neither on sign(A) nor on other trajectories (§5.5)."""
+        ...
+
+    @property
+    def batch_global(self) -> bool:
+        """True when the correction is a statistic of the whole batch (M2PO's second-moment mask,
+        VCPO's ESS learning-rate scale, self-normalised weights): one rank must see every
+        trajectory of the step, and nothing streams."""
+        ...
+
+    @property
+    def clip_only_sign_dependence(self) -> bool:
+        """True when the only sign(A) dependence is the PPO clip against the anchor, so a
+        trajectory still streams when the clip binds for neither sign (checked per trajectory)."""
+        ...
+
+    @property
+    def ewma_decay(self) -> float | None:
+        """Decay of the learner's EWMA of the parameters this policy reads ("ewma" in `needs`);
+        None when it reads none."""
         ...
 
     def correct(self, batch: TokenBatch) -> Correction: ...

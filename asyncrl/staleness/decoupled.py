@@ -41,6 +41,9 @@ class Decoupled:
     action: Literal["mask", "clamp"] = "mask"
     level: Literal["token", "geometric"] = "token"
     name: ClassVar[str] = "decoupled"
+    batch_global: ClassVar[bool] = False
+    clip_only_sign_dependence: ClassVar[bool] = False  # streamable: no sign(A) dependence at all
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.cap is not None and self.cap <= 0:

@@ -117,6 +117,9 @@ class PpoEwma:
     # (0.5 lags about one step; `ewma_decay_for_age`).
     decay: float = 0.5
     name: ClassVar[str] = "ewma"
+    batch_global: ClassVar[bool] = False
+    # Not claimed, so it trains whole batches: pi_theta != pi_ewma at the step start, the clip binds.
+    clip_only_sign_dependence: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
@@ -134,6 +137,10 @@ class PpoEwma:
     def streamable(self) -> bool:
         # pi_theta != pi_ewma at the step start, so the clip can bind, and it depends on sign(A).
         return False
+
+    @property
+    def ewma_decay(self) -> float:
+        return self.decay
 
     def correct(self, batch: TokenBatch) -> Correction:
         require_inputs(batch, self.needs, policy=self.name)

@@ -72,6 +72,11 @@ class ExactOldLogits:
     rs_low: float | None = None
     veto: float | None = None
     name: ClassVar[str] = "exact"
+    batch_global: ClassVar[bool] = False
+    # Not claimed, so it trains whole batches: its eps-clip against the behaviour-version policy is
+    # the staleness trust region and binds by design.
+    clip_only_sign_dependence: ClassVar[bool] = False
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.is_clip is not None and self.is_clip <= 0:

@@ -171,6 +171,21 @@ class FreshnessWeighted:
         # Self-normalisation divides by a batch mean, which couples trajectories.
         return self.base.streamable and not self.self_normalize
 
+    @property
+    def batch_global(self) -> bool:
+        return self.base.batch_global or self.self_normalize
+
+    @property
+    def clip_only_sign_dependence(self) -> bool:
+        # Not delegated: a wrapped policy that does not stream trains whole batches. Delegating
+        # would also be exact without self-normalisation (freshness weights never read sign(A)),
+        # but it would move "none+freshness" from whole-batch steps to streaming.
+        return False
+
+    @property
+    def ewma_decay(self) -> float | None:
+        return self.base.ewma_decay
+
     def correct(self, batch: TokenBatch) -> Correction:
         return apply_freshness(
             self.base.correct(batch),

@@ -110,6 +110,10 @@ class NoCorrection:
 
     anchor: Literal["behav", "current"] = "behav"
     name: ClassVar[str] = "none"
+    batch_global: ClassVar[bool] = False
+    # Weight 1 everywhere: the clip against the anchor is the only place sign(A) enters.
+    clip_only_sign_dependence: ClassVar[bool] = True
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.anchor not in ("behav", "current"):
@@ -136,6 +140,9 @@ class TruncatedIS:
     clip: float = 2.0
     clip_low: float = 0.0
     name: ClassVar[str] = "tis"
+    batch_global: ClassVar[bool] = False
+    clip_only_sign_dependence: ClassVar[bool] = False  # streamable: no sign(A) dependence at all
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < self.clip:
@@ -174,6 +181,8 @@ class MaskedIS:
     veto: float | None = 1e-4
     self_normalize: bool = False
     name: ClassVar[str] = "mis"
+    clip_only_sign_dependence: ClassVar[bool] = False  # streamable unless self-normalised
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.is_level not in LEVELS or (self.rs_level is not None and self.rs_level not in LEVELS):
@@ -199,6 +208,10 @@ class MaskedIS:
     def streamable(self) -> bool:
         # The batch mean couples trajectories; everything else is per trajectory (§5.5).
         return not self.self_normalize
+
+    @property
+    def batch_global(self) -> bool:
+        return self.self_normalize
 
     def correct(self, batch: TokenBatch) -> Correction:
         require_inputs(batch, self.needs, policy=self.name)

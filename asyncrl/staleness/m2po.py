@@ -114,6 +114,10 @@ class M2PO:
     candidates: Literal["trust_region", "all"] = "trust_region"
     anchor: Literal["behav", "old_train"] = "behav"
     name: ClassVar[str] = "m2po"
+    # The removal threshold is a statistic of the whole batch's second moments.
+    batch_global: ClassVar[bool] = True
+    clip_only_sign_dependence: ClassVar[bool] = False  # the candidate set reads sign(A)
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.tau <= 0:

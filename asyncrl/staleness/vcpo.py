@@ -107,6 +107,10 @@ class VCPO:
     rule: Literal["sqrt", "linear"] = "sqrt"
     ess_use_clipped: bool = False
     name: ClassVar[str] = "vcpo"
+    # The ESS learning-rate scale could stream as running sums, but is taken from the batch here.
+    batch_global: ClassVar[bool] = True
+    clip_only_sign_dependence: ClassVar[bool] = False  # no eps-clip; weights never read sign(A)
+    ewma_decay: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.is_cap is not None and self.is_cap <= 0:

@@ -9,7 +9,7 @@ import math
 import pytest
 from conftest import read_records
 
-from asyncrl.config import LEARNER_PROVIDES
+from asyncrl.staleness import LEARNER_PROVIDES
 from asyncrl.staleness.registry import POLICIES, make_policy
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl.config import LEARNER_PROVIDES
 from asyncrl.learner.step import TrainSample, pack, staleness_B
+from asyncrl.staleness import LEARNER_PROVIDES
 from asyncrl.staleness.registry import POLICIES, make_policy
 
 SELECTABLE = sorted(
@@ -215,3 +215,26 @@ def test_loss_mask_travels_from_rollout_to_train_sample():
     unmasked = dataclasses.replace(rollout, loss_mask=[True, True, True])
     msg, tensors = trajectory_frames(task, unmasked, "gen-0", 0.1)
     assert msg.loss_mask is None and len(tensors) == 3  # all-True masks are not shipped
+
+
+def test_step_done_is_derived_from_the_step_result():
+    """Every StepDone field the result has (by name) goes into the message as it is; the
+    service adds only what it alone knows (timings, pool reports)."""
+    from asyncrl.learner.step import StepResult
+    from asyncrl.messages import StepDone
+
+    result = StepResult(
+        step=4, num_trajectories=8, num_tokens=30, loss=0.25, mean_reward=0.5, max_staleness=2,
+        mean_staleness=1.5, clip_fraction=0.1, grad_norm=3.0, lr_scale=0.9, policy_stats={"ess_ratio": 0.8},
+        streamed=5, deferred=1, peak_stream_bytes=64, fallback="",
+    )  # fmt: skip
+    done = result.step_done(step_s=1.0, idle_s=0.5)
+    assert done == StepDone(
+        step=4, version=5, num_trajectories=8, num_tokens=30, loss=0.25, mean_reward=0.5, max_staleness=2,
+        mean_staleness=1.5, clip_fraction=0.1, grad_norm=3.0, step_s=1.0, idle_s=0.5, lr_scale=0.9,
+        stats={"ess_ratio": 0.8},
+    )  # fmt: skip
+    pooled = result.step_done(step_s=1.0, idle_s=0.5, groups_trained=[3], groups_replayed=[1])
+    assert pooled.groups_trained == [3] and pooled.groups_replayed == [1]
+    with pytest.raises(TypeError):
+        result.step_done()  # step_s and idle_s only the service knows

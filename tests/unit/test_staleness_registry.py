@@ -55,6 +55,38 @@ def test_streamable_and_needs_table():
     assert make_policy("m2po", anchor="old_train").needs == ("old_train",)
 
 
+def test_every_policy_describes_itself():
+    """What the learner and the config check read from a policy instead of lists of names:
+    (batch_global, clip_only_sign_dependence, ewma_decay)."""
+    table = {
+        name: (p.batch_global, p.clip_only_sign_dependence, p.ewma_decay)
+        for name in EXPECTED
+        for p in [make_policy(name)]
+    }
+    assert table == {
+        "none": (False, True, None),
+        "tis": (False, False, None),
+        "mis": (False, False, None),
+        "icepop": (False, False, None),
+        "decoupled": (False, False, None),
+        "m2po": (True, False, None),
+        "vcpo": (True, False, None),
+        "ewma": (False, False, 0.5),
+        "exact": (False, False, None),
+    }
+    assert make_policy("mis", self_normalize=True).batch_global
+    assert make_policy("ewma", decay=0.25).ewma_decay == 0.25
+
+
+def test_freshness_wrapper_delegates_its_self_description():
+    local = make_policy("ewma", decay=0.25, freshness={"self_normalize": False})
+    assert local.ewma_decay == 0.25 and local.needs == ("ewma",) and not local.batch_global
+    assert make_policy("tis", freshness={}).batch_global  # self-normalised by default
+    assert make_policy("m2po", freshness={"self_normalize": False}).batch_global
+    # Not delegated: a wrapped policy that does not stream trains whole batches.
+    assert not make_policy("none", freshness={"self_normalize": False}).clip_only_sign_dependence
+
+
 def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match="unknown staleness policy 'm2p0'") as err:
         make_policy("m2p0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+from typing import ClassVar
 
 import pytest
 import torch
@@ -484,3 +485,57 @@ def test_opd_later_epochs_count_once(tiny_model_dir, tmp_path):
     assert two.num_trajectories == one.num_trajectories == len(samples)
     assert two.loss == pytest.approx(one.loss, abs=1e-12)
     assert not torch.allclose(_params(one_model), _params(two_model))  # a second update happened
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _FakeBatchGlobal:
+    """A policy no module lists by name: it only declares itself batch-global (weights 1,
+    anchor the current policy, so its corrections would otherwise stream)."""
+
+    name: ClassVar[str] = "fake_batch_global"
+    needs: ClassVar[tuple] = ()
+    streamable: ClassVar[bool] = True
+    batch_global: ClassVar[bool] = True
+    clip_only_sign_dependence: ClassVar[bool] = False
+    ewma_decay: ClassVar[float | None] = None
+
+    def correct(self, batch):
+        from asyncrl.staleness import NoCorrection
+
+        return NoCorrection(anchor="current").correct(batch)
+
+
+class _FakeLocal(_FakeBatchGlobal):
+    """The same correction, not declared batch-global."""
+
+    batch_global: ClassVar[bool] = False
+
+
+def test_a_new_batch_global_policy_trains_whole_batches_without_any_list_edit(tiny_model_dir):
+    from asyncrl.config import needs_one_rank
+    from asyncrl.staleness import StalenessPolicy
+
+    policy = _FakeBatchGlobal()
+    assert isinstance(policy, StalenessPolicy)
+    cfg = load_config(overrides=["learner.samples_per_group=4", "staleness.max_staleness=2"])
+    assert "batch-global" in Objective.from_config(cfg).fallback_reason(policy)
+    assert needs_one_rank(policy, world_size=2, distills=False)
+    assert not needs_one_rank(policy, world_size=1, distills=False)
+    # The same correction without the declaration streams: the declaration alone decides.
+    assert Objective.from_config(cfg).fallback_reason(_FakeLocal()) is None
+
+    base = _model(tiny_model_dir)
+    samples = _samples(base, stale=0.5, seed=11)
+    model = copy.deepcopy(base)
+    trainer = Trainer(
+        model, Objective.from_config(cfg), policy, lr=1e-2, weight_decay=0.0, max_grad_norm=1e9,
+        temperature=1.0, pad_token_id=0, group_size=4, micro_batch_size=256,
+        max_open_groups=cfg.learner.max_open_groups, max_staleness=2,
+    )  # fmt: skip
+    assert "batch-global" in trainer.fallback
+    trainer.begin_step(STEP)
+    assert trainer.acc is None  # no S0/S1 buffers: nothing streams, the step waits for the batch
+    trainer.batch_backward(samples)
+    result = trainer.finish_step()
+    assert result.fallback == trainer.fallback and result.num_trajectories == len(samples)
+    assert not torch.equal(_params(model), _params(base))

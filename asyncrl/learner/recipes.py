@@ -1,0 +1,372 @@
+"""What RL and on-policy distillation do differently inside a learner step (no sockets).
+
+Place in the data flow: the `Trainer` (`trainer.py`) picks one recipe when it is built, from the
+kind of its `Objective` (`objective.py`), and calls only the `Recipe` interface: start a step,
+say whether there is streaming work, do one unit of it, or train the whole step at once. The
+trainer keeps what both share: the model and optimizer, the step's offered trajectories, the
+staleness policy's inputs, accounting, and the update itself (`finish_step`).
+
+* `RLRecipe`: group advantages and staleness corrections. A trajectory streams on arrival into its
+  group's S0/S1 sums (`StreamingAccumulator`) when its gradient is linear in its advantage;
+  otherwise it waits for its group, whose waiting members then train in one backward with known
+  advantages. The whole-batch path also carries the optional KL term to the initial model.
+* `DistillationRecipe`: per-token teacher advantages need no group, so every chunk of waiting
+  trajectories trains as it comes, and the whole-batch path is the same loss over the sorted step.
+
+A later epoch (`learner.epochs` > 1) re-runs what the recipe appended to `Trainer.epoch_plans`.
+
+Legend: B sequences, L packed length, N samples per group (RL) or cached tokens per position (OPD),
+P flattened parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+
+from asyncrl.kernels.logprobs import causal_lm_position_logprobs
+from asyncrl.learner.advantages import group_rewards
+from asyncrl.learner.objective import DistillationObjective, RLObjective
+from asyncrl.learner.step import TrainSample, pack, pack_opd
+from asyncrl.learner.streaming import StreamingAccumulator
+from asyncrl.staleness.base import Correction
+
+if TYPE_CHECKING:
+    from asyncrl.learner.trainer import Trainer
+
+
+class Recipe(Protocol):
+    """The part of a learner step that depends on the objective's kind."""
+
+    # The step's group S0/S1 buffers while it streams grouped trajectories; None otherwise.
+    acc: StreamingAccumulator | None
+
+    def begin_step(self) -> None: ...
+
+    def has_work(self) -> bool:
+        """Streaming work that can be done now."""
+        ...
+
+    def work(self) -> bool:
+        """One unit of streaming work; False if there is nothing to do until more data arrives."""
+        ...
+
+    def batch_backward(self, samples: Sequence[TrainSample]) -> None:
+        """The whole step at once, `samples` in trajectory-id order; gradients into `.grad`."""
+        ...
+
+
+def make_recipe(trainer: Trainer) -> Recipe:
+    """The recipe of the trainer's objective (chosen once, when the trainer is built)."""
+    if isinstance(trainer.objective, DistillationObjective):
+        return DistillationRecipe(trainer)
+    return RLRecipe(trainer)
+
+
+class RLRecipe:
+    def __init__(self, trainer: Trainer) -> None:
+        assert isinstance(trainer.objective, RLObjective)
+        self.trainer = trainer
+        self.objective: RLObjective = trainer.objective
+        self.reference = None
+        if self.objective.uses_reference:
+            self.reference = copy.deepcopy(trainer.model).eval().requires_grad_(False)
+        self.acc: StreamingAccumulator | None = None
+
+    def begin_step(self) -> None:
+        t = self.trainer
+        self.deferred: set[int] = set()  # traj ids that tried to stream and could not
+        self.streamed_loss: dict[int, list[tuple[int, float]]] = defaultdict(list)  # gid -> (slot, l(+1))
+        self.acc = None
+        if not t.fallback:
+            self.acc = StreamingAccumulator(
+                t.params,
+                estimator=self.objective.stream_estimator,
+                agg=self.objective.agg,
+                group_size=t.group_size,
+                drop_degenerate_groups=self.objective.drop_degenerate_groups,
+                max_open_groups=t.max_open_groups,
+                norm_constant=1.0,
+                dtype=t.dtype,
+            )
+
+    # ------------------------------------------------------------------ streaming
+    def has_work(self) -> bool:
+        if self.acc is None:
+            return False
+        return any(self._streamable_now(gid) for gid in self.trainer.waiting) or bool(self._closable())
+
+    def _closable(self) -> list[int]:
+        t = self.trainer
+        return [g for g, w in t.waiting.items() if w and len(t.members[g]) == t.group_size]
+
+    def _streamable_now(self, gid: int) -> bool:
+        if not self.acc.is_open(gid) and self.acc.free_group_slots == 0:
+            return False  # back-pressure: no S0/S1 buffers for another group now
+        return any(s.traj_id not in self.deferred for s in self.trainer.waiting[gid])
+
+    def work(self) -> bool:
+        assert self.acc is not None, "work() is for streaming steps; use batch_backward"
+        closable = self._closable()
+        if closable:
+            self._close_groups(closable)
+            return True
+        for gid, waiting in self.trainer.waiting.items():
+            for sample in waiting:
+                if sample.traj_id in self.deferred or not self._streamable_now(gid):
+                    continue  # waits for its group (sign-dependent clip, or back-pressure)
+                if self._stream_one(sample):
+                    waiting.remove(sample)
+                else:
+                    self.deferred.add(sample.traj_id)
+                    self.trainer.totals.deferred += 1
+                return True
+        return False
+
+    def _stream_one(self, sample: TrainSample) -> bool:
+        t = self.trainer
+        if sample.weight != 1.0:
+            return False  # a weighted group trains when complete (its advantages are scaled)
+        batch = pack([sample], pad_token_id=t.pad_token_id)
+        logp_1L = t.logp(t.model, batch.input_ids_BL)
+        corr = t.correct(batch, logp_1L.detach(), torch.ones(1, dtype=t.dtype))
+        found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
+        if found is None:
+            return False
+        loss_pos, stats = found
+        # autograd.grad leaves `.grad` alone: it holds the step's sum over complete groups.
+        grads = torch.autograd.grad(loss_pos, t.params, allow_unused=True)
+        h_P = torch.cat(
+            [
+                (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                for g, p in zip(grads, t.params, strict=True)
+            ]
+        ).neg_()
+        self.acc.add_trajectory(
+            h_P, num_tokens=trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
+        )
+        self.streamed_loss[sample.group_id].append((sample.sample_index, float(loss_pos.detach())))
+        t.account(
+            batch,
+            [sample],
+            stats_dict(corr),
+            tokens=float(stats.num_tokens),
+            clipped=float(stats.clip_fraction) * float(stats.num_tokens),
+        )
+        t.totals.streamed += 1
+        return True
+
+    def _close_groups(self, gids: list[int]) -> None:
+        """Train the waiting members of complete groups with known advantages, then fold."""
+        t = self.trainer
+        chunk = [s for g in gids for s in t.waiting[g]]
+        adv_of = {}
+        keep_of = {}
+        for g in gids:
+            members = sorted(t.members[g], key=lambda s: s.sample_index)
+            rewards_1N = torch.tensor([[s.reward for s in members]], dtype=torch.float64)
+            adv_1N, keep_1N = self.objective.group_advantages(rewards_1N)
+            for k, s in enumerate(members):
+                adv_of[s.traj_id] = float(adv_1N[0, k]) * s.weight
+                keep_of[s.traj_id] = bool(keep_1N[0, k])
+            # Streamed members' loss value: A_i * l_i(+1), their gradient folds from S0/S1.
+            for slot, loss_pos in self.streamed_loss.pop(g, []):
+                k = [s.sample_index for s in members].index(slot)
+                t.totals.loss += float(adv_1N[0, k]) * loss_pos
+        for start in range(0, len(chunk), t.micro_batch_size):
+            part = chunk[start : start + t.micro_batch_size]
+            self._backward_chunk(
+                part,
+                torch.tensor([adv_of[s.traj_id] for s in part], dtype=t.dtype),
+                torch.tensor([keep_of[s.traj_id] for s in part]),
+            )
+        # Their gradient stays in `.grad` (summed with the step's other complete groups); the
+        # streamed members of these groups fold from S0/S1 into the accumulator.
+        for g in gids:
+            known = t.waiting.pop(g)
+            self.acc.close_with_known(
+                g,
+                [s.reward for s in known],
+                num_tokens=sum(trained_tokens(s) for s in known),
+            )
+
+    def _backward_chunk(
+        self, samples: Sequence[TrainSample], adv_B: torch.Tensor, keep_B: torch.Tensor
+    ) -> None:
+        """Loss over complete-group members with known advantages (local policies only):
+        gradients accumulate into `.grad`."""
+        t = self.trainer
+        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False)
+        mask = batch.completion_mask_BL & keep_B[:, None]
+        logp_BL = t.logp(t.model, batch.input_ids_BL)
+        corr = t.correct(batch, logp_BL.detach(), adv_B)
+        adv_BL = torch.where(mask, adv_B[:, None], 0.0)
+        loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
+        loss.backward()
+        t.totals.loss += float(loss.detach())
+        tokens = float(stats.num_tokens)
+        t.account(
+            batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
+        )
+
+    # ------------------------------------------------------------------ whole batch
+    def batch_backward(self, samples: Sequence[TrainSample]) -> None:
+        t = self.trainer
+        batch = pack(samples, pad_token_id=t.pad_token_id)
+        ids = batch.input_ids_BL
+        num = ids.shape[0]
+        mb = t.micro_batch_size
+        single = num <= mb and self.reference is None
+        with torch.no_grad():
+            logp_ref_BL = None
+            if self.reference is not None:
+                logp_ref_BL = torch.cat([t.logp(self.reference, ids[i : i + mb]) for i in range(0, num, mb)])
+        if single:
+            logp_BL = t.logp(t.model, ids)
+            logp_now_BL = logp_BL.detach()
+        else:
+            with torch.no_grad():
+                logp_now_BL = torch.cat([t.logp(t.model, ids[i : i + mb]) for i in range(0, num, mb)])
+        valid = batch.completion_mask_BL
+        rewards_B = batch.reward_B.double()
+        if logp_ref_BL is not None:
+            rewards_B = rewards_B + self.objective.kl_reward_penalty(logp_now_BL, logp_ref_BL, valid)
+        rewards_GN = group_rewards(
+            rewards_B, batch.group_B, batch.slot_B, num_groups=batch.num_groups, group_size=batch.group_size
+        )
+        adv_GN, keep_GN = self.objective.group_advantages(rewards_GN)
+        adv_B = adv_GN[batch.group_B, batch.slot_B].to(t.dtype)
+        if any(s.weight != 1.0 for s in samples):
+            adv_B = adv_B * torch.tensor([s.weight for s in samples], dtype=t.dtype)
+        mask = valid & keep_GN[batch.group_B, batch.slot_B][:, None]
+        corr = t.correct(batch, logp_now_BL, adv_B)
+        adv_BL = torch.where(mask, adv_B[:, None], 0.0)
+        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL)
+        if t.epochs > 1:
+            t.epoch_plans.append(functools.partial(self._policy_backward, plan))
+        loss_sum, clipped, kl_values = self._policy_backward(plan, logp_BL if single else None)
+        t.totals.loss += loss_sum
+        t.totals.units += self.objective.units(mask)
+        t.totals.lr_scale = corr.lr_scale
+        stats = stats_dict(corr)
+        if kl_values:
+            stats["kl"] = sum(kl_values) / len(kl_values)
+        t.account(batch, samples, stats, tokens=float(mask.sum()), clipped=clipped)
+
+    def _policy_backward(
+        self, plan: _EpochPlan, logp_BL: torch.Tensor | None = None
+    ) -> tuple[float, float, list[float]]:
+        """Loss and backward of a packed batch, micro-batch by micro-batch, under the model as it
+        is now (`logp_BL`: its log-probs, with grad, when the caller already has them for the whole
+        batch). Returns the summed loss, the clipped token count and the KL values. A later epoch
+        re-runs it with the same anchors, corrections and advantages (PPO epochs)."""
+        t = self.trainer
+        ids, corr, adv_BL, mask, logp_ref_BL = plan
+        mb = t.micro_batch_size
+        kl_values: list[float] = []
+        loss_sum = clipped = 0.0
+        for start in range(0, ids.shape[0], mb):
+            sl = slice(start, start + mb)
+            logp_mb = logp_BL if logp_BL is not None else t.logp(t.model, ids[sl])
+            part = corr._replace(
+                logp_anchor_BT=corr.logp_anchor_BT[sl], weight_BT=corr.weight_BT[sl], mask_BT=corr.mask_BT[sl]
+            )
+            loss, stats = self.objective.policy_loss(logp_mb, part, adv_BL[sl], mask[sl])
+            if logp_ref_BL is not None:
+                kl, kl_value = self.objective.kl_term(
+                    logp_mb, logp_ref_BL[sl], mask[sl], part.weight_BT * part.mask_BT
+                )
+                loss = loss + kl
+                kl_values.append(kl_value)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped += float(stats.clip_fraction) * float(stats.num_tokens)
+        return loss_sum, clipped, kl_values
+
+
+class DistillationRecipe:
+    # No group buffers: every trajectory's gradient is complete on its own.
+    acc: StreamingAccumulator | None = None
+
+    def __init__(self, trainer: Trainer) -> None:
+        assert isinstance(trainer.objective, DistillationObjective)
+        self.trainer = trainer
+        self.objective: DistillationObjective = trainer.objective
+
+    def begin_step(self) -> None:
+        pass  # no per-step state beyond the trainer's
+
+    def has_work(self) -> bool:
+        return not self.trainer.fallback and any(self.trainer.waiting.values())
+
+    def work(self) -> bool:
+        t = self.trainer
+        assert not t.fallback, "work() is for streaming steps; use batch_backward"
+        chunk = [s for w in t.waiting.values() for s in w][: t.micro_batch_size]
+        if not chunk:
+            return False
+        for s in chunk:
+            t.waiting[s.group_id].remove(s)
+        self._backward(chunk)
+        return True
+
+    def batch_backward(self, samples: Sequence[TrainSample]) -> None:
+        t = self.trainer
+        for start in range(0, len(samples), t.micro_batch_size):
+            self._backward(samples[start : start + t.micro_batch_size])
+        if t.epochs > 1:
+            t.epoch_plans.append(functools.partial(self._later_epoch, samples))
+
+    def _later_epoch(self, samples: Sequence[TrainSample]) -> None:
+        """The same loss under the updated model: the per-token advantage log pi_T - sg(log pi)
+        is recomputed under the student; the step counted these samples and their loss already."""
+        mb = self.trainer.micro_batch_size
+        for start in range(0, len(samples), mb):
+            self._backward(samples[start : start + mb], account=False)
+
+    def _backward(self, samples: Sequence[TrainSample], *, account: bool = True) -> None:
+        """OPD loss of these trajectories; gradients accumulate into `.grad`."""
+        t = self.trainer
+        if any(s.teacher_logprobs is None for s in samples):
+            raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
+        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False)
+        teacher, ids, behav = (
+            x.to(t.dtype) if x.is_floating_point() else x
+            for x in pack_opd(samples, batch.input_ids_BL.shape[1])
+        )
+        mask = batch.completion_mask_BL
+        logp_BLN = causal_lm_position_logprobs(t.model, batch.input_ids_BL, ids, temperature=t.temperature)
+        loss, kl = self.objective.loss(logp_BLN[..., 0], logp_BLN, teacher, behav, ids, mask)
+        loss.backward()
+        if not account:
+            return
+        tokens = float(mask.sum())
+        t.totals.loss += float(loss.detach())
+        t.totals.units += self.objective.units(mask)
+        t.account(batch, samples, {"opd_kl": kl}, tokens=tokens, clipped=0.0)
+
+
+class _EpochPlan(NamedTuple):
+    """A packed batch ready for loss and backward: what a later epoch re-runs."""
+
+    ids_BL: torch.Tensor
+    corr: Correction  # anchor log-probs, weights, mask: fixed at the step's start
+    adv_BL: torch.Tensor
+    mask_BL: torch.Tensor
+    logp_ref_BL: torch.Tensor | None
+
+
+def trained_tokens(sample: TrainSample) -> int:
+    """Completion tokens the loss counts (all of them unless a loss mask drops some)."""
+    if sample.loss_mask is None:
+        return len(sample.completion_ids)
+    return int(sample.loss_mask.sum())
+
+
+def stats_dict(corr: Correction) -> dict[str, float]:
+    return {k: float(v) for k, v in corr.stats._asdict().items()}
