@@ -120,9 +120,6 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # trajectory. Larger chunks cost less per trajectory (bench/README.md, "min_chunk"), and a
     # learner that keeps up leaves its CPU free. 1 = train every arrival at once.
     min_chunk: PosInt = 64
-    # Benchmarks: record each window to <run>/trajectories.jsonl and train nothing (the
-    # generator-only run of `asyncrl bench pipeline`).
-    sink: bool = False
     threads: PosInt = 1
     cpus: list[NonNegInt] = []  # CPUs the learner's processes may run on; [] = any (see generators.cpus)
 
@@ -251,8 +248,6 @@ class Config(_Section, frozen=True, kw_only=True):
                 "opd.estimator = 'mc_reverse_kl' needs opd.num_samples >= 2 (tokens cached per "
                 "position); set e.g. --set opd.num_samples=4"
             )
-        if lrn.world_size > 1 and lrn.sink:
-            raise ValueError("learner.sink trains nothing: use it with learner.world_size = 1")
         if lrn.advantage == "mc_grpo" and lrn.samples_per_group % 2 == 0:
             raise ValueError(
                 "learner.advantage = 'mc_grpo' needs an odd learner.samples_per_group (G + 1 rollouts, "
@@ -280,8 +275,6 @@ class Config(_Section, frozen=True, kw_only=True):
             return
         if lrn.world_size > 1:
             raise ValueError("buffer.mode = 'pool' runs one learner rank: use learner.world_size = 1")
-        if lrn.sink:
-            raise ValueError("learner.sink records admission windows: use it with buffer.mode = 'window'")
         if buf.action == "downweight" and self.opd.enabled:
             raise ValueError(
                 "buffer.action = 'downweight' weighs advantages, which OPD does not use; use withhold or drop"

@@ -31,3 +31,7 @@ bench_app.command("buffer")(buffer.command)
 from asyncrl.benchmarks import pipeline  # noqa: E402
 
 bench_app.command("pipeline")(pipeline.command)
+
+from asyncrl.benchmarks import record  # noqa: E402
+
+bench_app.command("record")(record.command)

@@ -1,13 +1,13 @@
 """`asyncrl bench pipeline`: one workload measured four ways in one run (bench/README.md, "Pipeline").
 
-  gen_only    the generators alone: `learner.sink=true` (the learner records each window to
+  gen_only    the generators alone: `asyncrl bench record` (the learner records each window to
               <run>/trajectories.jsonl and trains nothing; versions still advance)
   learn_only  the learner alone: the same workload replayed from that recording by
               `asyncrl.benchmarks.replay:ReplayGenerator`, which answers every task at once
   sync        the whole pipeline, generate-then-train: `mode=sync`, `learner.streaming=off`
   async       the whole pipeline, overlapped, gradient streaming (the defaults)
 
-Each variant is an `asyncrl launch` subprocess (isolated, evaluation off); the four run interleaved
+Each variant is an `asyncrl launch` (gen_only: `asyncrl bench record`) subprocess (isolated, evaluation off); the four run interleaved
 in every repeat so that machine noise hits them alike. By default the generator's batch size
 (`generators.max_batch_groups`) is calibrated first so that the two stages run at about the same
 rate on this machine (`balanced_batch_groups`): overlap can at best double the throughput of two
@@ -186,6 +186,11 @@ def stage_cpus(available: set[int] | list[int]) -> tuple[list[int], list[int]] |
     return cpus[:half], cpus[half:]
 
 
+def variant_command(variant: str) -> list[str]:
+    """The `asyncrl` sub-command that runs `variant`: the recording learner for gen_only."""
+    return ["bench", "record"] if variant == "gen_only" else ["launch"]
+
+
 def variant_sets(variant: str, *, recording: Path | None = None, policy: Path | None = None) -> list[str]:
     """The `--set` overrides that make a run of the workload into `variant` (applied last).
 
@@ -198,7 +203,7 @@ def variant_sets(variant: str, *, recording: Path | None = None, policy: Path | 
     model = [f"model.path={json.dumps(str(policy))}"] if policy is not None else []
     match variant:
         case "gen_only":
-            return ["learner.sink=true", *model]
+            return model  # run by `asyncrl bench record` (variant_command)
         case "learn_only":
             if recording is None:
                 raise ValueError("learn_only needs the gen_only run's recording")

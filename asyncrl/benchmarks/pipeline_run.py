@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from asyncrl.benchmarks.pipeline import (
     balanced_batch_groups,
     run_figures,
     summarize,
+    variant_command,
     variant_sets,
 )
 
@@ -32,10 +33,11 @@ class BenchRunFailed(RuntimeError):
     """One launch of the bench did not complete."""
 
 
-def launch(sets: list[str], run_dir: Path) -> float:
-    """`asyncrl launch` with `sets` into `run_dir`; returns its wall seconds. Output goes to
-    <run_dir>.log; a failed or timed-out run raises BenchRunFailed with the log's tail."""
-    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
+def launch(sets: list[str], run_dir: Path, *, command: Sequence[str] = ("launch",)) -> float:
+    """`asyncrl launch` (or another `command` that runs the job) with `sets` into `run_dir`; returns
+    its wall seconds. Output goes to <run_dir>.log; a failed or timed-out run raises BenchRunFailed
+    with the log's tail."""
+    args = [sys.executable, "-m", "asyncrl", *command, "--no-tui"]
     for s in [
         *sets,
         f"run.out_dir={json.dumps(str(run_dir.parent))}",
@@ -102,7 +104,9 @@ def calibrate_batch_groups(
     def gen_only(m: int) -> float:
         run_dir = root / f"calibrate-gen_only-mbg{m}"
         launch(
-            [f"generators.max_batch_groups={m}", *workload, *variant_sets("gen_only", policy=policy)], run_dir
+            [f"generators.max_batch_groups={m}", *workload, *variant_sets("gen_only", policy=policy)],
+            run_dir,
+            command=variant_command("gen_only"),
         )
         gen[m] = run_figures(read_records(run_dir), skip=skip)["sps"]
         say(f"calibrate gen_only at max_batch_groups {m}: {gen[m]:8.1f} samples/s")
@@ -167,7 +171,7 @@ def run_pipeline_bench(
                     raise BenchRunFailed(f"{run_dir} already exists; choose another --out-dir")
                 recording = root / f"r{rep}-gen_only" / "trajectories.jsonl"
                 sets = variant_sets(variant, recording=recording, policy=policy)
-                wall[variant] = launch([*workload, *sets], run_dir)
+                wall[variant] = launch([*workload, *sets], run_dir, command=variant_command(variant))
                 figures[variant] = run_figures(read_records(run_dir), skip=skip)
                 say(
                     f"repeat {rep + 1}/{repeats} {variant:<10} {figures[variant]['sps']:8.1f} samples/s "

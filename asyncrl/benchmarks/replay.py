@@ -1,7 +1,7 @@
 """A generator plugin that replays recorded trajectories: the learner-only run of
 `asyncrl bench pipeline`.
 
-`learner.sink=true` records every trained window to `<run>/trajectories.jsonl` (one JSON object
+`asyncrl bench record` records every window to `<run>/trajectories.jsonl` (one JSON object
 per trajectory: step, group_id, sample_index, prompt_ids, completion_ids, behavior_logprobs,
 token_versions, reward). A later run of the same workload (same `task.seed`, hence the same prompt
 for every group index) selects this plugin with
@@ -39,8 +39,8 @@ class Recording:
         path = Path(path)
         if not path.is_file():
             raise ValueError(
-                f"replay recording {path} does not exist; record one with `asyncrl launch --set "
-                "learner.sink=true` (it writes <run>/trajectories.jsonl)"
+                f"replay recording {path} does not exist; record one with `asyncrl bench record` "
+                "(it writes <run>/trajectories.jsonl)"
             )
         rows: dict[tuple[int, int], dict] = {}
         with path.open() as f:
@@ -70,7 +70,7 @@ class Recording:
             if row is None:
                 raise ValueError(
                     f"the replay recording has no sample {k} of group {task.group_id}; record the same "
-                    "workload (learner.steps, groups_per_step, samples_per_group) with learner.sink=true"
+                    "workload (learner.steps, groups_per_step, samples_per_group) with `asyncrl bench record`"
                 )
             if list(row["prompt_ids"]) != list(task.prompt_ids):
                 raise ValueError(

@@ -67,8 +67,6 @@ def config_gradient_mode(config) -> str:
     from asyncrl.config import check_staleness_policy
     from asyncrl.learner.objective import Objective
 
-    if config.learner.sink:
-        return "learner: sink (records each window, trains nothing)"
     policy = check_staleness_policy(config.staleness)
     return gradient_mode(Objective.from_config(config).fallback_reason(policy) or "")
 

@@ -17,7 +17,6 @@ Run as `python -m asyncrl.learner.service --ctrl ADDR --peer-id learner --run-di
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -41,7 +40,7 @@ from asyncrl.learner.loop import (
 )
 from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import RankGroup
-from asyncrl.learner.step import TrainSample, sample_from_message
+from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import StepResult
 from asyncrl.messages import GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
@@ -90,7 +89,6 @@ class LearnerService:
                     groups_per_step=self.cfg.groups_per_step,
                     group_size=self.cfg.samples_per_group,
                 ),
-                sink=self.sink_step if self.cfg.sink else None,
                 before_update=self.wait_closed,
                 min_chunk=self.cfg.min_chunk,
             )
@@ -171,30 +169,6 @@ class LearnerService:
                     return
                 case _:
                     log.error("learner: unexpected %s on the control socket; ignored", type(msg).__name__)
-
-    def sink_step(self, step: int, samples: list[TrainSample]) -> StepResult:
-        """`learner.sink`: record the window to <run>/trajectories.jsonl and train nothing (the
-        benchmarks' stand-in for an infinitely fast learner; versions still advance as usual)."""
-        with open(self.ctx.run_dir / "trajectories.jsonl", "a") as out:
-            for s in samples:
-                out.write(json.dumps(sample_record(step, s)) + "\n")
-        return StepResult(
-            step=step,
-            num_trajectories=len(samples),
-            num_tokens=sum(len(s.completion_ids) for s in samples),
-            loss=0.0,
-            mean_reward=sum(s.reward for s in samples) / len(samples),
-            max_staleness=0,
-            mean_staleness=0.0,
-            clip_fraction=0.0,
-            grad_norm=0.0,
-            lr_scale=1.0,
-            policy_stats={},
-            streamed=0,
-            deferred=0,
-            peak_stream_bytes=0,
-            fallback="learner.sink",
-        )
 
     async def train_loop(self) -> None:
         loop = self.loop
@@ -386,20 +360,6 @@ def _invalid_opd(ids, opd: list, cfg) -> str:
     if not (bool(torch.isfinite(teacher).all()) and bool(torch.isfinite(behav).all())):
         return "OPD log-probs must be finite"
     return ""
-
-
-def sample_record(step: int, s: TrainSample) -> dict:
-    """One trajectory as a JSON-able dict (what `learner.sink` records for replay benchmarks)."""
-    return {
-        "step": step,
-        "group_id": s.group_id,
-        "sample_index": s.sample_index,
-        "prompt_ids": list(s.prompt_ids),
-        "completion_ids": s.completion_ids.tolist(),
-        "behavior_logprobs": s.behavior_logprobs.tolist(),
-        "token_versions": s.token_versions.tolist(),
-        "reward": s.reward,
-    }
 
 
 def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:

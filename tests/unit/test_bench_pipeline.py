@@ -18,6 +18,7 @@ from asyncrl.benchmarks.pipeline import (
     stage_cpus,
     steady_rate,
     summarize,
+    variant_command,
     variant_sets,
 )
 from asyncrl.benchmarks.replay import Recording, ReplayGenerator
@@ -117,7 +118,8 @@ def test_summarize_efficiency_in_tokens():
 
 
 def test_variant_sets():
-    assert variant_sets("gen_only") == ["learner.sink=true"]
+    assert variant_sets("gen_only") == [] and variant_command("gen_only") == ["bench", "record"]
+    assert variant_command("async") == variant_command("learn_only") == ["launch"]
     assert "mode=sync" in variant_sets("sync") and "learner.streaming=off" in variant_sets("sync")
     sets = variant_sets("learn_only", recording="/r/trajectories.jsonl")
     assert "generators.kind=asyncrl.benchmarks.replay:ReplayGenerator" in sets

@@ -68,7 +68,6 @@ def test_resolved_config_round_trip(tmp_path):
     [
         (["buffer.order=freshest"], "buffer.order applies with buffer.mode = 'pool' only"),
         (["buffer.mode=pool", "learner.world_size=2"], "one learner rank"),
-        (["buffer.mode=pool", "learner.sink=true"], "learner.sink records admission windows"),
         (["buffer.mode=pool", "buffer.action=downweight", "opd.enabled=true"], "OPD does not use"),
         (["buffer.mode=pool", "buffer.action=downweight", "staleness.policy=exact"], "keeps the last"),
         (["buffer.mode=pool", "buffer.max_items=100"], "cannot hold 768 trajectories"),
