@@ -17,7 +17,7 @@ Data flow (one machine by default; every socket on loopback):
       |                                            publishes each version (transport/publisher.py:
       |                                            safetensors shards or a broadcast group; with
       |                                            generators.kind=sglang the SGLang servers are the
-      |                                            group's ranks: transport/sglang_dist.py)
+      |                                            group's ranks: generators/sglang/publisher.py)
 
 | loop | consumes | produces | waits for | unblocked by |
 |---|---|---|---|---|
@@ -29,6 +29,8 @@ Data flow (one machine by default; every socket on loopback):
 Admission (scheduler/admission.py): group j is trained at step j // B and is admitted only
 when every generator holds a version >= j // B - max_staleness, so no token is ever more than
 max_staleness versions older than the step that trains on it.
+
+Packages, layers (which may import which) and where a change goes: docs/architecture.md.
 """
 
 __version__ = "0.1.0"
