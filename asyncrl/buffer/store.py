@@ -31,6 +31,11 @@ group's freshness (the minimum over its members) is below `freshness_floor`, or,
 Every item put is, at any time, exactly one of: in the buffer (pending, ready or withheld),
 handed out for the last time, or evicted. Every operation is O(log n) amortised (lazy heaps);
 `stats()` is O(1).
+
+Why one module past 500 lines: `Buffer` is one state machine (the diagram above) whose invariant,
+every item in exactly one state, is kept by methods that each move items between the same few
+heaps and counters. Split across modules, each transition would have to reach into the others'
+internals; the pieces that stand alone already live apart (`heap.py`, `types.py`).
 """
 
 from __future__ import annotations
