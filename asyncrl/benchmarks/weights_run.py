@@ -1,11 +1,13 @@
 """Weight-sync benchmark (`asyncrl bench weights`): shards and the gloo broadcast group against memcpy.
 
-The heavy half of `asyncrl.benchmarks.weights` (imported only when the command runs).
+The heavy half of `asyncrl.benchmarks.weights` (imported only when the command runs); the machine
+bounds it reports next to its figures are measured by `weights_bounds.py`.
 
-Place in the data flow: measures the learner -> generators weight path (asyncrl.transport.shards and
-asyncrl.transport.broadcast) on this machine. The parent process plays learner rank 0 and publishes
-or broadcasts; spawned processes play generators and load into tensors they already hold (as a
-generator loads into its model's parameters). Process start-up is outside every timed region.
+Place in the data flow: measures the learner -> generators weight path (asyncrl.transport.shards,
+shard_read and asyncrl.transport.broadcast) on this machine. The parent process plays learner rank 0
+and publishes or broadcasts; spawned processes play generators and load into tensors they already
+hold (as a generator loads into its model's parameters). Process start-up is outside every timed
+region.
 
 Figures (GB/s = 1e9 bytes/s, one copy of the weights as the unit of work; medians over rounds):
   memcpy_gbps     torch copy of a buffer of the same size, one thread, warm (destination touched)
@@ -29,7 +31,6 @@ Figures (GB/s = 1e9 bytes/s, one copy of the weights as the unit of work; median
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -37,7 +38,6 @@ import shutil
 import socket
 import statistics
 import tempfile
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -46,6 +46,12 @@ from pathlib import Path
 import msgspec
 import torch
 
+from asyncrl.benchmarks.weights_bounds import (
+    broadcast_bound,
+    measure_bounds,
+    measure_memcpy_gbps,
+    shards_bound,
+)
 from asyncrl.messages import TensorMeta, WeightsPublished
 from asyncrl.transport.broadcast import (
     broadcast_tensors,
@@ -58,7 +64,8 @@ from asyncrl.transport.broadcast import (
 from asyncrl.transport.publisher import MAX_SHARD_BYTES
 from asyncrl.transport.receiver import WeightsReceiver
 from asyncrl.transport.retention import VersionRetention, prune
-from asyncrl.transport.shards import read_shards, write_shards
+from asyncrl.transport.shard_read import read_shards
+from asyncrl.transport.shards import write_shards
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +77,6 @@ GROUP_TIMEOUT_S = 300.0
 P2P = uses_point_to_point("gloo")  # as BroadcastPublisher and WeightsReceiver decide on a CPU group
 KEEP_LAST = 2  # weights.keep_last's default: retention as in a run
 _GB = 1e9
-_CHUNK_BYTES = 4 << 20  # what shards.py writes and reads per call
-_BOUND_BYTES_MAX = 256 << 20  # the bounds are per-byte rates: no need to measure them on more
 
 
 def make_state_dict(num_params: int) -> dict[str, torch.Tensor]:
@@ -94,134 +99,6 @@ def make_state_dict(num_params: int) -> dict[str, torch.Tensor]:
 
 def num_bytes_of(sd: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
-
-
-def measure_memcpy_gbps(num_bytes: int, *, repeats: int) -> float:
-    src = torch.ones(num_bytes, dtype=torch.uint8)
-    dst = torch.zeros_like(src)  # touched, so page faults are not timed
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return num_bytes / statistics.median(times) / _GB
-
-
-def _best_rate(num_bytes: int, run: object, *, repeats: int) -> float:
-    """GB/s of the fastest of `repeats` timed calls of `run()`: a bound is what the machine can do,
-    so other load on it should not lower the bound (it lowers the medians of the figures)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return num_bytes / min(times) / _GB
-
-
-def measure_sha256_gbps(num_bytes: int, *, repeats: int) -> float:
-    """hashlib sha256 on one core, in the chunks shards.py hashes."""
-    view = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
-
-    def run() -> None:
-        hasher = hashlib.sha256()
-        for start in range(0, num_bytes, _CHUNK_BYTES):
-            hasher.update(view[start : start + _CHUNK_BYTES])
-
-    return _best_rate(num_bytes, run, repeats=repeats)
-
-
-def measure_file_gbps(num_bytes: int, directory: Path, *, repeats: int) -> dict[str, float]:
-    """One thread writing a new file, overwriting an existing one, and reading one into memory."""
-    src = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
-    dst = memoryview(torch.zeros(num_bytes, dtype=torch.uint8).numpy())
-    path = directory / "bound-probe"
-
-    def write(flags: int) -> None:
-        fd = os.open(path, os.O_WRONLY | flags, 0o644)
-        try:
-            for start in range(0, num_bytes, _CHUNK_BYTES):
-                os.write(fd, src[start : start + _CHUNK_BYTES])
-        finally:
-            os.close(fd)
-
-    def read() -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            pos = 0
-            while pos < num_bytes:
-                pos += os.readv(fd, [dst[pos : pos + _CHUNK_BYTES]])
-        finally:
-            os.close(fd)
-
-    try:
-        new_times = []
-        for _ in range(repeats):  # the unlink is not timed: pruning happens off the critical path
-            path.unlink(missing_ok=True)
-            t0 = time.perf_counter()
-            write(os.O_CREAT | os.O_EXCL)
-            new_times.append(time.perf_counter() - t0)
-        return {
-            "write_new_gbps": num_bytes / min(new_times) / _GB,
-            "write_recycled_gbps": _best_rate(num_bytes, lambda: write(0), repeats=repeats),
-            "read_gbps": _best_rate(num_bytes, read, repeats=repeats),
-        }
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def measure_loopback_tcp(num_bytes: int, *, chunk_bytes: int, repeats: int) -> dict[str, float]:
-    """One TCP stream over 127.0.0.1 (a sending and a receiving thread; the kernel does the work, as
-    for gloo's connections): GB/s and CPU seconds per GB of both ends together."""
-    src = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
-    dst = memoryview(torch.zeros(num_bytes, dtype=torch.uint8).numpy())
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        sender = socket.create_connection(server.getsockname())
-        receiver, _ = server.accept()
-    received_bytes = [0]
-
-    def drain() -> None:
-        pos = 0
-        while pos < num_bytes:
-            n = receiver.recv_into(dst[pos : pos + chunk_bytes])
-            if n == 0:
-                break  # the sender is gone; the caller sees the short count
-            pos += n
-        received_bytes[0] = pos
-
-    times, cpu_times = [], []
-    try:
-        for _ in range(repeats):
-            drainer = threading.Thread(target=drain, name="bench-tcp-drain")
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            drainer.start()
-            for start in range(0, num_bytes, chunk_bytes):
-                sender.sendall(src[start : start + chunk_bytes])
-            drainer.join()
-            times.append(time.perf_counter() - t0)
-            cpu_times.append(time.process_time() - cpu0)
-            if received_bytes[0] != num_bytes:
-                raise RuntimeError(f"loopback probe received {received_bytes[0]} of {num_bytes} bytes")
-    finally:
-        sender.close()
-        receiver.close()
-    return {
-        "gbps": num_bytes / min(times) / _GB,
-        "cpu_s_per_gb": min(cpu_times) / (num_bytes / _GB),
-    }
-
-
-def measure_bounds(num_bytes: int, shard_dir: Path, *, bucket_bytes: int, repeats: int) -> dict[str, float]:
-    probe_bytes = min(num_bytes, _BOUND_BYTES_MAX)
-    files = measure_file_gbps(probe_bytes, shard_dir, repeats=repeats)
-    tcp = measure_loopback_tcp(probe_bytes, chunk_bytes=bucket_bytes, repeats=repeats)
-    return {
-        "sha256_gbps_per_core": measure_sha256_gbps(probe_bytes, repeats=repeats),
-        "file_write_new_gbps": files["write_new_gbps"],
-        "file_write_recycled_gbps": files["write_recycled_gbps"],
-        "file_read_gbps": files["read_gbps"],
-        "loopback_tcp_gbps": tcp["gbps"],
-        "loopback_tcp_cpu_s_per_gb": tcp["cpu_s_per_gb"],
-    }
 
 
 # ---------------------------------------------------------------------------------------------- children
@@ -483,33 +360,6 @@ def bench_broadcast(
         "generator_gbps": num_bytes / statistics.median(generator_times_s[1:]) / _GB,
         "generator_cpu_s": total_cpu_s(generator_sender_cpu_s, "generator_cpu_s"),
         "rounds_s": times_s[1:],
-    }
-
-
-def shards_bound(bounds: dict[str, float], *, num_bytes: int, num_readers: int, num_cpus: int) -> dict:
-    """What shards can reach here: the writer and every reader each hash all bytes (sha256 is
-    sequential within a file; files go in parallel), the writer writes them once (into recycled
-    files) and every reader copies them once; on `num_cpus` cores that work takes at least its CPU
-    time divided by the cores."""
-    gb = num_bytes / _GB
-    hash_s = (1 + num_readers) * gb / bounds["sha256_gbps_per_core"]
-    copy_s = gb / bounds["file_write_recycled_gbps"] + num_readers * gb / bounds["file_read_gbps"]
-    return {
-        "hash_cpu_s": hash_s,
-        "copy_cpu_s": copy_s,
-        "gbps": gb / ((hash_s + copy_s) / num_cpus),
-        "hash_only_gbps": gb / (hash_s / num_cpus),
-    }
-
-
-def broadcast_bound(bounds: dict[str, float], *, num_bytes: int, num_receivers: int, num_cpus: int) -> dict:
-    """What the gloo group can reach here: every receiver gets its own TCP stream from rank 0, no
-    faster than one loopback stream, and the streams' kernel work shares the cores."""
-    gb = num_bytes / _GB
-    cpu_s = num_receivers * gb * bounds["loopback_tcp_cpu_s_per_gb"]
-    return {
-        "cpu_s": cpu_s,
-        "gbps": min(bounds["loopback_tcp_gbps"], gb / (cpu_s / num_cpus)),
     }
 
 

@@ -246,7 +246,7 @@ class TorchGenerator:
         return True
 
     def load_weights_sync(self, version: int, location: str) -> None:
-        from asyncrl.transport.shards import read_shards
+        from asyncrl.transport.shard_read import read_shards
 
         state = read_shards(Path(location), version, verify=True)  # raises before the model is touched
         self.offer_weights(version, state)

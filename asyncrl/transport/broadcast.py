@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from asyncrl.messages import TensorMeta
-from asyncrl.transport.shards import dtype_from_name, dtype_name, fresh_cpu_bytes
+from asyncrl.transport.manifest import dtype_from_name, dtype_name
+from asyncrl.transport.shard_io import fresh_cpu_bytes
 
 logger = logging.getLogger(__name__)
 

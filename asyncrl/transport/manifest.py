@@ -1,7 +1,7 @@
 """The manifest of a published weights version and the dtype names it uses (pure data format).
 
 Place in the data flow: `shards.py` writes a `ShardManifest` as `manifest.json` next to every
-version's safetensors shards and verifies files against it when reading; `TensorMeta` lists derived
+version's safetensors shards and `shard_read.py` verifies files against it; `TensorMeta` lists derived
 from it describe tensors for broadcast announcements.
 """
 

@@ -68,7 +68,7 @@ class WeightsReceiver:
         """Blocking: the announced version as {name: tensor} on the CPU, verified or complete."""
         if msg.transport == "broadcast":
             return self._receive(msg)
-        from asyncrl.transport.shards import read_shards
+        from asyncrl.transport.shard_read import read_shards
 
         return read_shards(Path(msg.location), msg.version, verify=True, num_threads=self.num_read_threads)
 

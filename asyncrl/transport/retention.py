@@ -9,8 +9,9 @@ some generator still samples with (or is about to load) is never deleted.
 
 `VersionRetention` is pure bookkeeping. The rest names and lists version directories
 (`root/v{version:08d}`; hidden `.tmp-*` directories are work in progress) and deletes them; what
-goes inside one version directory is `shards.py`'s business. `prune(..., keep_spare=True)` keeps
-one deleted version as a hidden spare whose files the next `write_shards` rewrites in place.
+goes inside one version directory is the business of `shards.py` (writing) and `shard_read.py`
+(reading). `prune(..., keep_spare=True)` keeps one deleted version as a hidden spare whose files the
+next `write_shards` rewrites in place.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class CalculatorAgent:
     def _load_sync(self, version: int, location: str) -> None:
         import torch
 
-        from asyncrl.transport.shards import read_shards
+        from asyncrl.transport.shard_read import read_shards
 
         state = read_shards(Path(location), version, verify=True)  # raises before the model changes
         params = dict(self._model.named_parameters())

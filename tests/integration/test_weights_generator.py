@@ -32,7 +32,8 @@ from asyncrl.messages import (
     WeightsPublished,
 )
 from asyncrl.transport.codec import split_trajectories
-from asyncrl.transport.shards import version_dir, write_shards
+from asyncrl.transport.retention import version_dir
+from asyncrl.transport.shards import write_shards
 from asyncrl.transport.zmq_io import Endpoint
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncrl.transport.retention import VersionRetention, prune, remove_incomplete, spare_dirs
-from asyncrl.transport.shards import list_versions, version_dir
+from asyncrl.transport.retention import (
+    VersionRetention,
+    list_versions,
+    prune,
+    remove_incomplete,
+    spare_dirs,
+    version_dir,
+)
 
 
 def published(keep_last: int, versions: list[int]) -> VersionRetention:

@@ -1,4 +1,5 @@
-"""Versioned safetensors shards (asyncrl.transport.shards): layout, round trips, atomicity, corruption."""
+"""Versioned safetensors shards (asyncrl.transport.shards, shard_read, shard_io): layout, round trips,
+atomicity, corruption."""
 
 from __future__ import annotations
 
@@ -15,20 +16,18 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from asyncrl.transport import shards
-from asyncrl.transport.shards import (
-    ShardManifest,
-    WeightsCorruptError,
-    collect_config_files,
-    fresh_cpu_bytes,
+from asyncrl.transport.manifest import ShardManifest, WeightsCorruptError
+from asyncrl.transport.retention import (
     latest_version,
     list_versions,
-    plan_shards,
-    read_manifest,
-    read_shards,
     remove_incomplete,
+    temporary_dir,
     version_dir,
-    write_shards,
 )
+from asyncrl.transport.shard_io import fresh_cpu_bytes
+from asyncrl.transport.shard_plan import plan_shards
+from asyncrl.transport.shard_read import read_manifest, read_shards
+from asyncrl.transport.shards import collect_config_files, write_shards
 
 INDEX = "model.safetensors.index.json"
 
@@ -162,7 +161,7 @@ def test_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_stale_temporary_directories_are_ignored_and_removable(tmp_path: Path) -> None:
     write_shards({"w": torch.ones(2)}, tmp_path, 1, max_shard_bytes=64)
-    stale = shards.temporary_dir(tmp_path, "v00000002")
+    stale = temporary_dir(tmp_path, "v00000002")
     stale.mkdir()
     (tmp_path / "v00000003").write_text("a file, not a version directory")
     assert list_versions(tmp_path) == [1]

@@ -472,7 +472,7 @@ def verify_shards(root: Path, version: int) -> None:
     loading tensors; raises WeightsCorruptError / FileNotFoundError like `read_shards`."""
     from asyncrl.transport.manifest import WeightsCorruptError
     from asyncrl.transport.retention import version_dir
-    from asyncrl.transport.shards import read_manifest
+    from asyncrl.transport.shard_read import read_manifest
 
     manifest = read_manifest(root, version)
     vdir = version_dir(root, version)

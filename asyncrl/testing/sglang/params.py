@@ -1,7 +1,7 @@
 """The stand-in SGLang server's request contract: `sampling_params` validation and the per-token
 sampling math.
 
-Place in the data flow: `server.py` parses a /generate body, this module turns its
+Place in the data flow: `generate.py` parses a /generate body, this module turns its
 `sampling_params` into a `SamplingSpec` (or the exact error SGLang 0.5.22+ gives, see
 /work/shared/SGLANG_API.md sections 1.2 and 1.6), and `engine.py` calls `pick_token` once per
 sampled token. The math reuses `asyncrl.models.sampling` (the torch generator's), so a stand-in

@@ -1,10 +1,12 @@
 """A stand-in SGLang server: the HTTP contract of /work/shared/SGLANG_API.md over a real torch model.
 
 Place in the data flow: stands where a real SGLang server stands, between the `sglang` generator
-(`asyncrl/generators/sglang/generator.py`, or any SGLang client) and a model, on a loopback port. Its outputs
-are real samples with exact log-probs (`engine.py`, `params.py`), so tests of the
-client check numbers, not mocks. Stdlib `http.server` with one thread per connection: no
-dependency, and a blocked /generate (paused server) does not block control calls.
+(`asyncrl/generators/sglang/generator.py`, or any SGLang client) and a model, on a loopback port. Its
+outputs are real samples with exact log-probs (`engine.py`, `params.py`), so tests of the client check
+numbers, not mocks. This module is the HTTP side: routes, status codes, injected faults and the
+process entry point; the /generate bodies are parsed and built by `generate.py`, weight update
+groups live in `groups.py`. Stdlib `http.server` with one thread per connection: no dependency, and a
+blocked /generate (paused server) does not block control calls.
 
 Implemented: POST|PUT /generate (input_ids or text, batches and n, return_logprob,
 logprob_start_len, top_logprobs_num, return_sampling_mask, the strict sampling_params contract and
@@ -43,13 +45,13 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from asyncrl.testing.sglang.engine import Engine, EngineRequest, new_request, version_spans
+from asyncrl.testing.sglang.engine import Engine, EngineRequest
+from asyncrl.testing.sglang.generate import generate_response, parse_generate
 from asyncrl.testing.sglang.groups import GroupError, WeightGroups
-from asyncrl.testing.sglang.params import ContractError, RequestError, parse_sampling_params
+from asyncrl.testing.sglang.params import ContractError, RequestError
 
 log = logging.getLogger(__name__)
 SERVER_VERSION = "0.5.23-standin"
@@ -84,14 +86,6 @@ class _Reply(Exception):
 
 class _Disconnect(Exception):
     """Close the connection without an answer (an injected fault)."""
-
-
-def _as_list(value: Any, n: int, name: str) -> list[Any]:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for a batch of {n}.")
-        return value
-    return [value] * n
 
 
 class StandInServer:
@@ -292,7 +286,7 @@ class StandInServer:
     def generate(self, body: dict[str, Any], handler: _Handler) -> Any:
         e = self.engine
         try:
-            reqs, batched = self._parse_generate(body)
+            reqs, batched = parse_generate(e, body)
         except ContractError as exc:
             raise _Reply(400, {"error": str(exc)}) from None
         except RequestError as exc:
@@ -320,121 +314,8 @@ class StandInServer:
         failed = [r for r in reqs if r.status_code >= 400]
         if failed:
             raise _Reply(failed[0].status_code, {"error": {"message": failed[0].finish.get("message", "")}})
-        out = [self._response(r) for r in reqs]
+        out = [generate_response(e, r) for r in reqs]
         return out if batched else out[0]
-
-    def _parse_generate(self, body: dict[str, Any]) -> tuple[list[EngineRequest], bool]:
-        e = self.engine
-        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
-        if len(given) != 1:
-            raise RequestError("Either text, input_ids or input_embeds should be provided (exactly one).")
-        if given[0] == "input_embeds":
-            raise RequestError("input_embeds is not implemented by the stand-in server.")
-        if body.get("stream"):
-            raise RequestError("stream=true is not implemented by the stand-in server; send stream=false.")
-        if given[0] == "text":
-            if e.tokenizer is None:
-                raise RequestError("text input needs a tokenizer; send input_ids.")
-            texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
-            prompts = [e.tokenizer(t)["input_ids"] for t in texts]
-            batched = isinstance(body["text"], list)
-        else:
-            ids = body["input_ids"]
-            if not isinstance(ids, list):
-                raise ContractError(f"invalid type: {type(ids).__name__}, expected a sequence (input_ids)")
-            batched = bool(ids) and isinstance(ids[0], list)
-            prompts = ids if batched else [ids]
-            for p in prompts:
-                if not isinstance(p, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in p
-                ):
-                    raise ContractError("invalid type: expected a sequence of i64 (input_ids)")
-        params = _as_list(body.get("sampling_params") or {}, len(prompts), "sampling_params")
-        specs = [parse_sampling_params(p, vocab_size=e.vocab_size) for p in params]
-        n = specs[0].n
-        batched = batched or n > 1
-        rid = body.get("rid")
-        if isinstance(rid, list):
-            rids = _as_list(rid, len(prompts), "rid")
-        elif rid is not None and batched:
-            rids = [f"{rid}_{i}" for i in range(len(prompts))]
-        else:
-            rids = [rid] * len(prompts)
-        options = {
-            "return_logprob": body.get("return_logprob", False),
-            "logprob_start_len": body.get("logprob_start_len", -1),
-            "top_logprobs_num": body.get("top_logprobs_num", 0),
-            "return_sampling_mask": body.get("return_sampling_mask", False),
-        }
-        mode = body.get("sampling_logprobs_mode")
-        if mode is not None and not options["return_sampling_mask"]:
-            raise RequestError("sampling_logprobs_mode needs return_sampling_mask=true.")
-        if mode not in (None, "selected", "support"):
-            raise RequestError(f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}.")
-        per_item = {k: _as_list(v, len(prompts), k) for k, v in options.items()}
-        reqs = []
-        for i, (prompt, spec) in enumerate(zip(prompts, specs, strict=True)):
-            e.check_input(prompt, spec)
-            start = per_item["logprob_start_len"][i]
-            if start > len(prompt):
-                raise RequestError(
-                    f"logprob_start_len ({start}) is larger than the prompt ({len(prompt)} tokens)."
-                )
-            for _ in range(n):
-                reqs.append(
-                    new_request(
-                        prompt,
-                        spec,
-                        rid=uuid.uuid4().hex if n > 1 else rids[i],
-                        return_logprob=bool(per_item["return_logprob"][i]),
-                        logprob_start_len=int(start),
-                        top_logprobs_num=int(per_item["top_logprobs_num"][i]),
-                        return_sampling_mask=bool(per_item["return_sampling_mask"][i]),
-                        sampling_logprobs_mode=mode
-                        or ("selected" if per_item["return_sampling_mask"][i] else None),
-                    )
-                )
-        return reqs, batched
-
-    def _response(self, req: EngineRequest) -> dict[str, Any]:
-        e = self.engine
-        spans = version_spans(req.labels)
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish,
-            "weight_version": spans[-1]["version"] if spans else e.weight_version,
-            "num_retractions": req.num_retractions,
-            "reasoning_tokens": 0,
-            "completion_tokens": len(req.output_ids),
-            "weight_versions": spans,
-            "e2e_latency": time.perf_counter() - req.created,
-        }
-        if req.finish.get("message") != "Abort in waiting queue":
-            meta["prompt_tokens"] = len(req.input_ids)
-            meta["cached_tokens"] = 0
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[p.logprob, p.token, None] for p in req.picks]
-            meta["input_token_logprobs"] = req.input_logprobs or []
-            meta["output_token_logprobs_length"] = len(req.picks)
-            if req.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = [
-                    [
-                        [float(v), int(t), None]
-                        for v, t in zip(*p.full_logp_V.topk(req.top_logprobs_num), strict=True)
-                    ]
-                    for p in req.picks
-                ]
-        if req.return_sampling_mask:
-            meta["output_token_sampling_mask"] = [p.support for p in req.picks]
-            meta["output_token_sampling_mask_length"] = len(req.picks)
-            if req.sampling_logprobs_mode == "support":
-                meta["output_token_sampling_logprobs"] = [p.support_logprobs for p in req.picks]
-            else:
-                meta["output_token_sampling_logprobs"] = [p.sampling_logprob for p in req.picks]
-        text = ""
-        if e.tokenizer is not None:
-            text = e.tokenizer.decode(req.output_ids, skip_special_tokens=req.spec.skip_special_tokens)
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
 class _Handler(BaseHTTPRequestHandler):
