@@ -51,7 +51,7 @@ def launch(
         if resume is not None:
             if config is not None or set_:
                 _fail("--resume takes the run's own config.json; drop the CONFIG file and --set options")
-            from asyncrl.scheduler.job import load_for_resume
+            from asyncrl.job import load_for_resume
 
             cfg, _ = load_for_resume(resume)
         else:
@@ -59,8 +59,7 @@ def launch(
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
     from asyncrl.generators.base import resolve_generator
-    from asyncrl.scheduler.job import run_job
-    from asyncrl.scheduler.service import RunFailed
+    from asyncrl.job import RunFailed, run_job
 
     try:
         generator_cls = resolve_generator(cfg.generators.kind)
@@ -121,13 +120,13 @@ def sft(
     """Build the embedded tiny model and tokenizer and warm-start them on the built-in task."""
     from dataclasses import replace
 
+    from asyncrl.models.hf import quiet_offline
     from asyncrl.tasks.arithmetic_model import (
         SftSettings,
         TeacherSettings,
         build_default_checkpoint,
         build_teacher_checkpoint,
     )
-    from asyncrl.models.hf import quiet_offline
 
     quiet_offline()
     if steps is not None and steps <= 0:

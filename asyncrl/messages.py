@@ -11,6 +11,7 @@ Data flow (see asyncrl/__init__.py for the whole picture):
                            Metrics, Heartbeat, Fatal
   learner   -> scheduler : Hello, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
+  scheduler -> monitor   : LauncherSnapshot (a `launcher` record of the metrics stream, JSON)
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):
     """The tasks one dispatch gives one generator, in order: one message for a window's worth
-    (each message costs both ends a wake-up, a decode and a send; one per task cost the launcher
-    ~20% more CPU per sample)."""
+    (each message costs both ends a wake-up, a decode and a send, so one per task would cost the
+    launcher CPU per sample)."""
 
     tasks: list[PromptTask]
 
@@ -231,6 +232,40 @@ class Fatal(_Msg, frozen=True, kw_only=True):
 
 class Shutdown(_Msg, frozen=True, kw_only=True):
     reason: str = "done"
+
+
+class LauncherSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What only the launcher knows, for the monitor: run shape, phase, admission credits, health.
+
+    The scheduler builds it (`scheduler/records.py`) and writes it as a `launcher` record to
+    metrics.jsonl and the monitor's stream (JSON, `type` and `time_s` added there); monitors read
+    it back as a record and never import the scheduler. Untagged: the record's `type` names it.
+    """
+
+    phase: str  # the launcher's phase; the final snapshot's status once the run has ended
+    mode: str
+    policy: str  # the staleness policy
+    total_steps: int
+    groups_per_step: int
+    samples_per_group: int
+    num_generators: int
+    max_staleness_bound: int
+    step: int
+    policy_version: int
+    trajectories_generated: int
+    trajectories_trained: int
+    tokens_generated: int
+    groups_admitted: int
+    groups_in_flight: int
+    # Credits: groups admitted but not yet trained (window) or not yet out of the pool (pool),
+    # against (max_staleness + 1) x groups_per_step.
+    credits_used: int
+    credits_total: int
+    credits_free: int
+    restarts: int
+    failure: str | None
+    final: bool = False  # the last snapshot of the run (omitted from the record otherwise)
+    status: str = ""  # final only: "completed", "failed" or "interrupted"
 
 
 Message = (

@@ -192,8 +192,8 @@ def run_job_once(
     from rich.console import Console
 
     from asyncrl.config import load_config
+    from asyncrl.job import run_job
     from asyncrl.monitor.live import Dashboard, PlainReporter
-    from asyncrl.scheduler.job import run_job
 
     cfg = load_config(
         None, [f"learner.steps={steps}", "task.num_eval=0", f'run.out_dir="{out_dir}"', f'run.name="{name}"']

@@ -1,7 +1,8 @@
 """The live monitor: the end of the metrics stream (docs/monitor.md).
 
-launcher write_record -> stream.py (PUB socket, sinks.py, in-process dashboard)
+scheduler records (scheduler/records.py) -> stream.py (PUB socket, sinks.py, in-process dashboard)
   -> aggregate.py (RunView: records folded one by one) -> panels.py (drawn frames) -> live.py
 attach.py: `asyncrl monitor` (SUB + metrics.jsonl catch-up); report.py: `asyncrl report` plots.
-Imported only by the launcher (stream.py) and the CLI layer; nothing here imports torch.
+A pure consumer of records: imports nothing from the scheduler, learner or generators, and is
+wired to the launcher by the app layer (asyncrl/job.py); nothing here imports torch.
 """

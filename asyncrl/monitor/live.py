@@ -49,7 +49,7 @@ class Dashboard:
             redirect_stderr=False,
         )
 
-    # Reporter protocol (scheduler/service.py) -------------------------------------------
+    # Reporter protocol (scheduler/records.py) -------------------------------------------
     def update(self, state) -> None:
         """Records drive the view; before the first record, show the launcher's phase."""
         if self.view.num_records == 0:

@@ -1,19 +1,20 @@
-"""The launcher side of the metrics stream: one PUB socket, in-process sinks, launcher snapshots.
+"""The launcher side of the metrics stream: one PUB socket and the in-process sinks.
 
-Place in the data flow. Children never talk to a monitor: they send typed `Metrics`, `StepDone`,
+Place in the data flow. Workers never talk to a monitor: they send typed `Metrics`, `StepDone`,
 `TasksDone` (a `TaskDone` per group), `WeightsPublished` and `WeightsLoaded` messages to the
 launcher over the existing control channel (that is the aggregation path: one ordered stream, no
-extra sockets per child).
-The launcher turns each into one record in `Launcher.write_record`, appends it to
-`<run>/metrics.jsonl`, and hands it to `MonitorHub.publish`, which
+extra sockets per worker). The scheduler turns each into one record (`scheduler/records.py`),
+appends it to `<run>/metrics.jsonl`, and hands it to `MonitorHub.publish`, which
   - sends it on a PUB socket bound on 127.0.0.1 (address in `<run>/monitor.json`) as two frames
     `[seq, json]`; `seq` is the record's 0-based line number in metrics.jsonl, so a subscriber
     that misses records (slow joiner, HWM drop) fills the gap from the file;
   - passes it to in-process sinks: the `asyncrl launch` dashboard, and TensorBoard / wandb
     (offline) when `monitor.sinks` asks for them.
-The hub also wraps the launcher's reporter so that events (text lines) and periodic `launcher`
-snapshots (phase, admission credits, in-flight groups, restarts, failure) become records too;
-this is what lets a monitor that attaches later, or replays the file, show the same panels.
+The scheduler also writes its log lines as `event` records and throttled `launcher` records (a
+`LauncherSnapshot`: phase, admission credits, in-flight groups, restarts, failure); this is what
+lets a monitor that attaches later, or replays the file, show the same panels. The hub is a pure
+consumer: it knows records, not the launcher, and the app layer (`asyncrl/job.py`) opens it for
+the launcher with `open_hub`.
 
 Delivery: PUB never blocks the launcher; a subscriber that cannot keep up loses messages past
 the send HWM (and repairs the gap from metrics.jsonl). Detaching a subscriber changes nothing
@@ -25,16 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
 from asyncrl.monitor.sinks import make_sinks
 
 if TYPE_CHECKING:
-    from asyncrl.scheduler.service import Launcher, RunState
+    from asyncrl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ def write_monitor_file(run_dir: Path, info: dict) -> None:
 
 
 class MonitorHub:
-    """Fans every record out to the PUB socket and the in-process sinks."""
+    """Fans every record out to the PUB socket and the in-process sinks (a scheduler
+    `RecordStream`). With `run_dir`, closing it marks `<run>/monitor.json` as no longer live."""
 
     def __init__(
         self,
@@ -73,6 +74,9 @@ class MonitorHub:
         sinks: list[RecordSink],
         external_sinks: list | None = None,
         first_seq: int = 0,
+        run_dir: Path | None = None,
+        endpoint: str | None = None,
+        feeds_reporter: bool = False,
     ) -> None:
         self.pub = pub
         self.sinks = list(sinks)
@@ -80,9 +84,14 @@ class MonitorHub:
         self.seq = first_seq
         self.num_dropped = 0
         self.closed = False
+        self.run_dir = run_dir
+        self.endpoint = endpoint
+        # The run's reporter is one of `sinks`: it sees events as records (the scheduler does not
+        # tell it twice).
+        self.feeds_reporter = feeds_reporter
 
     def publish(self, record: dict, line: str) -> None:
-        """Called by `Launcher.write_record` after the line is in metrics.jsonl."""
+        """Called by the scheduler's records after the line is in metrics.jsonl."""
         seq = self.seq
         self.seq += 1
         if self.pub is not None:
@@ -107,123 +116,19 @@ class MonitorHub:
             sink.close()
         if self.pub is not None:
             self.pub.close(linger=0)
-
-
-def launcher_snapshot(launcher: Launcher, *, final: bool = False) -> dict:
-    """What only the launcher knows, as one record: run shape, phase, admission, health."""
-    from asyncrl.scheduler.admission import admission_limit
-
-    cfg, st = launcher.cfg, launcher.state
-    groups_per_step = cfg.learner.groups_per_step
-    bound = cfg.effective_max_staleness
-    admitted = launcher.admission.num_admitted
-    loaded = min((st.loaded_versions.get(g, 0) for g in launcher.generator_ids), default=0)
-    limit = admission_limit(
-        loaded_version=loaded,
-        groups_per_step=groups_per_step,
-        max_staleness=bound,
-        total_groups=launcher.admission.total_groups,
-    )
-    used = max(0, admitted - st.step * groups_per_step)
-    if launcher.pool_mode:  # credits come back as groups leave the buffer (CreditAdmission)
-        used = launcher.admission.outstanding
-        limit = admitted + launcher.admission.capacity - used
-    restarts = getattr(st, "generator_restarts", None)  # set by supervision when it restarts a generator
-    snap = {
-        "phase": st.phase,
-        "mode": cfg.mode,
-        "policy": cfg.staleness.policy,
-        "total_steps": st.total_steps,
-        "groups_per_step": groups_per_step,
-        "samples_per_group": cfg.learner.samples_per_group,
-        "num_generators": cfg.generators.num_generators,
-        "max_staleness_bound": bound,
-        "step": st.step,
-        "policy_version": st.policy_version,
-        "trajectories_generated": st.trajectories_generated,
-        "trajectories_trained": st.trajectories_trained,
-        "tokens_generated": st.tokens_generated,
-        "groups_admitted": st.groups_admitted,
-        "groups_in_flight": st.groups_in_flight,
-        # Credits: groups admitted but not yet trained, against the staleness bound's window.
-        "credits_used": used,
-        "credits_total": (bound + 1) * groups_per_step,
-        "credits_free": max(0, limit - admitted),
-        "restarts": restarts if isinstance(restarts, int) else None,
-        "failure": launcher.failure,
-    }
-    if final:
-        snap["final"] = True
-        snap["status"] = (
-            "failed" if launcher.failure else "interrupted" if launcher.interrupted else "completed"
-        )
-        snap["phase"] = snap["status"]
-    return snap
-
-
-class ReporterTee:
-    """Wraps the launcher's reporter: events become `event` records and state updates become
-    throttled `launcher` snapshots. A record-driven reporter (one with `on_record`) gets events
-    as records only, so it never shows one twice."""
-
-    def __init__(self, inner, launcher: Launcher, snapshot_s: float) -> None:
-        self.inner = inner
-        self.launcher = launcher
-        self.snapshot_s = snapshot_s
-        self.record_driven = hasattr(inner, "on_record")
-        self.last_phase: str | None = None
-        self.last_snapshot = float("-inf")
-
-    def update(self, state: RunState) -> None:
-        self.inner.update(state)
-        now = time.monotonic()
-        if state.phase != self.last_phase or now - self.last_snapshot >= self.snapshot_s:
-            self.snapshot()
-
-    def snapshot(self, *, final: bool = False) -> None:
-        self.last_phase = self.launcher.state.phase
-        self.last_snapshot = time.monotonic()
-        self.launcher.write_record("launcher", launcher_snapshot(self.launcher, final=final))
-
-    def event(self, text: str) -> None:
-        if not self.record_driven:
-            self.inner.event(text)
-        self.launcher.write_record("event", {"text": text})
-
-
-class LauncherMonitor:
-    """What `Launcher.run` holds: the hub (`publish`) and the teardown (`close`)."""
-
-    def __init__(self, launcher: Launcher, hub: MonitorHub, tee: ReporterTee, endpoint: str | None) -> None:
-        self.launcher = launcher
-        self.hub = hub
-        self.tee = tee
-        self.endpoint = endpoint
-
-    def publish(self, record: dict, line: str) -> None:
-        self.hub.publish(record, line)
-
-    def close(self) -> None:
-        """Final snapshot, then restore the reporter and close sockets; idempotent."""
-        if self.hub.closed:
-            return
-        self.tee.snapshot(final=True)
-        self.launcher.reporter = self.tee.inner
-        self.hub.close()
-        if self.endpoint is not None:
+        if self.endpoint is not None and self.run_dir is not None:
             write_monitor_file(
-                self.launcher.run_dir,
+                self.run_dir,
                 {"endpoint": self.endpoint, "pid": os.getpid(), "protocol": STREAM_PROTOCOL, "live": False},
             )
 
 
-def open_hub(launcher: Launcher, zctx) -> LauncherMonitor:
-    """Set up the stream for one run (called once at the start of `Launcher.run`).
+def open_hub(zctx: zmq.Context, *, run_dir: Path, config: Config, reporter: Any = None) -> MonitorHub:
+    """Set up the stream for one run, on the launcher's zmq.Context (`config` is the run's whole
+    config; `reporter`, when it takes records (`on_record`), becomes one of the sinks).
 
-    `zctx` is the launcher's zmq.Context; the PUB socket is a plain (blocking-API) socket, so
-    `write_record` publishes synchronously without awaiting."""
-    cfg = launcher.cfg.monitor
-    run_dir = launcher.run_dir
+    The PUB socket is a plain (blocking-API) socket, so `publish` sends without awaiting."""
+    cfg = config.monitor
     pub = endpoint = None
     if cfg.stream:
         pub = zctx.socket(zmq.PUB)
@@ -232,14 +137,16 @@ def open_hub(launcher: Launcher, zctx) -> LauncherMonitor:
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         endpoint = f"tcp://127.0.0.1:{port}"
     first_seq = count_lines(run_dir / "metrics.jsonl")
-    reporter = launcher.reporter
-    sinks = [reporter] if hasattr(reporter, "on_record") else []
+    feeds_reporter = hasattr(reporter, "on_record")
     hub = MonitorHub(
-        pub=pub, sinks=sinks, external_sinks=make_sinks(cfg.sinks, run_dir, launcher.cfg), first_seq=first_seq
+        pub=pub,
+        sinks=[reporter] if feeds_reporter else [],
+        external_sinks=make_sinks(cfg.sinks, run_dir, config),
+        first_seq=first_seq,
+        run_dir=run_dir,
+        endpoint=endpoint,
+        feeds_reporter=feeds_reporter,
     )
-    tee = ReporterTee(reporter, launcher, cfg.snapshot_s)
-    launcher.reporter = tee
-    monitor = LauncherMonitor(launcher, hub, tee, endpoint)
     if endpoint is not None:
         write_monitor_file(
             run_dir,
@@ -252,4 +159,4 @@ def open_hub(launcher: Launcher, zctx) -> LauncherMonitor:
             },
         )
         log.info("metrics stream on %s (see %s)", endpoint, run_dir / MONITOR_FILE)
-    return monitor
+    return hub

@@ -1,9 +1,12 @@
 """The launcher's half of a resumable checkpoint: admission, dataset position, ledger, open tasks.
 
 Place in the data flow: the launcher (`scheduler/service.py`) calls `save_launcher_checkpoint`
-after a StepDone (the learner writes model, optimizer and RNG state for the same step on its
-side); a resume calls `load_launcher_checkpoint` and continues from there. Not wired into the CLI
-yet (`--resume` comes with the learner's half).
+after a StepDone that `checkpoint_due` picks, and once more when a run stops early (the learner
+writes model, optimizer and RNG state for the same version on its side). `asyncrl launch --resume
+RUN_DIR` (`asyncrl/job.py`) resumes at the newest version with both halves: the launcher reads its
+half back (`read_launcher_checkpoint`) and admits again every group it had admitted and not
+trained (`scheduler/dispatch.py`). `load_launcher_checkpoint` rebuilds admission and the task book
+from a file with every check.
 
 Format (`<run_dir>/checkpoints/launcher-{steps_trained:08d}.json`, one JSON object, format 1):
 
@@ -37,7 +40,7 @@ import msgspec
 
 from asyncrl.buffer.ledger import Ledger, LedgerSnapshot, TaskState
 from asyncrl.messages import PromptTask
-from asyncrl.scheduler.admission import Admission
+from asyncrl.scheduler.admission import Admission, CreditAdmission
 from asyncrl.scheduler.tasks import TaskBook
 
 FORMAT = 1
@@ -66,7 +69,13 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def snapshot(admission: Admission, book: TaskBook) -> LauncherCheckpoint:
+def checkpoint_due(step: int, version: int, *, total_steps: int, every: int) -> bool:
+    """Whether the launcher saves its half after StepDone(step) (the learner has saved its own
+    for `version` before sending it): every `every` versions (0: never), and after the last step."""
+    return step + 1 >= total_steps or bool(every and version % every == 0)
+
+
+def snapshot(admission: Admission | CreditAdmission, book: TaskBook) -> LauncherCheckpoint:
     """The launcher state as one value (pure)."""
     ledger = msgspec.msgpack.decode(book.ledger.to_bytes(), type=LedgerSnapshot)
     waiting = set(book.requeued)
@@ -91,7 +100,7 @@ def snapshot(admission: Admission, book: TaskBook) -> LauncherCheckpoint:
     )
 
 
-def save_launcher_checkpoint(run_dir: Path, admission: Admission, book: TaskBook) -> Path:
+def save_launcher_checkpoint(run_dir: Path, admission: Admission | CreditAdmission, book: TaskBook) -> Path:
     """Write `launcher-{steps_trained:08d}.json` atomically; returns its path."""
     state = snapshot(admission, book)
     directory = checkpoint_dir(run_dir)
@@ -110,6 +119,11 @@ def save_launcher_checkpoint(run_dir: Path, admission: Admission, book: TaskBook
     finally:
         os.close(dir_fd)
     return final
+
+
+def read_launcher_checkpoint(run_dir: Path, version: int) -> dict:
+    """The launcher checkpoint of `version`, decoded JSON as written (a resume reads it back)."""
+    return msgspec.json.decode((checkpoint_dir(run_dir) / f"launcher-{version:08d}.json").read_bytes())
 
 
 def latest_launcher_checkpoint(run_dir: Path) -> Path | None:

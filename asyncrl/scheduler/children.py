@@ -1,69 +1,49 @@
-"""Child processes as the launcher sees them: start one, judge its health, reap it.
+"""Workers as the launcher sees them: what it heard from each, its health, and stopping them all.
 
-Place in the data flow: the launcher (`scheduler/service.py`) starts the learner and the
-generators here, records in `Child` what it hears from each (Hello, last message), and asks
-`health` on every supervision tick whether a child has exited or fallen silent; what to do about
-it (restart a generator, fail the run) is the launcher's decision. Only processes started here are
-ever signalled, by pid.
+Place in the data flow: the launcher (`scheduler/service.py`) starts each worker through a
+spawner (`scheduler/spawner.py`), keeps its handle in a `Child` with what it hears from it (Hello,
+the time of its last message, a Fatal), and asks `health` on every supervision tick whether a
+child has exited or fallen silent; what to do about it (restart a generator, fail the run) is the
+launcher's decision. Everything here talks to the `WorkerHandle`, never to a process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# How often a reaper looks for the exit status of a process that was killed or exited.
-REAP_POLL_S = 0.05
+from asyncrl.scheduler.spawner import WorkerHandle
+
+# How often `stop_all` looks whether the workers it asked to stop have gone.
+STOP_POLL_S = 0.05
+# After SIGTERM, how long a worker gets before SIGKILL.
+TERM_GRACE_S = 5.0
 
 
 @dataclass
 class Child:
     peer_id: str
     role: str
-    proc: subprocess.Popen
-    log_path: Path
+    handle: WorkerHandle
     ready: bool = False
-    outstanding: int = 0
     stopping: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     spawned: float = field(default_factory=time.monotonic)
     slot: str = ""  # generators: the slot this process serves (supervision.py)
     last_error: str = ""  # a generator's Fatal: supervision kills (if need be) and restarts it
 
+    @property
+    def log_path(self) -> Path:
+        return self.handle.log_path
+
     def tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-
-
-def start_child(
-    peer_id: str, role: str, module: str, *, ctrl_address: str, run_dir: Path, extra: dict[str, str]
-) -> Child:
-    """`python -m module` with the child arguments of `asyncrl.runtime`; output to logs/<peer>.log."""
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    log_path = logs / f"{peer_id}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        module,
-        "--ctrl",
-        ctrl_address,
-        "--peer-id",
-        peer_id,
-        "--run-dir",
-        str(run_dir),
-    ]
-    for k, v in extra.items():
-        cmd += ["--extra", f"{k}={v}"]
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return Child(peer_id, role, proc, log_path)
 
 
 def health(child: Child, *, heartbeat_timeout_s: float, startup_timeout_s: float) -> str | None:
@@ -75,24 +55,39 @@ def health(child: Child, *, heartbeat_timeout_s: float, startup_timeout_s: float
     if child.last_error:
         # It said Fatal: dead for our purposes, whether or not its process has exited yet.
         return f"failed: {child.last_error}"
-    code = child.proc.poll()
+    pid = child.handle.pid
+    code = child.handle.exit_code()
     if code is not None:
-        return f"exited with code {code} (pid {child.proc.pid}).\nLast lines of {child.log_path}:\n{child.tail()}"
+        return f"exited with code {code} (pid {pid}).\nLast lines of {child.log_path}:\n{child.tail()}"
     if child.ready:
         silent_s = time.monotonic() - child.last_seen
         if silent_s > heartbeat_timeout_s:
             return (
-                f"sent nothing for {silent_s:.0f} s (pid {child.proc.pid}; monitor.heartbeat_timeout_s = "
+                f"sent nothing for {silent_s:.0f} s (pid {pid}; monitor.heartbeat_timeout_s = "
                 f"{heartbeat_timeout_s:g}): it is hung; see {child.log_path}"
             )
     elif child.role == "generator" and time.monotonic() - child.spawned > startup_timeout_s:
-        return (
-            f"did not say Hello within {startup_timeout_s:.0f} s (pid {child.proc.pid}); see {child.log_path}"
-        )
+        return f"did not say Hello within {startup_timeout_s:.0f} s (pid {pid}); see {child.log_path}"
     return None
 
 
-async def reap(child: Child) -> None:
-    """Wait for the exit status of a child that exited or was SIGKILLed (which cannot be ignored)."""
-    while child.proc.poll() is None:
-        await asyncio.sleep(REAP_POLL_S)  # waiting for an exit code; there is no message to wait for
+async def stop_all(children: Iterable[Child], *, grace_s: float, term_grace_s: float = TERM_GRACE_S) -> None:
+    """Wait up to `grace_s` for the children (already told to shut down) to exit, then terminate
+    the rest and wait `term_grace_s`, then kill what is left and wait as long again."""
+    children = list(children)
+    deadline = time.monotonic() + grace_s
+    escalation: list[Callable[[WorkerHandle], None] | None] = [
+        None,
+        lambda h: h.terminate(),
+        lambda h: h.kill(),
+    ]
+    for stop in escalation:
+        alive = [c for c in children if c.handle.exit_code() is None]
+        if not alive:
+            return
+        if stop is not None:
+            for c in alive:
+                stop(c.handle)
+            deadline = time.monotonic() + term_grace_s
+        while time.monotonic() < deadline and any(c.handle.exit_code() is None for c in alive):
+            await asyncio.sleep(STOP_POLL_S)  # waiting for exit codes

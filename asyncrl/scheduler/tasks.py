@@ -1,12 +1,14 @@
 """The launcher's book of prompt tasks (pure): open PromptTasks, the re-queue, and the ledger.
 
-Place in the data flow: the launcher (`scheduler/service.py`) admits a group (`admit`), sends its
-PromptTask to a generator (`dispatched`), hears TaskDone (`done`) and StepDone (`trained`), and
-reports a generator's death (`generator_failed`, which re-queues its in-flight tasks exactly once:
-a second report of the same death finds nothing in flight). Re-queued tasks are handed out again
-(`pop_requeued`) before any new group is admitted; they are the same PromptTask, so the re-run
-produces the same traj_ids (`group_id * num_samples + sample_index`) and the learner keeps the
-first copy of any sample the dead generator had already pushed.
+Place in the data flow: the launcher's dispatcher (`scheduler/dispatch.py`) admits a group
+(`admit`) and sends its PromptTask to a generator (`dispatched`); the launcher
+(`scheduler/service.py`) hears TaskDone (`done`) and StepDone (`trained`, via the admission mode,
+`scheduler/modes.py`), and reports a generator's death (`generator_failed`, which re-queues its
+in-flight tasks exactly once: a second report of the same death finds nothing in flight).
+Re-queued tasks are handed out again (`pop_requeued`) before any new group is admitted; they are
+the same PromptTask, so the re-run produces the same traj_ids (`group_id * num_samples +
+sample_index`) and the learner keeps the first copy of any sample the dead generator had already
+pushed.
 
 The launcher never sees trajectories, only counts. What it knows:
   * TaskDone(task): every sample of the group was pushed to the learner -> those trajectories

@@ -94,7 +94,9 @@ def test_launch_shows_the_dashboard_in_a_terminal_then_replay_and_report(tiny_mo
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_attaching_and_detaching_twice_changes_nothing_in_the_run(tiny_model_dir, tmp_path, pid_alive):
-    steps, groups, samples = 40, 2, 4
+    # Long enough for two monitors to attach and detach while it trains: on an idle machine the
+    # tiny model trains 40 steps before one monitor has started.
+    steps, groups, samples = 300, 2, 4
     job = subprocess.Popen(
         short_job_args(tiny_model_dir, tmp_path, f"learner.steps={steps}", name="att"),
         stdout=subprocess.PIPE,

@@ -1,5 +1,7 @@
 """A whole `asyncrl launch` job around the launcher: run directory, evaluation before and after,
-`summary.json`. Called by the CLI; rendering stays in the CLI's reporter.
+`summary.json`. The app layer: it wires the roles together (the scheduler's launcher, the
+monitor's stream as where the launcher's records go, the learner's checkpoints for `--resume`) and is
+called by the CLI and the benchmarks; rendering stays in the CLI's reporter.
 """
 
 from __future__ import annotations
@@ -7,14 +9,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import uvloop
 
 from asyncrl.config import Config, write_resolved_config
 from asyncrl.runtime import check_cpus
-from asyncrl.scheduler.service import Launcher, Reporter, RunFailed
+from asyncrl.scheduler.records import Reporter
+from asyncrl.scheduler.service import Launcher, RunFailed
+from asyncrl.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +46,15 @@ def make_run_dir(config: Config) -> Path:
     return run_dir
 
 
-def evaluate(config: Config, path: Path, problems) -> float:
-    """Greedy accuracy on held-out problems (the same decoding before and after training)."""
+def evaluate(config: Config, path: Path, task: Task) -> float:
+    """Greedy accuracy on the task's held-out problems, scored by the task (the same decoding
+    before and after training)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.generators.torch_gen import make_reward
     from asyncrl.models.sft import greedy_accuracy
 
+    problems = task.eval_problems
     if not problems:
         return float("nan")
     torch.set_num_threads(max(1, config.learner.threads))
@@ -58,7 +65,7 @@ def evaluate(config: Config, path: Path, problems) -> float:
         tok,
         [(p.prompt, p.answer) for p in problems],
         max_new_tokens=config.sampling.max_new_tokens,
-        verify=make_reward(config.task.kind),
+        verify=task.score,
     )
 
 
@@ -92,10 +99,19 @@ def load_for_resume(run_dir: Path) -> tuple[Config, int]:
     return config, resume_point(run_dir, config)
 
 
-def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = None) -> dict:
+def run_job(
+    config: Config,
+    reporter: Reporter,
+    *,
+    resume_dir: Path | None = None,
+    role_modules: Mapping[str, str] | None = None,
+) -> dict:
     """Runs the whole job (or, with `resume_dir`, continues a stopped one from its newest complete
-    checkpoint); returns the summary (also written to summary.json).
-    Raises RunFailed (a child failed) or ValueError (bad input) with a clear message."""
+    checkpoint); returns the summary (also written to summary.json). `role_modules` replaces the
+    module a role's workers run (`python -m`), e.g. a benchmark's own learner entry module.
+    Raises RunFailed (a worker failed) or ValueError (bad input) with a clear message."""
+    from asyncrl.monitor.stream import open_hub
+
     path = model_path(config)
     check_cpus(config)
     resume_version = 0
@@ -112,9 +128,18 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
     from asyncrl.learner.loop import config_gradient_mode
 
     reporter.event(config_gradient_mode(config))
-    launcher = Launcher(config, run_dir, path, reporter, resume_version=resume_version)
+    launcher = Launcher(
+        config,
+        run_dir,
+        path,
+        reporter,
+        resume_version=resume_version,
+        role_modules=role_modules,
+        open_stream=partial(open_hub, run_dir=run_dir, config=config, reporter=reporter),
+    )
+    task = launcher.task
     t0 = time.perf_counter()
-    eval_before = evaluate(config, path, launcher.task.eval_problems) if not resume_version else float("nan")
+    eval_before = evaluate(config, path, task) if not resume_version else float("nan")
     reporter.event(f"held-out accuracy before training: {eval_before:.3f}")
     failure = None
     try:
@@ -126,14 +151,13 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
     final = run_dir / "final_model"
     eval_after = float("nan")
     if failure is None and not launcher.interrupted and final.is_dir():
-        eval_after = evaluate(config, final, launcher.task.eval_problems)
+        eval_after = evaluate(config, final, task)
         reporter.event(f"held-out accuracy after training: {eval_after:.3f}")
     completed = failure is None and not launcher.interrupted
     # The ledger (scheduler/tasks.py): at the end of a completed run every admitted sample must be
     # trained; otherwise samples still pending are not lost (a resume would generate them).
     # Pool mode ends with the buffer's lead admitted and not trained: pending, not lost.
-    pool = config.buffer.mode == "pool"
-    ledger = launcher.book.summary(at_end=completed and not pool)
+    ledger = launcher.book.summary(at_end=completed and launcher.mode.trains_every_admitted_sample)
     summary = {
         "mode": config.mode,
         "resumed_from": resume_version,
@@ -155,7 +179,7 @@ def run_job(config: Config, reporter: Reporter, *, resume_dir: Path | None = Non
         "generator_restarts": state.generator_restarts,
         "eval_before": eval_before,
         "eval_after": eval_after,
-        "eval_problems": len(launcher.task.eval_problems),
+        "eval_problems": len(task.eval_problems),
         "wall_s": time.perf_counter() - t0,
         "train_wall_s": train_wall,
         "samples_per_s": state.trajectories_trained / max(1e-9, train_wall),

@@ -1,0 +1,127 @@
+"""Dispatch (pure): which PromptTasks go to which generator now.
+
+Place in the data flow: the launcher (`scheduler/service.py`) calls `Dispatcher.plan` whenever
+work may flow (a generator starts serving or loads new weights, groups leave the pool, a restart
+re-queued tasks) and sends each generator its list as one PromptTasks message. No sockets, no
+awaits: the oldest version a serving generator holds and the serving generators in, a
+`{peer: [PromptTask]}` plan out, with the task book already updated.
+
+Order: re-queued tasks first, oldest first, then newly admitted groups (`AdmissionMode`). A
+re-queued task waits while its step is beyond the staleness bound of the loaded weights (only
+groups re-admitted on resume can be, until the generators load the resumed version). Each task
+goes to the serving generator with the fewest outstanding tasks, the first in slot order on a tie;
+with none serving it waits in the re-queue. Every choice is recorded before the caller awaits a
+send, so a generator restarted meanwhile is never picked and its tasks are re-queued exactly once.
+
+Prompts come from the task seam (`asyncrl/tasks/base.py`): group j is `task.train_problem(j)`,
+rendered to token ids by `task.render`, a whole dispatch in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from asyncrl.messages import PromptTask, SamplingParams
+from asyncrl.scheduler.modes import AdmissionMode
+from asyncrl.scheduler.tasks import TaskBook
+from asyncrl.tasks.base import Task
+
+# The ledger's generator id of groups re-admitted on resume: they were in flight on the
+# interrupted run's generators, now gone, so they are re-queued at once.
+INTERRUPTED_RUN = "(interrupted run)"
+
+
+class Plan(NamedTuple):
+    by_peer: dict[str, list[PromptTask]]  # generator peer id -> its tasks, in dispatch order
+    num_admitted: int  # groups admitted by this plan (the other tasks were re-queued ones)
+
+
+class Dispatcher:
+    """The prompt stream, admission and assignment; `outstanding` counts tasks per generator."""
+
+    def __init__(
+        self,
+        *,
+        book: TaskBook,
+        mode: AdmissionMode,
+        task: Task,
+        sampling: SamplingParams,
+        max_staleness: int,
+        tokenizer: Any = None,
+    ) -> None:
+        self.book = book
+        self.mode = mode
+        self.task = task
+        self.sampling = sampling
+        self.max_staleness = max_staleness
+        self.tokenizer = tokenizer  # set before the first admission (the launcher loads it)
+        self.outstanding: dict[str, int] = {}  # serving generator -> tasks sent and not done
+
+    def plan(self, *, loaded_version: int, serving: Sequence[str]) -> Plan:
+        """Re-queued tasks that fit the bound, then the groups admitted at `loaded_version` (the
+        oldest version a serving generator holds), each assigned to one of `serving`."""
+        max_step = loaded_version + self.max_staleness
+        book = self.book
+        tasks = []
+        while book.requeued and book.open[book.requeued[0]].step <= max_step:
+            tasks.append(book.pop_requeued())
+        admitted = self.admit(self.mode.admit(loaded_version), loaded_version=loaded_version)
+        return Plan(self.assign([*tasks, *admitted], serving), len(admitted))
+
+    def admit(self, groups: Sequence[int], *, loaded_version: int) -> list[PromptTask]:
+        """The groups' PromptTasks, admitted to the task book (not assigned to anyone yet)."""
+        if not groups:
+            return []
+        problems = [self.task.train_problem(j) for j in groups]
+        prompt_ids = self.task.render(problems, self.tokenizer)
+        tasks = []
+        for j, problem, ids in zip(groups, problems, prompt_ids, strict=True):
+            task = PromptTask(
+                task_id=j,
+                group_id=j,
+                prompt_ids=ids,
+                num_samples=self.book.samples_per_group,
+                sampling=self.sampling,
+                dataset_index=j,
+                step=self.mode.task_step(j, loaded_version=loaded_version),
+                answer=problem.answer,
+            )
+            self.book.admit(task)
+            tasks.append(task)
+        return tasks
+
+    def assign(self, tasks: Sequence[PromptTask], serving: Sequence[str]) -> dict[str, list[PromptTask]]:
+        """Each task to the serving generator with the fewest outstanding tasks; with none
+        serving, the tasks wait in the re-queue."""
+        by_peer: dict[str, list[PromptTask]] = {}
+        for task in tasks:
+            if not serving:
+                self.book.requeued.append(task.task_id)
+                continue
+            peer = min(serving, key=lambda p: self.outstanding.get(p, 0))
+            self.outstanding[peer] = self.outstanding.get(peer, 0) + 1
+            self.book.dispatched(task.task_id, peer)
+            by_peer.setdefault(peer, []).append(task)
+        return by_peer
+
+    def done(self, task_id: int, peer: str) -> PromptTask:
+        """TaskDone from `peer`; ValueError (nothing changed) if the task is not in flight there."""
+        task = self.book.done(task_id, peer)
+        self.outstanding[peer] -= 1
+        return task
+
+    def generator_failed(self, peer: str) -> list[int]:
+        """Re-queue every task in flight on `peer` (once); returns their ids, sorted."""
+        self.outstanding.pop(peer, None)
+        return self.book.generator_failed(peer)
+
+    def readmit(self, saved: dict, *, resume_version: int) -> list[PromptTask]:
+        """Resume: admit again every group the interrupted run's checkpoint (`saved`, decoded
+        JSON) had admitted and not trained, re-queued for the generators. Their steps were
+        within the bound of versions <= v + K, and the generators serve v before they get any."""
+        tasks = self.admit(self.mode.readmit(saved), loaded_version=resume_version)
+        for task in tasks:
+            self.book.dispatched(task.task_id, INTERRUPTED_RUN)
+        self.book.generator_failed(INTERRUPTED_RUN)
+        return tasks

@@ -1,0 +1,120 @@
+"""The spawner seam: start a worker, and learn when it is gone.
+
+Place in the data flow: the launcher (`scheduler/service.py`) starts the learner and every
+generator through a `Spawner` and keeps the `WorkerHandle` it gets back. Supervision
+(`scheduler/children.py`) asks the handle whether the worker has exited and stops it through the
+handle (`terminate`, then `kill`); it never touches a process object. Whether a live worker is
+still working is judged from the control channel (its Hello, Heartbeats and other messages), not
+from the handle, so a worker that joins over the network needs only another spawner.
+
+`LocalSpawner` runs `python -m <module>` with the child arguments of `asyncrl.runtime` as a
+child process of the launcher, its output in `<run>/logs/<peer>.log`. Only processes it started
+are ever signalled, and only by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+# How often `wait` looks for the exit status of a process that was killed or exited.
+REAP_POLL_S = 0.05
+
+
+class WorkerHandle(Protocol):
+    """One started worker, as its spawner sees it."""
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id (named in records and messages)."""
+
+    @property
+    def log_path(self) -> Path:
+        """Where the worker's output goes (named in failure messages)."""
+
+    def exit_code(self) -> int | None:
+        """None while the worker runs; its exit status once it has gone."""
+
+    def terminate(self) -> None:
+        """Ask it to stop now (SIGTERM for a local process)."""
+
+    def kill(self) -> None:
+        """Stop it, no questions asked (SIGKILL for a local process)."""
+
+    async def wait(self) -> int:
+        """Until it has gone (after `kill`, promptly); its exit status."""
+
+
+class Spawner(Protocol):
+    def start(
+        self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]
+    ) -> WorkerHandle:
+        """Start `module` as the worker `peer_id`, connecting to the launcher at `ctrl_address`
+        with the `--extra KEY=VALUE` arguments `extra`."""
+
+
+class LocalProcess:
+    """A `WorkerHandle` for a child process of this launcher."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path) -> None:
+        self._proc = proc
+        self._log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    def exit_code(self) -> int | None:
+        return self._proc.poll()
+
+    def terminate(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()  # SIGKILL, to this pid only
+
+    async def wait(self) -> int:
+        while (code := self._proc.poll()) is None:
+            await asyncio.sleep(REAP_POLL_S)  # waiting for an exit code; there is no message to wait for
+        return code
+
+
+class LocalSpawner:
+    """Workers as child processes of the launcher, with the run's log directory."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+
+    def start(
+        self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]
+    ) -> LocalProcess:
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        log_path = logs / f"{peer_id}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "--ctrl",
+            ctrl_address,
+            "--peer-id",
+            peer_id,
+            "--run-dir",
+            str(self.run_dir),
+        ]
+        for k, v in extra.items():
+            cmd += ["--extra", f"{k}={v}"]
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return LocalProcess(proc, log_path)
