@@ -49,23 +49,10 @@ def make_run_dir(config: Config) -> Path:
 def evaluate(config: Config, path: Path, task: Task) -> float:
     """Greedy accuracy on the task's held-out problems, scored by the task (the same decoding
     before and after training)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from asyncrl.models.sft import checkpoint_accuracy
 
-    from asyncrl.models.sft import greedy_accuracy
-
-    problems = task.eval_problems
-    if not problems:
-        return float("nan")
-    torch.set_num_threads(max(1, config.learner.threads))
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return greedy_accuracy(
-        model,
-        tok,
-        [(p.prompt, p.answer) for p in problems],
-        max_new_tokens=config.sampling.max_new_tokens,
-        verify=task.score,
+    return checkpoint_accuracy(
+        path, task, max_new_tokens=config.sampling.max_new_tokens, threads=max(1, config.learner.threads)
     )
 
 

@@ -84,28 +84,42 @@ def sft(
 def greedy_accuracy(
     model,
     tokenizer,
-    problems: Sequence[tuple[str, str]],
+    task,
     *,
     max_new_tokens: int,
-    verify: Callable[[str, str, str], float],
     batch_size: int = 256,
 ) -> float:
-    """Mean reward of greedy completions (the same decoding before and after training)."""
-    from asyncrl.models.sampling import generate
+    """Mean reward of greedy completions of `task`'s held-out problems (an `asyncrl.tasks.base.Task`:
+    prompts rendered and completions scored by the task), the same decoding before and after training."""
+    from asyncrl.models.sampling import answer_ids, generate
 
+    problems = list(task.eval_problems)
     total = 0.0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        prompt_ids = [tokenizer(p)["input_ids"] for p, _ in chunk]
         out = generate(
             model,
-            prompt_ids,
+            task.render(chunk, tokenizer),
             max_new_tokens=max_new_tokens,
             temperature=0.0,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        for (prompt, answer), ids in zip(chunk, out.completion_ids, strict=True):
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            total += verify(prompt, text, answer)
+        for problem, ids in zip(chunk, out.completion_ids, strict=True):
+            text = tokenizer.decode(answer_ids(ids, tokenizer.eos_token_id), skip_special_tokens=True)
+            total += task.score(problem.prompt, text, problem.answer)
     return total / max(1, len(problems))
+
+
+def checkpoint_accuracy(path, task, *, max_new_tokens: int, threads: int = 0) -> float:
+    """`greedy_accuracy` of the Hugging Face checkpoint at `path` (float32, eval mode); NaN when
+    the task holds nothing out. `threads` > 0 sets torch's intra-op threads first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not task.eval_problems:
+        return float("nan")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return greedy_accuracy(model, tokenizer, task, max_new_tokens=max_new_tokens)

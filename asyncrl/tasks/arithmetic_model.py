@@ -188,21 +188,10 @@ def build_default_checkpoint(
 def held_out_accuracy(model_dir: Path) -> float:
     """Greedy accuracy of a checkpoint on the default job's held-out problems, decoded exactly as
     `asyncrl launch` evaluates before and after training (default task and sampling config)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from asyncrl.config import SamplingConfig, TaskConfig
-    from asyncrl.models.sft import greedy_accuracy
+    from asyncrl.models.sft import checkpoint_accuracy
     from asyncrl.tasks.base import make_task
 
-    task = make_task(TaskConfig())
-    problems = task.eval_problems
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return greedy_accuracy(
-        model,
-        tokenizer,
-        [(p.prompt, p.answer) for p in problems],
-        max_new_tokens=SamplingConfig().max_new_tokens,
-        verify=task.score,
+    return checkpoint_accuracy(
+        model_dir, make_task(TaskConfig()), max_new_tokens=SamplingConfig().max_new_tokens
     )
