@@ -18,9 +18,9 @@ Every answer is sampled to `max_new_tokens` (`sampling.ignore_eos`, as inference
 benchmarks do) so that the four variants do the same work per sample: answers that end at eos
 follow the policy, which learns in sync and async but not in gen_only and learn_only
 (`--stop-at-eos` measures that way; the tokens/s ratio then shows the difference). The default
-length, 16 tokens, gives each sample ~1 ms of CPU per stage on the shipped model; at 5 tokens
-(the default job's max_new_tokens) the per-sample messaging and bookkeeping of the three
-processes was ~10% of all CPU, a share no real model's samples come near (bench/README.md).
+length, 16 tokens, makes each sample's model work dominate the pipeline's per-sample messaging
+and bookkeeping, as on any real model; at 5 tokens (the default job's max_new_tokens) that
+overhead is a share of all CPU no real model's samples come near (figures: bench/README.md).
 
 The pure parts (figures from records, medians, ratios) are functions here; importing this module
 is cheap, subprocesses and rich load when the command runs.
@@ -197,7 +197,7 @@ def variant_sets(variant: str, *, recording: Path | None = None, policy: Path | 
     `policy`: a trained model directory that the single-stage variants (gen_only, learn_only) start
     from instead of the workload's model. Their policy never learns, and with answers that end at
     eos (`--stop-at-eos`) an untrained policy's answers are longer than those of the policy that
-    sync and async train along the way (17% more tokens), so without it they measure a costlier
+    sync and async train along the way (bench/README.md has how many more tokens), so without it they measure a costlier
     workload. (The default `--ignore-eos` makes every answer the same length in every variant.)
     """
     model = [f"model.path={json.dumps(str(policy))}"] if policy is not None else []

@@ -142,8 +142,8 @@ def uses_point_to_point(backend: str) -> bool:
     """Whether the sender and the receivers of a weight update group on `backend` pass `p2p=True`.
 
     On gloo, a point-to-point send per bucket and receiver, with receives posted `_P2P_IN_FLIGHT`
-    buckets ahead, moved the same bytes 10-20% faster than bucket broadcasts on loopback, with
-    10-15% less CPU (bench/README.md, weight sync). The sender then sends one stream per receiver,
+    buckets ahead, moved the same bytes faster than bucket broadcasts on loopback, with less CPU
+    (the figures: bench/README.md, "Weight sync"). The sender then sends one stream per receiver,
     as gloo's own broadcast does for up to two receivers; across hosts with many generators, NCCL
     is the backend to use anyway. NCCL (and SGLang ranks, which receive broadcasts) keep
     broadcasts. Both sides decide from the backend named in the announcement; `_check_layout`

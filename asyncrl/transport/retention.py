@@ -214,8 +214,8 @@ def prune(root: Path, retention: VersionRetention, *, keep_spare: bool = False) 
 
     With `keep_spare`, while `root` holds no spare, the first directory pruned is kept as one
     (renamed, hidden, not removed): `write_shards` overwrites its files for the next version
-    instead of creating new ones. On tmpfs writing a new file costs about 2.5x the CPU of
-    overwriting one (a new file's pages are allocated, zeroed and charged one by one), and the
+    instead of creating new ones. On tmpfs writing a new file costs several times the CPU of
+    overwriting one (bench/README.md, "Weight sync") (a new file's pages are allocated, zeroed and charged one by one), and the
     pruned version's pages are never freed only to be allocated again. The price is one version's
     worth of space while no version is being written. Retention guarantees that no generator still
     needs a pruned version, so nothing may keep its files open: a reader that did would see them
