@@ -21,6 +21,7 @@ names a backend. See docs/weights.md.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import os
@@ -149,7 +150,7 @@ class ShardPublisher:
         pass
 
 
-class GroupPublisher:
+class GroupPublisher(abc.ABC):
     """Learner rank 0 of a torch.distributed weight update group whose other ranks are `members`.
 
     The first `publish` hosts the group's store on a free port, announces it with the layout and
@@ -194,10 +195,11 @@ class GroupPublisher:
     def world_size(self) -> int:
         return len(self.members) + 1
 
+    @abc.abstractmethod
     def _transfer(self, items: list[tuple[str, torch.Tensor]], backend: str) -> int:
         """Worker thread: send every tensor of `items` to the members over `self.group`, in the
-        order the announcement lists them; returns the bytes sent."""
-        raise NotImplementedError
+        order the announcement lists them; returns the bytes sent. What each backend says: how
+        the bytes cross the group (our bucket broadcast, or the SGLang servers' own protocol)."""
 
     async def publish(
         self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
