@@ -156,7 +156,10 @@ class LearnerService:
             await self.ranks.forward(rank, msg, tensors)
             return
         self.loop.add(msg.step, sample_from_message(msg, tensors))
-        await self.send_left()  # a group withheld or dropped as it arrived frees its credit now
+        # A group withheld or dropped as it arrived frees its credit now (pool mode; per
+        # trajectory, so no coroutine when there is nothing to send).
+        if (left := self.loop.take_left()) is not None:
+            await self.ctx.ctrl.send(GroupsLeft(version=self.version, **left))
 
     async def ctrl_loop(self) -> None:
         while True:
