@@ -44,14 +44,80 @@ class ModelConfig(_Section, frozen=True, kw_only=True):
     path: str = ""  # local Hugging Face directory; empty = the embedded default checkpoint
 
 
+class DatasetConfig(_Section, frozen=True, kw_only=True):
+    """`task.kind = "dataset"`: prompts from local files through Hugging Face `datasets` (docs/tasks.md)."""
+
+    # A .jsonl / .json / .csv / .parquet file, or a directory written by `save_to_disk`.
+    path: str = ""
+    format: Literal["auto", "jsonl", "json", "csv", "parquet", "disk"] = "auto"  # auto: by suffix
+    split: str = "train"  # the split to train on when `path` holds several (a DatasetDict)
+    prompt_field: str = "prompt"  # a text prompt (ignored when messages_field is set)
+    messages_field: str = ""  # a chat list [{"role", "content"}, ...] instead; needs prompt.template = "chat"
+    answer_field: str = "answer"  # the ground truth the rewards check
+    extra_fields: list[str] = []  # passed through to every reward (RewardInput.extras)
+    shuffle: bool = True  # a fresh seeded order (task.seed, epoch) every epoch
+    # The held-out split (evaluated before and after training; at most task.num_eval rows), one of:
+    eval_path: str = ""  # a separate file or save_to_disk directory
+    eval_split: str = ""  # a named split of `path`
+    eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0  # a seeded (task.eval_seed) fraction of `path`
+
+
+class PromptConfig(_Section, frozen=True, kw_only=True):
+    """How a dataset row becomes prompt token ids."""
+
+    template: Literal["raw", "chat"] = "raw"  # chat: tokenizer.apply_chat_template, generation prompt added
+    system: str = ""  # chat: a system message put first ("" = none)
+    max_tokens: NonNegInt = 0  # longest rendered prompt allowed; 0 = no limit
+    too_long: Literal["error", "drop"] = "error"  # a longer prompt: stop at load, or drop it and count it
+
+
+class RewardConfig(_Section, frozen=True, kw_only=True):
+    """One reward of a task; the sample's reward is the weighted sum (docs/tasks.md)."""
+
+    # Registry name (entry point `asyncrl.rewards`: exact_match, math_verify, regex, length_penalty,
+    # remote) or `pkg.mod:fn` (fn(sample) -> float, sync or async; with options, a factory).
+    kind: str
+    name: str = ""  # its name in metrics and summary.json; "" = kind
+    weight: float = 1.0
+    options: dict[str, Any] = {}
+    # Where a sync reward runs: "process" (the worker pool: a hang is killed), "thread", or "auto"
+    # (built-in cheap rewards in a thread, the rest in the pool).
+    runs_in: Literal["auto", "process", "thread"] = "auto"
+
+
+class ScoringConfig(_Section, frozen=True, kw_only=True):
+    """How rewards run in each generator, and what a failing reward costs."""
+
+    workers: PosInt = 2  # reward worker processes per generator
+    timeout_s: PosFloat = 30.0  # one reward call longer than this is a failure (its worker is killed)
+    # A reward that raises or times out: "zero" scores that reward 0; "regenerate" samples the
+    # completion again (up to max_regenerations times, then zero). Each is counted either way.
+    on_failure: Literal["zero", "regenerate"] = "zero"
+    max_regenerations: NonNegInt = 2
+    # The run stops with the reason once more than this fraction of scored samples had a failing
+    # reward (judged after failure_budget_min_samples samples); 1 = never.
+    failure_budget: Annotated[float, Meta(ge=0, le=1)] = 0.25
+    failure_budget_min_samples: PosInt = 256
+    eval_reward: str = ""  # the reward whose held-out mean is "held-out accuracy"; "" = the first
+    # Completions cut at sampling.max_new_tokens: "keep" them, or "mask" them out of the loss
+    # (the length_penalty reward is the soft option). Counted either way.
+    overlong: Literal["keep", "mask"] = "keep"
+
+
 class TaskConfig(_Section, frozen=True, kw_only=True):
-    # Registry name (entry point `asyncrl.tasks`) or `pkg.mod:obj`; the object gets this section.
+    # Registry name (entry point `asyncrl.tasks`: addition, dataset) or `pkg.mod:obj`; the object
+    # gets this section.
     kind: str = "addition"
-    options: dict[str, Any] = {}  # for task plugins; the built-in addition task takes the keys below
-    max_operand: PosInt = 99
-    seed: int = 1  # prompt stream seed (training prompts)
+    options: dict[str, Any] = {}  # for task plugins
+    max_operand: PosInt = 99  # addition
+    seed: int = 1  # prompt stream seed (addition: the problems; dataset: the shuffle)
     num_eval: NonNegInt = 500  # held-out prompts for greedy accuracy before/after (0 = skip)
-    eval_seed: int = 2  # held-out stream seed, disjoint from training by construction
+    eval_seed: int = 2  # held-out stream seed (addition), held-out fraction seed (dataset)
+    dataset: DatasetConfig = DatasetConfig()
+    prompt: PromptConfig = PromptConfig()
+    # Rewards summed with their weights; [] = the task's own score (addition: exact match).
+    rewards: list[RewardConfig] = []
+    scoring: ScoringConfig = ScoringConfig()
 
 
 class SamplingConfig(_Section, frozen=True, kw_only=True):
@@ -209,6 +275,10 @@ class MonitorConfig(_Section, frozen=True, kw_only=True):
     # A child silent for this long (no heartbeat, no message) is hung: a generator is killed and
     # restarted (generators.max_restarts), a hung learner ends the run with an error.
     heartbeat_timeout_s: PosFloat = 60.0
+    # No silent stalls: when the learner's next step has received nothing (no trajectory, no
+    # finished group, no step) for this long, the run stops with a resumable checkpoint and one
+    # line naming what it waits for. 0 = never.
+    stall_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
     # Publish every metrics record on a loopback PUB socket (address in <run>/monitor.json) so
     # `asyncrl monitor` can attach; the records are in metrics.jsonl either way.
     stream: bool = True

@@ -16,7 +16,7 @@ Data flow (see asyncrl/__init__.py for the whole picture):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -71,6 +71,7 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
     dataset_index: int
     step: int  # the learner step (admission window) this group is trained in
     answer: str  # what the task's verifier checks against
+    extras: dict[str, Any] = {}  # the dataset row's extra fields, for the rewards (task.dataset.extra_fields)
 
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):

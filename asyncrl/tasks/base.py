@@ -17,8 +17,8 @@ returns a `Task`. The built-in `addition` task (`tasks/arithmetic.py`) is the fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.plugins import available, load_plugin
@@ -28,11 +28,17 @@ ENTRY_POINT_GROUP = "asyncrl.tasks"
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One prompt of a task: its stream index, its text and the answer its verifier checks."""
+    """One prompt of a task: its stream index, its text and the answer its verifier checks.
+
+    `extras` travel with the prompt to the rewards (`RewardInput.extras`, asyncrl/rewards/);
+    `messages` is a chat prompt (a tuple of {"role", "content"} dicts) for tasks that render one
+    with the tokenizer's chat template, `prompt` then being its last user turn."""
 
     index: int
     prompt: str
     answer: str
+    extras: Mapping[str, Any] = field(default_factory=dict)
+    messages: tuple[Mapping[str, str], ...] | None = None
 
 
 @runtime_checkable
