@@ -448,6 +448,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc)) from None
     check_task_kind(config.task)
+    check_rewards(config.task)
     policy = check_staleness_policy(config.staleness)
     if config.buffer.action == "downweight" and "old_train" in policy.needs:
         raise ConfigError(
@@ -495,6 +496,18 @@ def check_task_kind(section: TaskConfig) -> None:
         load_plugin(ENTRY_POINT_GROUP, section.kind, field="task.kind", what="task")
     except ValueError as exc:
         raise ConfigError(f"config error at task.kind: {exc}") from None
+
+
+def check_rewards(section: TaskConfig) -> None:
+    """Each of task.rewards resolves (a misspelled name, a bad pattern, a bad URL) at load time."""
+    if not section.rewards:
+        return
+    from asyncrl.rewards.base import check_rewards as check
+
+    try:
+        check(section)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config error at task.rewards: {exc}") from None
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

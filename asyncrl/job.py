@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
@@ -46,14 +47,59 @@ def make_run_dir(config: Config) -> Path:
     return run_dir
 
 
-def evaluate(config: Config, path: Path, task: Task) -> float:
-    """Greedy accuracy on the task's held-out problems, scored by the task (the same decoding
-    before and after training)."""
-    from asyncrl.models.sft import checkpoint_accuracy
+def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, float]]:
+    """Greedy held-out accuracy (the same decoding before and after training) and, with
+    `task.rewards`, each reward's held-out mean. Without rewards the task scores (accuracy = its
+    mean score); with them, accuracy is the mean of `task.scoring.eval_reward` (default: the
+    first reward) and the rewards run as in training (asyncrl/rewards/)."""
+    from asyncrl.models.sft import checkpoint_accuracy, checkpoint_completions
 
-    return checkpoint_accuracy(
-        path, task, max_new_tokens=config.sampling.max_new_tokens, threads=max(1, config.learner.threads)
-    )
+    threads = max(1, config.learner.threads)
+    max_new = config.sampling.max_new_tokens
+    if not config.task.rewards:
+        return checkpoint_accuracy(path, task, max_new_tokens=max_new, threads=threads), {}
+    if not task.eval_problems:
+        return float("nan"), {}
+    from asyncrl.rewards.base import RewardInput
+    from asyncrl.rewards.scorer import make_scorer
+
+    done = checkpoint_completions(path, task, max_new_tokens=max_new, threads=threads)
+    scorer = make_scorer(config.task)
+    try:
+        scores = scorer.score_sync(
+            [
+                RewardInput(
+                    prompt=p.prompt,
+                    completion=c.text,
+                    answer=p.answer,
+                    extras=p.extras,
+                    num_tokens=c.num_tokens,
+                    finish_reason=c.finish_reason,
+                    max_new_tokens=max_new,
+                )
+                for p, c in done
+            ]
+        )
+    finally:
+        scorer.close()
+    means = {name: sum(s.parts.get(name, 0.0) for s in scores) / len(scores) for name in scorer.names}
+    means["total"] = sum(s.reward for s in scores) / len(scores)
+    means["failed"] = float(sum(s.failed for s in scores))
+    key = config.task.scoring.eval_reward or scorer.names[0]
+    return means[key], means
+
+
+def load_task(config: Config, path: Path) -> tuple[Task, Any, dict[str, int]]:
+    """The run's task and tokenizer, prepared (every prompt rendered and checked once) before
+    any process starts: bad data fails here, with one line."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.tasks.base import make_task, prepare_task
+
+    task = make_task(config.task)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stats = prepare_task(task, tokenizer, groups_per_step=config.learner.groups_per_step)
+    return task, tokenizer, stats
 
 
 def resume_point(run_dir: Path, config: Config) -> int:
@@ -101,6 +147,7 @@ def run_job(
 
     path = model_path(config)
     check_cpus(config)
+    task, tokenizer, task_stats = load_task(config, path)
     resume_version = 0
     if resume_dir is None:
         run_dir = make_run_dir(config)
@@ -123,11 +170,14 @@ def run_job(
         resume_version=resume_version,
         role_modules=role_modules,
         open_stream=partial(open_hub, run_dir=run_dir, config=config, reporter=reporter),
+        task=task,
+        tokenizer=tokenizer,
     )
-    task = launcher.task
+    for key, value in task_stats.items():
+        reporter.event(f"task: {key} = {value}")
     t0 = time.perf_counter()
-    eval_before = evaluate(config, path, task) if not resume_version else float("nan")
-    reporter.event(f"held-out accuracy before training: {eval_before:.3f}")
+    eval_before, rewards_before = evaluate(config, path, task) if not resume_version else (float("nan"), {})
+    reporter.event(f"held-out accuracy before training: {eval_before:.3f}{_means(rewards_before)}")
     failure = None
     try:
         state = uvloop.run(launcher.run())
@@ -136,10 +186,10 @@ def run_job(
         state = launcher.state
     train_wall = state.elapsed_s
     final = run_dir / "final_model"
-    eval_after = float("nan")
+    eval_after, rewards_after = float("nan"), {}
     if failure is None and not launcher.interrupted and final.is_dir():
-        eval_after = evaluate(config, final, task)
-        reporter.event(f"held-out accuracy after training: {eval_after:.3f}")
+        eval_after, rewards_after = evaluate(config, final, task)
+        reporter.event(f"held-out accuracy after training: {eval_after:.3f}{_means(rewards_after)}")
     completed = failure is None and not launcher.interrupted
     # The ledger (scheduler/tasks.py): at the end of a completed run every admitted sample must be
     # trained; otherwise samples still pending are not lost (a resume would generate them).
@@ -167,6 +217,10 @@ def run_job(
         "eval_before": eval_before,
         "eval_after": eval_after,
         "eval_problems": len(task.eval_problems),
+        "eval_rewards_before": rewards_before,
+        "eval_rewards_after": rewards_after,
+        **state.rewards_tally.summary(),
+        "task": task_stats,
         "wall_s": time.perf_counter() - t0,
         "train_wall_s": train_wall,
         "samples_per_s": state.trajectories_trained / max(1e-9, train_wall),
@@ -190,3 +244,7 @@ def run_job(
     if failure:
         raise RunFailed(failure)
     return summary
+
+
+def _means(rewards: dict[str, float]) -> str:
+    return "" if not rewards else " (" + ", ".join(f"{k} {v:.3f}" for k, v in rewards.items()) + ")"

@@ -72,6 +72,7 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
     step: int  # the learner step (admission window) this group is trained in
     answer: str  # what the task's verifier checks against
     extras: dict[str, Any] = {}  # the dataset row's extra fields, for the rewards (task.dataset.extra_fields)
+    attempt: int = 0  # > 0: samples drawn again (a reward failed): seeds fold it in
 
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):
@@ -136,6 +137,14 @@ class TaskDone(_Msg, frozen=True, kw_only=True):
     num_tokens: int
     generate_s: float
     mean_reward: float
+    # With task.rewards: each reward's sum over the group's samples, unweighted (by reward name).
+    reward_sums: dict[str, float] = {}
+    # Reward calls that failed (by reward name), each counted, also when the sample was drawn again.
+    reward_failures: dict[str, int] = {}
+    num_scored: int = 0  # samples scored, redraws included (the failure budget's denominator)
+    num_score_failed: int = 0  # of those, samples with at least one failed reward
+    num_regenerated: int = 0  # samples drawn again after a failed reward (scoring.on_failure)
+    num_overlong: int = 0  # samples cut at sampling.max_new_tokens
 
 
 class TasksDone(_Msg, frozen=True, kw_only=True):

@@ -38,6 +38,10 @@ class Rollout:
     opd_ids: list[list[int]] | None = None
     opd_behavior_logprobs: list[list[float]] | None = None
     teacher_logprobs: list[list[float]] | None = None
+    # With task.rewards configured, the service scores (asyncrl/rewards/) and `reward` is NaN
+    # until then: `RolloutBuilder` leaves the decoded texts here for it.
+    prompt_text: str | None = None
+    completion_text: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,10 +5,15 @@ samples token ids with their behavior log-probs and versions, then hands each sa
 completion is decoded up to its first eos (`answer_ids`: a model that samples past its answer,
 `ignore_eos`, is still scored on the answer) and scored by the run's task (`Task.score`, the task
 seam in `asyncrl/tasks/base.py`), so no backend knows which task it serves.
+
+With `task.rewards` configured the builder does not score: it leaves the decoded texts on the
+Rollout (reward NaN) and the generator service scores whole batches with the run's rewards off
+its event loop (`asyncrl/rewards/`), where a reward that raises or hangs is counted, not fatal.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,24 +34,28 @@ class OpdArrays(NamedTuple):
 class RolloutBuilder:
     """Scores completions with the run's task and assembles them into Rollouts."""
 
-    def __init__(self, task: Task, tokenizer: Any) -> None:
-        self.task = task
+    def __init__(self, task: Task | None, tokenizer: Any) -> None:
+        self.task = task  # None: the service scores (task.rewards)
         self.tokenizer = tokenizer
 
     @classmethod
     def for_task(cls, section: Any, tokenizer: Any) -> RolloutBuilder:
         """The builder for a `task` config section (`GeneratorContext.task`); ValueError if the task
-        cannot be built."""
-        return cls(make_task(section), tokenizer)
+        cannot be built. With `task.rewards` the task itself is not needed here."""
+        return cls(None if section.rewards else make_task(section), tokenizer)
+
+    def completion_text(self, completion_ids: Sequence[int]) -> str:
+        """The completion as the rewards read it: decoded up to its first eos."""
+        tok = self.tokenizer
+        return tok.decode(answer_ids(completion_ids, tok.eos_token_id), skip_special_tokens=True)
 
     def prompt_text(self, task: PromptTask) -> str:
         return self.tokenizer.decode(task.prompt_ids, skip_special_tokens=True)
 
     def reward(self, prompt_text: str, completion_ids: Sequence[int], answer: str) -> float:
         """The task's score of a completion, decoded up to its first eos."""
-        tok = self.tokenizer
-        text = tok.decode(answer_ids(completion_ids, tok.eos_token_id), skip_special_tokens=True)
-        return float(self.task.score(prompt_text, text, answer))
+        assert self.task is not None, "with task.rewards the generator service scores"
+        return float(self.task.score(prompt_text, self.completion_text(completion_ids), answer))
 
     def build(
         self,
@@ -63,15 +72,23 @@ class RolloutBuilder:
         """One scored Rollout; pass `prompt_text` when several samples share a prompt (decoded once)."""
         if prompt_text is None:
             prompt_text = self.prompt_text(task)
+        if self.task is None:
+            reward, texts = (
+                math.nan,
+                {"prompt_text": prompt_text, "completion_text": self.completion_text(completion_ids)},
+            )
+        else:
+            reward, texts = self.reward(prompt_text, completion_ids, task.answer), {}
         return Rollout(
             task_id=task.task_id,
             sample_index=sample_index,
             completion_ids=completion_ids,
             behavior_logprobs=behavior_logprobs,
             token_versions=token_versions,
-            reward=self.reward(prompt_text, completion_ids, task.answer),
+            reward=reward,
             finish_reason=finish_reason,
             opd_ids=None if opd is None else opd.ids,
             opd_behavior_logprobs=None if opd is None else opd.behavior_logprobs,
             teacher_logprobs=None if opd is None else opd.teacher_logprobs,
+            **texts,
         )

@@ -37,6 +37,7 @@ import torch
 import zmq
 
 from asyncrl.generators.base import GeneratorContext, GroupWeights, Rollout, StagedWeights, resolve_generator
+from asyncrl.generators.scoring import BatchScorer
 from asyncrl.messages import (
     Metrics,
     PromptTask,
@@ -189,6 +190,7 @@ class GeneratorService:
                 "which weights.transport=broadcast needs; use weights.transport=shards"
             )
         self.num_opd_samples = cfg.opd.num_samples if cfg.opd.enabled else 0
+        self.scorer = BatchScorer(cfg)
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
         self.data.connect(ctx.extra["data"])
         self.pending: deque[PromptTask] = deque()
@@ -377,6 +379,7 @@ class GeneratorService:
                     f"generator {self.ctx.peer_id} returned samples {got} for task {task.task_id}; "
                     f"expected 0..{task.num_samples - 1} exactly once"
                 )
+        counts = await self.scorer.score(batch, by_task, self.gen.generate)
         frames = [
             trajectory_frames(task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples)
             for task in batch
@@ -398,6 +401,7 @@ class GeneratorService:
                     num_tokens=num_tokens,
                     generate_s=elapsed,
                     mean_reward=sum(r.reward for r in group) / len(group),
+                    **counts[task.task_id].as_fields(),
                 )
             )
         await self.ctx.ctrl.send(TasksDone(items=done))
@@ -441,6 +445,7 @@ class GeneratorService:
         finally:
             self.receiver.close()
             self.data.close()
+            await self.scorer.close()  # its reward worker processes
             await self.gen.close()  # also on failure: a generator may own server processes
 
 

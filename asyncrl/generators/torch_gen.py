@@ -132,7 +132,7 @@ class TorchGenerator:
             top_p=s.top_p,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            seeds=[sample_seed(self._run_seed, task.group_id, k) for task, k in owners],
+            seeds=[sample_seed(self._run_seed, task.group_id, k, task.attempt) for task, k in owners],
             current_version=lambda: self._version,
             poll_update=self.apply_pending,
             inflight=self._inflight,

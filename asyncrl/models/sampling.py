@@ -58,9 +58,13 @@ class SampleOutput(NamedTuple):
     extra_logprobs: list[list[list[float]]] | None = None
 
 
-def sample_seed(run_seed: int, group_id: int, sample_index: int) -> int:
-    """The RNG seed of one sample: a hash of (run seed, group, index), so batching cannot change it."""
-    digest = hashlib.sha256(struct.pack("<qqq", run_seed, group_id, sample_index)).digest()
+def sample_seed(run_seed: int, group_id: int, sample_index: int, attempt: int = 0) -> int:
+    """The RNG seed of one sample: a hash of (run seed, group, index), so batching cannot change it.
+    A sample drawn again (`PromptTask.attempt` > 0: its reward failed) gets fresh uniforms."""
+    packed = struct.pack("<qqq", run_seed, group_id, sample_index)
+    if attempt:
+        packed += struct.pack("<q", attempt)
+    digest = hashlib.sha256(packed).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 

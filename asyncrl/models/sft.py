@@ -80,24 +80,25 @@ def sft(
     return SftResult(steps=steps, final_loss=loss_value)
 
 
+class Completion(NamedTuple):
+    """A greedy completion as the rewards read it: decoded up to its first eos."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str
+
+
 @torch.no_grad()
-def greedy_accuracy(
-    model,
-    tokenizer,
-    task,
-    *,
-    max_new_tokens: int,
-    batch_size: int = 256,
-) -> float:
-    """Mean reward of greedy completions of `task`'s held-out problems (an `asyncrl.tasks.base.Task`:
-    prompts rendered and completions scored by the task), the same decoding before and after training."""
+def greedy_completions(model, tokenizer, task, *, max_new_tokens: int, batch_size: int = 256) -> list:
+    """(problem, Completion) for each of `task`'s held-out problems (an `asyncrl.tasks.base.Task`:
+    prompts rendered by the task), greedy, the same decoding before and after training."""
     from asyncrl.models.sampling import answer_ids, generate
 
     problems = list(task.eval_problems)
-    total = 0.0
+    out = []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        out = generate(
+        gen = generate(
             model,
             task.render(chunk, tokenizer),
             max_new_tokens=max_new_tokens,
@@ -105,21 +106,39 @@ def greedy_accuracy(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        for problem, ids in zip(chunk, out.completion_ids, strict=True):
+        for problem, ids, finish in zip(chunk, gen.completion_ids, gen.finish_reasons, strict=True):
             text = tokenizer.decode(answer_ids(ids, tokenizer.eos_token_id), skip_special_tokens=True)
-            total += task.score(problem.prompt, text, problem.answer)
-    return total / max(1, len(problems))
+            out.append((problem, Completion(text, len(ids), finish)))
+    return out
+
+
+def greedy_accuracy(model, tokenizer, task, *, max_new_tokens: int, batch_size: int = 256) -> float:
+    """Mean task score (`task.score`) of the greedy completions of `task`'s held-out problems."""
+    done = greedy_completions(model, tokenizer, task, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    total = sum(task.score(p.prompt, c.text, p.answer) for p, c in done)
+    return total / max(1, len(done))
+
+
+def _load(path, threads: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, tokenizer
 
 
 def checkpoint_accuracy(path, task, *, max_new_tokens: int, threads: int = 0) -> float:
     """`greedy_accuracy` of the Hugging Face checkpoint at `path` (float32, eval mode); NaN when
     the task holds nothing out. `threads` > 0 sets torch's intra-op threads first."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not task.eval_problems:
         return float("nan")
-    if threads > 0:
-        torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, tokenizer = _load(path, threads)
     return greedy_accuracy(model, tokenizer, task, max_new_tokens=max_new_tokens)
+
+
+def checkpoint_completions(path, task, *, max_new_tokens: int, threads: int = 0) -> list:
+    """`greedy_completions` of the checkpoint at `path` (for scoring with the run's rewards)."""
+    model, tokenizer = _load(path, threads)
+    return greedy_completions(model, tokenizer, task, max_new_tokens=max_new_tokens)

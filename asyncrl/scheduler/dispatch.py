@@ -86,6 +86,7 @@ class Dispatcher:
                 dataset_index=j,
                 step=self.mode.task_step(j, loaded_version=loaded_version),
                 answer=problem.answer,
+                extras=dict(problem.extras),
             )
             self.book.admit(task)
             tasks.append(task)

@@ -23,7 +23,7 @@ from typing import Protocol
 import msgspec
 
 from asyncrl.config import Config
-from asyncrl.messages import LauncherSnapshot
+from asyncrl.messages import LauncherSnapshot, TaskDone
 from asyncrl.scheduler.modes import AdmissionMode
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,66 @@ class RunState:
     stale_messages: int = 0  # from a generator process already replaced (dropped)
     rejected_frames: int = 0  # on the launcher's control socket (malformed, unknown peer, ...)
     phase: str = "starting"
+    rewards_tally: RewardTally = field(default_factory=lambda: RewardTally())
+    last_progress: float = field(default_factory=time.monotonic)  # the last TaskDone or StepDone
+    last_progress_what: str = "nothing yet"
 
     @property
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
+
+    def progressed(self, what: str) -> None:
+        self.last_progress = time.monotonic()
+        self.last_progress_what = what
+
+
+@dataclass
+class RewardTally:
+    """The run's rewards, summed from TaskDones (task.rewards): per-reward means and failures."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    num_samples: int = 0  # samples whose final scores are in `sums`
+    failures: dict[str, int] = field(default_factory=dict)  # failed reward calls, by reward name
+    num_scored: int = 0  # scorings, redraws included
+    num_score_failed: int = 0  # scorings with at least one failed reward
+    num_regenerated: int = 0
+    num_overlong: int = 0
+
+    def add(self, msg: TaskDone) -> None:
+        if msg.reward_sums:
+            self.num_samples += msg.num_trajectories
+        for name, value in msg.reward_sums.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        for name, n in msg.reward_failures.items():
+            self.failures[name] = self.failures.get(name, 0) + n
+        self.num_scored += msg.num_scored
+        self.num_score_failed += msg.num_score_failed
+        self.num_regenerated += msg.num_regenerated
+        self.num_overlong += msg.num_overlong
+
+    def means(self) -> dict[str, float]:
+        return {name: total / max(1, self.num_samples) for name, total in self.sums.items()}
+
+    def over_budget(self, budget: float, min_samples: int) -> str | None:
+        """Why the run must stop (too many failed rewards), or None."""
+        if self.num_scored < min_samples or self.num_score_failed <= budget * self.num_scored:
+            return None
+        by_name = ", ".join(f"{name}: {n}" for name, n in sorted(self.failures.items()))
+        return (
+            f"rewards failed on {self.num_score_failed} of {self.num_scored} scored samples "
+            f"({self.num_score_failed / self.num_scored:.0%}; {by_name}), past task.scoring.failure_budget = "
+            f"{budget:g}; the generator logs name each failure: fix the reward, or raise the budget"
+        )
+
+    def summary(self) -> dict:
+        return {
+            "reward_means": self.means(),
+            "reward_failures": dict(self.failures),
+            "samples_scored": self.num_scored,
+            "samples_with_failed_reward": self.num_score_failed,
+            "samples_regenerated": self.num_regenerated,
+            "samples_overlong": self.num_overlong,
+        }
 
 
 class Reporter(Protocol):

@@ -34,6 +34,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -66,7 +67,7 @@ from asyncrl.scheduler.spawner import LocalSpawner, Spawner
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
 from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.scheduler.workers import Workers
-from asyncrl.tasks.base import make_task
+from asyncrl.tasks.base import Task, make_task, prepare_task
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,11 @@ class Launcher:
         role_modules: Mapping[str, str] | None = None,
         spawner: Spawner | None = None,
         open_stream: OpenStream | None = None,
+        task: Task | None = None,
+        tokenizer: Any = None,
     ) -> None:
+        """`task` and `tokenizer`: the run's task, already prepared (`tasks.base.prepare_task`), and
+        the tokenizer that renders its prompts; by default both are made here and in `run`."""
         self.cfg = config
         self.run_dir = run_dir
         self.model_path = model_path
@@ -114,7 +119,9 @@ class Launcher:
         self.state = RunState(
             total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness
         )
-        self.task = make_task(config.task)
+        self.task = task if task is not None else make_task(config.task)
+        self.task_prepared = task is not None
+        self.task_stats: dict[str, int] = {}
         # Resuming at version v: groups [0, v*B) were trained; the later ones the interrupted run
         # had admitted are admitted again (`readmit_checkpointed`); the learner keeps the
         # trajectories its checkpoint held and drops their copies.
@@ -141,6 +148,7 @@ class Launcher:
             ),
             max_staleness=config.effective_max_staleness,
         )
+        self.dispatcher.tokenizer = tokenizer
         self.last_published: WeightsPublished | None = None
         self.ctrl_address = ""
         self.rejected_by_reason: dict[str, int] = {}
@@ -180,6 +188,7 @@ class Launcher:
                     return
                 await self.restart_generator(ctrl, child, reason)
             self.report_rejected(ctrl)
+            self.check_stalled()
             await asyncio.sleep(POLL_S)  # polling worker exit status; no message to wait for
 
     def report_rejected(self, ctrl: Endpoint) -> None:
@@ -367,7 +376,29 @@ class Launcher:
         self.state.groups_in_flight -= 1
         self.state.trajectories_generated += msg.num_trajectories
         self.state.tokens_generated += msg.num_tokens
+        self.state.progressed(f"TaskDone of group {msg.task_id} from {child.peer_id}")
+        tally = self.state.rewards_tally
+        tally.add(msg)
         self.records.write("task", msgspec.to_builtins(msg))
+        scoring = self.cfg.task.scoring
+        if reason := tally.over_budget(scoring.failure_budget, scoring.failure_budget_min_samples):
+            self.fail(reason)
+
+    def check_stalled(self) -> None:
+        """No silent stalls: the run stops (resumably) when nothing has moved for
+        monitor.stall_timeout_s, with one line naming what the next step waits for."""
+        timeout_s = self.cfg.monitor.stall_timeout_s
+        st = self.state
+        if not timeout_s or st.phase != "training" or time.monotonic() - st.last_progress < timeout_s:
+            return
+        ledger = self.book.ledger
+        on = [f"{inc.peer_id}: {ledger.tasks_in_flight(inc.peer_id)[:8]}" for inc in self.pool.live()]
+        self.fail(
+            f"stalled: step {st.step} has received nothing for {timeout_s:g} s (monitor.stall_timeout_s); "
+            f"groups in flight {', '.join(on) or 'none'}, re-queued {list(self.book.requeued)[:8]}; "
+            f"last progress: {st.last_progress_what}. `asyncrl launch --resume {self.run_dir}` continues "
+            "from the last checkpoint"
+        )
 
     def on_step_done(self, msg: StepDone) -> None:
         st = self.state
@@ -379,7 +410,10 @@ class Launcher:
         st.last_loss = msg.loss
         st.last_clip_fraction = msg.clip_fraction
         st.rewards.append(msg.mean_reward)
+        st.progressed(f"StepDone {msg.step}")
         record = msgspec.to_builtins(msg)
+        if st.rewards_tally.sums:  # each reward's running mean (task.rewards)
+            record["rewards"] = st.rewards_tally.means()
         record["samples_per_s"] = st.trajectories_trained / max(1e-9, st.elapsed_s)
         self.records.write("step", record)
         total_steps = self.cfg.learner.steps
@@ -412,7 +446,13 @@ class Launcher:
     async def run(self) -> RunState:
         from transformers import AutoTokenizer
 
-        self.dispatcher.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if self.dispatcher.tokenizer is None:
+            self.dispatcher.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if not self.task_prepared:
+            self.task_stats = prepare_task(
+                self.task, self.dispatcher.tokenizer, groups_per_step=self.cfg.learner.groups_per_step
+            )
+            self.task_prepared = True
         if self.resume_version:
             self.readmit_checkpointed()
         loop = asyncio.get_running_loop()
@@ -452,6 +492,7 @@ class Launcher:
             if not self.finished.is_set():
                 self.state.phase = "training"
                 self.state.started = time.perf_counter()
+                self.state.progressed("training started")
                 await self.dispatch(ctrl)
                 await inbox.go_inline()
                 stop = asyncio.ensure_future(self.finished.wait())

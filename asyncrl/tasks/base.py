@@ -6,7 +6,12 @@ A task answers four questions, and nothing else in asyncrl knows which task it s
   - `eval_problems`: the held-out set, scored greedily before and after training;
   - `render(problems, tokenizer)`: prompts to token ids (raw text, or a chat template); the
     launcher sends ids, generators never see the task;
-  - `score(prompt, completion, answer)`: the reward of one completion (a verifier).
+  - `score(prompt, completion, answer)`: the reward of one completion (a verifier), unless the
+    run configures `task.rewards` (asyncrl/rewards/), which the generators then run instead.
+
+Optionally a task may also have `prepare(tokenizer) -> dict` (render and check every prompt once,
+before any is admitted; returns counts for summary.json) and `num_train` (the training rows; a
+run needs at least one step's worth): the dataset task (`tasks/dataset.py`) has both.
 
 Who calls it: the launcher (prompt stream and rendering), every generator backend (scoring, via
 `generators/rollouts.py`), evaluation (`asyncrl/job.py`) and distillation (privileged context).
@@ -81,3 +86,17 @@ def make_task(section: Any) -> Task:
             "(it needs eval_problems, train_problem, render and score; asyncrl/tasks/base.py)"
         )
     return task
+
+
+def prepare_task(task: Task, tokenizer: Any, *, groups_per_step: int) -> dict[str, int]:
+    """Called once before any prompt is admitted (or evaluated): the task's own `prepare`, if it
+    has one, and the size check. ValueError naming the problem and the fix."""
+    prepare = getattr(task, "prepare", None)
+    stats = dict(prepare(tokenizer)) if prepare is not None else {}
+    num_train = getattr(task, "num_train", None)
+    if num_train is not None and num_train < groups_per_step:
+        raise ValueError(
+            f"the training set has {num_train} prompts, fewer than one step's "
+            f"learner.groups_per_step = {groups_per_step}; add rows or lower learner.groups_per_step"
+        )
+    return stats

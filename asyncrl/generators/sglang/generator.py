@@ -251,7 +251,7 @@ class SGLangGenerator:
 
         assert self._ctx is not None and self._slots is not None
         max_new = task.sampling.max_new_tokens
-        base_seed = sample_seed(self._ctx.run_seed, task.group_id, k)
+        base_seed = sample_seed(self._ctx.run_seed, task.group_id, k, task.attempt)
         ids: list[int] = []
         logps: list[float] = []
         versions: list[int] = []
