@@ -238,6 +238,10 @@ def run_job(
         "stale_messages": state.stale_messages,
         "run_dir": str(run_dir),
     }
+    if (position := getattr(task, "position", None)) is not None:
+        next_group = launcher.mode.admission.num_admitted
+        epoch, row = position(next_group)
+        summary["dataset_position"] = {"next_group": next_group, "epoch": epoch, "row_in_epoch": row}
     if failure:
         summary["error"] = failure
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

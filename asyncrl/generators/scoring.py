@@ -24,6 +24,8 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from asyncrl.generators.base import Rollout
 from asyncrl.messages import PromptTask
 from asyncrl.rewards.base import RewardInput
@@ -117,7 +119,7 @@ class BatchScorer:
     async def _redraw(self, tasks, by_task, counts, redo, attempt: int, generate: Generate) -> None:
         """Draw the groups of `redo` again with fresh seeds; replace only the failed samples."""
         again = {
-            tid: dataclasses.replace(tasks[tid], attempt=tasks[tid].attempt + attempt)
+            tid: msgspec.structs.replace(tasks[tid], attempt=tasks[tid].attempt + attempt)
             for tid in dict.fromkeys(tid for tid, _ in redo)
         }
         fresh = {(r.task_id, r.sample_index): r for r in await generate(list(again.values()))}

@@ -22,6 +22,7 @@ Format (`<run_dir>/checkpoints/launcher-{steps_trained:08d}.json`, one JSON obje
     in_flight       {generator peer id: [task ids]} of the others (for the record: on resume those
                     processes are gone, so these tasks are re-queued too, after `requeued`)
     ledger          the `asyncrl.buffer.ledger` snapshot (LedgerSnapshot fields, JSON)
+    task_fingerprint  the task's rows and order (`fingerprint()`, the dataset task), or ""
 
 Every group below `next_group` is either trained (its step is < steps_trained), or open. A resume
 therefore neither skips a prompt (open tasks are re-sent, admission continues at next_group) nor
@@ -63,6 +64,9 @@ class LauncherCheckpoint(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     requeued: list[int]
     in_flight: dict[str, list[int]]
     ledger: LedgerSnapshot
+    # The task's `fingerprint()` (the dataset task: its rows, their order and the shuffle seed),
+    # checked on resume: a changed dataset would make the saved position mean other prompts.
+    task_fingerprint: str = ""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -75,7 +79,9 @@ def checkpoint_due(step: int, version: int, *, total_steps: int, every: int) -> 
     return step + 1 >= total_steps or bool(every and version % every == 0)
 
 
-def snapshot(admission: Admission | CreditAdmission, book: TaskBook) -> LauncherCheckpoint:
+def snapshot(
+    admission: Admission | CreditAdmission, book: TaskBook, *, task_fingerprint: str = ""
+) -> LauncherCheckpoint:
     """The launcher state as one value (pure)."""
     ledger = msgspec.msgpack.decode(book.ledger.to_bytes(), type=LedgerSnapshot)
     waiting = set(book.requeued)
@@ -97,12 +103,15 @@ def snapshot(admission: Admission | CreditAdmission, book: TaskBook) -> Launcher
         requeued=list(book.requeued),
         in_flight={g: sorted(ids) for g, ids in sorted(in_flight.items())},
         ledger=ledger,
+        task_fingerprint=task_fingerprint,
     )
 
 
-def save_launcher_checkpoint(run_dir: Path, admission: Admission | CreditAdmission, book: TaskBook) -> Path:
+def save_launcher_checkpoint(
+    run_dir: Path, admission: Admission | CreditAdmission, book: TaskBook, *, task_fingerprint: str = ""
+) -> Path:
     """Write `launcher-{steps_trained:08d}.json` atomically; returns its path."""
-    state = snapshot(admission, book)
+    state = snapshot(admission, book, task_fingerprint=task_fingerprint)
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"launcher-{state.steps_trained:08d}.json"

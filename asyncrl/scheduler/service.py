@@ -281,6 +281,13 @@ class Launcher:
         windows of them from its checkpoint and train those steps before any generator is up;
         their StepDone must find the groups in the book."""
         saved = read_launcher_checkpoint(self.run_dir, self.resume_version)
+        now, then = self.task_fingerprint(), saved.get("task_fingerprint", "")
+        if now and then and now != then:
+            raise ValueError(
+                f"the training data of {self.run_dir} changed since its checkpoint (fingerprint {then}, now "
+                f"{now}): its dataset position would name other prompts; restore {self.cfg.task.dataset.path} "
+                "as it was, or start a new run"
+            )
         tasks = self.dispatcher.readmit(saved, resume_version=self.resume_version)
         self.count_admitted(len(tasks))
 
@@ -425,9 +432,15 @@ class Launcher:
         ):
             self.save_checkpoint()  # the learner wrote its half for this version before StepDone
 
+    def task_fingerprint(self) -> str:
+        fingerprint = getattr(self.task, "fingerprint", None)
+        return fingerprint() if fingerprint is not None else ""
+
     def save_checkpoint(self) -> None:
         try:
-            save_launcher_checkpoint(self.run_dir, self.mode.admission, self.book)
+            save_launcher_checkpoint(
+                self.run_dir, self.mode.admission, self.book, task_fingerprint=self.task_fingerprint()
+            )
         except OSError as exc:
             log.error("launcher checkpoint not written: %s", exc)
 

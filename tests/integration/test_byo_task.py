@@ -221,8 +221,14 @@ def test_resume_trains_every_prompt_of_the_epoch_exactly_once(tiny_model_dir, tm
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from"] >= 2
-    exact_ledger(summary)
+    resumed_from = summary["resumed_from"]
+    assert resumed_from >= 2 and summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["trajectories_trained"] == (STEPS - resumed_from) * GROUPS * SAMPLES
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["dataset_position"] == {"next_group": NUM_ROWS, "epoch": 1, "row_in_epoch": 0}
+    # Every step is in the records (a step the crashed run trained past its last checkpoint is
+    # trained again from the checkpoint: its weights died with the learner).
+    assert sorted({r["step"] for r in read_records(run_dir, "step")}) == list(range(STEPS))
     # Every row of the epoch was generated and scored (a group re-run after the crash may be
     # scored twice; the ledger above says each group was trained exactly once).
     rows = [int(line.split()[0]) for line in scored.read_text().splitlines()]
@@ -234,3 +240,59 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_remote_verifier_that_is_down_then_comes_back(tiny_model_dir, tmp_path, pid_alive):
+    """Down at the start (nothing listens on its port): samples scored meanwhile fail, counted;
+    once a failure is on record the verifier starts, and later groups score again."""
+    port = _free_port()
+    data = write_rows(tmp_path / "data.jsonl")
+    steps = 4 * STEPS  # four epochs: long enough to see the verifier come back
+    sets = dataset_sets(
+        data,
+        reward(
+            "remote",
+            name="remote",
+            url=f"http://127.0.0.1:{port}/score",
+            timeout_s=2.0,
+            retries=1,
+            backoff_s=0.1,
+        ),
+        f"learner.steps={steps}",
+        "task.scoring.failure_budget=1.0",
+    )
+    run_dir = tmp_path / "byo"
+    job = subprocess.Popen(
+        short_job_args(tiny_model_dir, tmp_path, *sets, name="byo"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    verifier = None
+    try:
+        deadline = time.monotonic() + 200
+        while not (
+            (run_dir / "metrics.jsonl").is_file()
+            and any(r["reward_failures"] for r in read_records(run_dir, "task"))
+        ):
+            assert time.monotonic() < deadline and job.poll() is None, "no failed remote reward on record"
+            time.sleep(0.05)  # polling the run's records
+        verifier = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.testing.verifier", "--port", str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert verifier.stdout.readline().startswith("http://127.0.0.1:")
+        out, _ = job.communicate(timeout=300)
+    finally:
+        for proc in (job, verifier):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert job.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    exact_ledger(summary, steps=steps)
+    failed = summary["reward_failures"]["remote"]
+    assert 0 < failed < steps * GROUPS * SAMPLES
+    tasks = read_records(run_dir, "task")
+    assert not tasks[-1]["reward_failures"] and "remote" in tasks[-1]["reward_sums"]

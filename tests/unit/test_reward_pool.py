@@ -1,0 +1,201 @@
+"""RewardPool (asyncrl/rewards/pool.py): worker processes with a per-call timeout.
+
+Rewards come from tests/reward_fixtures.py by `pkg.mod:fn` path, which the spawned workers import
+themselves (through the parent's sys.path)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from asyncrl.config import RewardConfig, ScoringConfig, TaskConfig
+from asyncrl.rewards import RewardFailure, RewardInput, RewardPool, Scorer
+
+MISBEHAVE = RewardConfig(kind="tests.reward_fixtures:misbehave")
+
+
+def sample(completion: str, answer: str = "") -> RewardInput:
+    return RewardInput("prompt", completion, answer, {"row": 1}, 3, "stop", 10)
+
+
+def run_pool(pool: RewardPool, *batches: tuple[int, list[str]]) -> list[list]:
+    """Each (reward_index, completions) batch through `pool`, in turn, on one loop; then close."""
+
+    async def main():
+        try:
+            return [await pool.run(index, [sample(c) for c in batch]) for index, batch in batches]
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(main())
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """True once `pid` has exited (woken by its pidfd, not by polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def test_results_keep_sample_order_across_chunks_and_workers():
+    completions = ["x" * (i % 17) for i in range(300)]
+    pool = RewardPool([RewardConfig(kind="tests.reward_fixtures:length")], workers=2, timeout_s=30)
+    (results,) = run_pool(pool, (0, completions))
+    assert results == [float(len(c)) for c in completions]
+
+
+def test_a_reward_that_raises_fails_only_those_samples():
+    pool = RewardPool([MISBEHAVE], workers=2, timeout_s=30)
+    (results,) = run_pool(pool, (0, ["a", "raise", "bb", "raise", "ccc"]))
+    assert results[0::2] == [1.0, 2.0, 3.0]
+    assert results[1] == results[3] == RewardFailure("raised", "ValueError: bad sample")
+
+
+def test_non_finite_and_non_number_returns_are_invalid():
+    pool = RewardPool([MISBEHAVE], workers=1, timeout_s=30)
+    ((nan, text, ok),) = run_pool(pool, (0, ["nan", "str", "ok"]))
+    assert nan.kind == "invalid" and "nan" in nan.detail
+    assert text.kind == "invalid" and "str" in text.detail
+    assert ok == 2.0
+
+
+def test_a_hang_times_out_that_sample_and_its_worker_is_replaced(pid_alive):
+    pool = RewardPool([MISBEHAVE, RewardConfig(kind="tests.reward_fixtures:pid")], workers=1, timeout_s=0.5)
+
+    async def main():
+        try:
+            await pool.run(0, [sample("warm")])  # workers up: start-up time is not on the clock below
+            before = set(pool.pids)
+            started = time.monotonic()
+            hung = await pool.run(0, [sample(c) for c in ["a", "hang", "bb", "ccc", "hang", "dddd"]])
+            wall_s = time.monotonic() - started
+            after = set(pool.pids)
+            again = await pool.run(1, [sample("x") for _ in range(8)])
+            return before, hung, wall_s, after, again
+        finally:
+            await pool.aclose()
+
+    before, hung, wall_s, after, again = asyncio.run(main())
+    assert [hung[i] for i in (0, 2, 3, 5)] == [1.0, 2.0, 3.0, 4.0]
+    for failure in (hung[1], hung[4]):
+        assert failure.kind == "timeout" and "task.scoring.timeout_s = 0.5s" in failure.detail
+    assert wall_s < 8.0  # two hangs of 0.5 s and two worker start-ups, with room for a busy CI host
+    assert len(after) == 1 and before.isdisjoint(after)  # killed and replaced (twice)
+    assert not any(pid_alive(pid) for pid in before)
+    assert {int(pid) for pid in again} == after  # the replacement scores
+    assert pool.num_timeouts == 2
+
+
+def test_a_worker_that_exits_fails_its_sample_and_the_rest_go_on():
+    pool = RewardPool([MISBEHAVE], workers=1, timeout_s=30)
+    (results,) = run_pool(pool, (0, ["a", "exit", "bb"]))
+    assert results[0] == 1.0 and results[2] == 2.0
+    assert results[1].kind == "raised" and "WorkerExited" in results[1].detail
+
+
+def test_a_reward_that_cannot_build_in_the_worker_fails_every_sample():
+    pool = RewardPool(
+        [RewardConfig(kind="tests.reward_fixtures:failing_factory", options={"a": 1})],
+        workers=1,
+        timeout_s=30,
+    )
+    (results,) = run_pool(pool, (0, ["a", "b"]))
+    assert all(r.kind == "raised" and "cannot build" in r.detail for r in results)
+
+
+def test_workers_do_not_import_torch():
+    pool = RewardPool([RewardConfig(kind="tests.reward_fixtures:torch_imported")], workers=1, timeout_s=30)
+    assert run_pool(pool, (0, ["a"])) == [[0.0]]
+
+
+def test_close_leaves_no_process(pid_alive):
+    pool = RewardPool([MISBEHAVE], workers=2, timeout_s=30)
+    pool.start()
+    pids = pool.pids
+    assert len(pids) == 2 and all(pid_alive(pid) for pid in pids)
+    pool.close()
+    pool.close()  # idempotent
+    assert pool.pids == [] and not any(pid_alive(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(pool.run(0, [sample("a")]))
+
+
+def test_close_fails_the_samples_still_pending(pid_alive):
+    pool = RewardPool([MISBEHAVE], workers=1, timeout_s=30)
+
+    async def main():
+        await pool.run(0, [sample("warm")])
+        pending = asyncio.ensure_future(pool.run(0, [sample("hang"), sample("a")]))
+        await asyncio.sleep(0)  # let run() hand the chunk out (one loop turn, not a timed wait)
+        pool.close()
+        return await pending
+
+    hang, rest = asyncio.run(main())
+    assert hang.kind == rest.kind == "raised" and "closed" in hang.detail
+
+
+def test_workers_die_with_their_parent(tmp_path):
+    """A parent killed by SIGKILL (no close()) leaves no reward worker behind."""
+    script = textwrap.dedent(
+        """
+        import asyncio, sys
+        from asyncrl.config import RewardConfig
+        from asyncrl.rewards import RewardInput, RewardPool
+
+        async def main():
+            pool = RewardPool([RewardConfig(kind="tests.reward_fixtures:pid")], workers=2, timeout_s=30)
+            await pool.run(0, [RewardInput("p", "c", "a", {}, 1, "stop", 1)])
+            print(*pool.pids, flush=True)
+            await asyncio.Event().wait()
+
+        asyncio.run(main())
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+        env=dict(os.environ),
+    )
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    assert all(wait_gone(pid) for pid in pids)
+
+
+def test_scorer_runs_non_cheap_sync_rewards_in_the_pool():
+    section = TaskConfig(
+        rewards=[
+            RewardConfig(kind="tests.reward_fixtures:misbehave", name="m"),  # auto, not cheap: the pool
+            RewardConfig(kind="exact_match", name="em", weight=0.5),  # cheap: a thread
+        ],
+        scoring=ScoringConfig(workers=1, timeout_s=0.5),
+    )
+    scorer = Scorer(section)
+    try:
+        assert scorer.pool is not None and len(scorer.pool.specs) == 1
+        scores = scorer.score_sync([sample("ab", "ab"), sample("hang", "hang"), sample("raise", "x")])
+        pool_pids = scorer.pool.pids
+    finally:
+        scorer.close()
+    assert scores[0].reward == 2.5 and scores[0].parts == {"m": 2.0, "em": 1.0}
+    assert scores[1].reward == 0.5 and scores[1].failures == {"m": "timeout"}
+    assert scores[2].failures == {"m": "raised: ValueError: bad sample"} and scores[2].reward == 0.0
+    assert len(pool_pids) == 1
