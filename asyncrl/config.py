@@ -168,7 +168,13 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     clip_low: Annotated[float, Meta(ge=0)] | None = None
     clip_high: Annotated[float, Meta(ge=0)] | None = None
     dual_clip: Annotated[float, Meta(gt=1)] | None = None  # ppo only: bound on -A r for A < 0
-    drop_degenerate_groups: bool = False  # DAPO dynamic sampling: groups with equal rewards leave the batch
+    # DAPO dynamic sampling: groups with equal rewards leave the batch. With buffer.mode = "pool"
+    # each one is replaced by a newly admitted prompt, so every step trains groups_per_step
+    # informative groups; with "window" the step trains on fewer (docs/buffer.md).
+    drop_degenerate_groups: bool = False
+    # pool mode: at most this many x groups_per_step groups dropped as degenerate in one step
+    # before the run stops (a task the model always or never solves cannot fill a batch).
+    max_degenerate_per_step: PosInt = 10
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0  # KL to the initial model; 0 = off
     kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = "k3"
     kl_placement: Literal["loss", "reward"] = "loss"  # "reward" takes k1 only (the unbiased choice)

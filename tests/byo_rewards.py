@@ -42,3 +42,11 @@ def recording(path: str):
         return exact(sample)
 
     return reward
+
+
+def degenerate_on_even_rows(sample) -> float:
+    """Even rows: 1.0 for every sample (a group with equal rewards); odd rows: the completion's
+    length parity, which differs between samples of a group almost always."""
+    if _row(sample) % 2 == 0:
+        return 1.0
+    return float(len(sample.completion) % 2)

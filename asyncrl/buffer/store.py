@@ -11,8 +11,8 @@ Life of a group:
   ready       complete and within every bound: `sample` may hand it out
   withheld    complete but violating a bound, with action="withhold"
   handed out  left through `sample` (at its last use, if replayed)
-  evicted     dropped and counted by reason: a bound with action="drop", "abandoned"
-              (`discard_pending`), or "reclaimed" (withheld data dropped to make room)
+  evicted     dropped and counted by reason: a bound with action="drop", "abandoned" or
+              "degenerate" (`discard_pending`), or "reclaimed" (withheld data dropped to make room)
 
   pending --complete--> ready --sample--> handed out
      |         |          ^ |  +--sample, replays left: freshness *= replay_decay, re-filed

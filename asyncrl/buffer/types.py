@@ -17,8 +17,8 @@ ACTIONS: tuple[str, ...] = ("withhold", "downweight", "drop")
 # Bound violations, checked in this order (a group is filed under the first one it violates).
 BOUND_REASONS: tuple[str, ...] = ("staleness", "freshness", "window")
 # Every eviction reason: bounds, a partial group abandoned by the caller, withheld data dropped to
-# make room under the memory bound.
-EVICTION_REASONS: tuple[str, ...] = (*BOUND_REASONS, "abandoned", "reclaimed")
+# make room under the memory bound, a group whose rewards are all equal (dynamic sampling).
+EVICTION_REASONS: tuple[str, ...] = (*BOUND_REASONS, "abandoned", "reclaimed", "degenerate")
 
 # Smallest freshness a score or a replay decay can produce: freshness lives in (0, 1], and an
 # underflow to 0.0 would leave that interval.

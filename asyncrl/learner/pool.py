@@ -24,6 +24,13 @@ set aside. The buffer moves to version s + 1 when step s ends, so its bounds app
 
 Freshness of an item: 2^(-s / freshness_half_life), s = its staleness when it arrived
 (`freshness_from_staleness`); replays multiply it by `replay_decay`.
+
+Dynamic sampling (DAPO) with `learner.drop_degenerate_groups`: a group whose rewards all came out
+equal (no learning signal) leaves as it completes, evicted as "degenerate"; its credit goes back
+in a GroupsLeft, the launcher admits another prompt, and every step still trains groups_per_step
+informative groups, within the staleness bound. At most `learner.max_degenerate_per_step` x
+groups_per_step groups may leave so during one step; past that the run stops with the reason
+(a task the model always or never solves, where over-sampling cannot fill a batch).
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ class PoolLoop(StepLoop):
         self._released_at_end: list[int] = []  # first used this step
         self.taken_groups: list[GroupBatch[TrainSample]] = []
         self.replays_dropped = 0  # groups dropped with replays left (trained at least once)
+        self.drop_degenerate = config.learner.drop_degenerate_groups
+        self.max_degenerate = config.learner.max_degenerate_per_step * self.groups_per_step
+        self._rewards: dict[int, list[float]] = {}  # group -> rewards so far (dynamic sampling)
+        self.num_degenerate = 0  # groups dropped as degenerate, in all
+        self.degenerate_this_step = 0
         self._report = _empty_report()
         self._left: dict = {"released": [], "evicted": {}}
 
@@ -88,9 +100,33 @@ class PoolLoop(StepLoop):
         )
         if reuse:
             self.used.add(sample.group_id)  # trained before a resume: holds no credit
+        elif self.drop_degenerate and self._completes_degenerate(sample):
+            self.buffer.discard_pending(sample.group_id, reason="degenerate")
+            self._note_events()
+            return
         self.buffer.put(item, reuse=reuse)
         self._note_events()
         self.arrived.set()
+
+    def _completes_degenerate(self, sample: TrainSample) -> bool:
+        """Whether `sample` completes a group whose rewards are all equal (then it is counted)."""
+        rewards = self._rewards.setdefault(sample.group_id, [])
+        rewards.append(sample.reward)
+        if len(rewards) < self.group_size:
+            return False
+        del self._rewards[sample.group_id]
+        if any(r != rewards[0] for r in rewards):
+            return False
+        self.num_degenerate += 1
+        self.degenerate_this_step += 1
+        if self.degenerate_this_step > self.max_degenerate:
+            raise RuntimeError(
+                f"dynamic sampling dropped {self.degenerate_this_step} groups with equal rewards in one "
+                f"step (learner.max_degenerate_per_step = {self.max_degenerate // self.groups_per_step} x "
+                f"groups_per_step): almost every prompt is always or never solved; use an easier or "
+                "harder task, more samples_per_group, or learner.drop_degenerate_groups = false"
+            )
+        return True
 
     def accepts(self, step: int, version: int) -> bool:
         return True  # any admitted group may be trained later: the buffer's bounds decide
@@ -127,6 +163,7 @@ class PoolLoop(StepLoop):
         self.buffer.update_version(step)
         self._note_events()
         self.taken_step, self.taken, self.taken_groups = step, [], []
+        self.degenerate_this_step = 0
         whole = bool(trainer.fallback)
         while not self.stopping:
             need = self.groups_per_step - len(self.taken_groups)
@@ -200,6 +237,7 @@ class PoolLoop(StepLoop):
             "buffer/replays": float(s.replays),
             "buffer/replays_dropped": float(self.replays_dropped),
             "buffer/released": float(s.num_released),
+            "buffer/degenerate_groups": float(self.num_degenerate),
         }
         for reason, n in s.evicted_by_reason.items():
             out[f"buffer/evicted_{reason}"] = float(n)

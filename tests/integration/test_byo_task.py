@@ -296,3 +296,48 @@ def test_a_remote_verifier_that_is_down_then_comes_back(tiny_model_dir, tmp_path
     assert 0 < failed < steps * GROUPS * SAMPLES
     tasks = read_records(run_dir, "task")
     assert not tasks[-1]["reward_failures"] and "remote" in tasks[-1]["reward_sums"]
+
+
+def test_dynamic_sampling_keeps_every_step_full_in_pool_mode(tiny_model_dir, tmp_path):
+    """DAPO dynamic sampling: groups whose rewards are all equal leave as they complete and
+    are replaced by new prompts, so every step trains groups_per_step informative groups."""
+    data = write_rows(tmp_path / "data.jsonl")
+    proc = launch(
+        tiny_model_dir,
+        tmp_path,
+        *dataset_sets(
+            data,
+            reward("tests.byo_rewards:degenerate_on_even_rows"),
+            "buffer.mode=pool",
+            "learner.drop_degenerate_groups=true",
+        ),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    steps = read_records(tmp_path / "byo", "step")
+    assert [len(r["groups_trained"]) for r in steps] == [GROUPS] * STEPS
+    assert summary["trajectories_trained"] == STEPS * GROUPS * SAMPLES
+    # Even rows are degenerate: about half of the admitted groups left, each counted.
+    dropped = summary["evicted_by_reason"]["degenerate"]
+    assert dropped >= STEPS * GROUPS * SAMPLES // 2 and dropped % SAMPLES == 0
+
+
+def test_dynamic_sampling_stops_when_no_group_has_a_signal(tiny_model_dir, tmp_path):
+    """The untrained tiny model never adds correctly: every group scores all 0, over-sampling
+    cannot fill a step, and the run stops with the reason instead of generating forever."""
+    data = write_rows(tmp_path / "data.jsonl")
+    proc = launch(
+        tiny_model_dir,
+        tmp_path,
+        *dataset_sets(
+            data,
+            reward("exact_match"),
+            "buffer.mode=pool",
+            "learner.drop_degenerate_groups=true",
+            "learner.max_degenerate_per_step=1",
+        ),
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "learner.max_degenerate_per_step" in proc.stderr, proc.stderr
