@@ -284,7 +284,7 @@ class MonitorConfig(_Section, frozen=True, kw_only=True):
     # No silent stalls: when the learner's next step has received nothing (no trajectory, no
     # finished group, no step) for this long, the run stops with a resumable checkpoint and one
     # line naming what it waits for. 0 = never.
-    stall_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
+    stall_timeout_s: Annotated[float, Meta(ge=0)] = 300.0
     # Publish every metrics record on a loopback PUB socket (address in <run>/monitor.json) so
     # `asyncrl monitor` can attach; the records are in metrics.jsonl either way.
     stream: bool = True

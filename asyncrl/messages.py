@@ -145,6 +145,7 @@ class TaskDone(_Msg, frozen=True, kw_only=True):
     num_score_failed: int = 0  # of those, samples with at least one failed reward
     num_regenerated: int = 0  # samples drawn again after a failed reward (scoring.on_failure)
     num_overlong: int = 0  # samples cut at sampling.max_new_tokens
+    num_invalid: int = 0  # samples drawn again because the learner would reject them
 
 
 class TasksDone(_Msg, frozen=True, kw_only=True):

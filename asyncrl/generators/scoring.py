@@ -13,6 +13,11 @@ fresh seeds, and only the failed samples are replaced), up to `scoring.max_regen
 then 0. The sample keeps its place (task, sample index, traj_id): nothing is lost or duplicated.
 Every failure is counted; whether there were too many is the launcher's call (the budget).
 
+A sample the learner would reject (no token, or behavior log-probs that are not finite and <= 0:
+the rules of `learner/service.py: _invalid`) is drawn again the same way, counted as invalid,
+instead of being sent: a rejected trajectory would leave its step waiting forever. One still
+invalid after `scoring.max_regenerations` redraws fails the generator with the reason.
+
 `scoring.overlong = "mask"` takes samples cut at `sampling.max_new_tokens` out of the loss (a
 loss mask of all False: the sample still counts in its group's baseline); it applies with or
 without rewards and is counted either way.
@@ -21,6 +26,8 @@ without rewards and is counted either way.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +37,8 @@ from asyncrl.generators.base import Rollout
 from asyncrl.messages import PromptTask
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.scorer import make_scorer
+
+log = logging.getLogger(__name__)
 
 Generate = Callable[[Sequence[PromptTask]], Awaitable[list[Rollout]]]
 
@@ -44,6 +53,7 @@ class GroupCounts:
     num_score_failed: int = 0
     num_regenerated: int = 0
     num_overlong: int = 0
+    num_invalid: int = 0
 
     def as_fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,6 +89,7 @@ class BatchScorer:
     ) -> dict[int, GroupCounts]:
         """Scores `by_task` in place (rollouts replaced); returns the counts of each task."""
         counts = {t.task_id: GroupCounts() for t in batch}
+        await self._redraw_invalid(batch, by_task, counts, generate)
         if self.scorer is not None:
             await self._score(batch, by_task, counts, generate)
         for task in batch:
@@ -116,6 +127,28 @@ class BatchScorer:
             await self._redraw(tasks, by_task, counts, redo, attempt + 1, generate)
             todo = redo
 
+    async def _redraw_invalid(self, batch, by_task, counts, generate: Generate) -> None:
+        tasks = {t.task_id: t for t in batch}
+        for attempt in range(self.scoring.max_regenerations + 1):
+            bad = [
+                (t.task_id, i, why)
+                for t in batch
+                for i, r in enumerate(by_task[t.task_id])
+                if (why := rollout_problem(r))
+            ]
+            if not bad:
+                return
+            for tid, _, _ in bad:
+                counts[tid].num_invalid += 1
+            if attempt == self.scoring.max_regenerations:
+                tid, i, why = bad[0]
+                raise ValueError(
+                    f"sample {by_task[tid][i].sample_index} of task {tid} is still invalid after "
+                    f"{attempt} redraws ({why}); the learner cannot train on it"
+                )
+            log.warning("drawing %d invalid samples again (first: %s)", len(bad), bad[0][2])
+            await self._redraw(tasks, by_task, counts, [(tid, i) for tid, i, _ in bad], attempt + 1, generate)
+
     async def _redraw(self, tasks, by_task, counts, redo, attempt: int, generate: Generate) -> None:
         """Draw the groups of `redo` again with fresh seeds; replace only the failed samples."""
         again = {
@@ -136,3 +169,14 @@ class BatchScorer:
     async def close(self) -> None:
         if self.scorer is not None:
             await self.scorer.aclose()
+
+
+def rollout_problem(r: Rollout) -> str:
+    """Why the learner would reject this rollout ("" if it would not): the generator-side mirror
+    of `learner/service.py: _invalid` for what a sampler can get wrong."""
+    if not r.completion_ids:
+        return "no completion token"
+    total = math.fsum(r.behavior_logprobs)  # NaN or inf anywhere makes the sum non-finite
+    if not math.isfinite(total) or max(r.behavior_logprobs) > 0:
+        return "behavior log-probs must be finite and <= 0"
+    return ""

@@ -80,6 +80,7 @@ class RewardTally:
     num_score_failed: int = 0  # scorings with at least one failed reward
     num_regenerated: int = 0
     num_overlong: int = 0
+    num_invalid: int = 0
 
     def add(self, msg: TaskDone) -> None:
         if msg.reward_sums:
@@ -92,6 +93,7 @@ class RewardTally:
         self.num_score_failed += msg.num_score_failed
         self.num_regenerated += msg.num_regenerated
         self.num_overlong += msg.num_overlong
+        self.num_invalid += msg.num_invalid
 
     def means(self) -> dict[str, float]:
         return {name: total / max(1, self.num_samples) for name, total in self.sums.items()}
@@ -115,6 +117,7 @@ class RewardTally:
             "samples_with_failed_reward": self.num_score_failed,
             "samples_regenerated": self.num_regenerated,
             "samples_overlong": self.num_overlong,
+            "samples_invalid_redrawn": self.num_invalid,
         }
 
 

@@ -399,12 +399,14 @@ class Launcher:
         if not timeout_s or st.phase != "training" or time.monotonic() - st.last_progress < timeout_s:
             return
         ledger = self.book.ledger
+        invalid = int(st.metrics.get("learner/invalid_trajectories", 0))
+        rejected = f"; the learner rejected {invalid} trajectories (logs/learner.log)" if invalid else ""
         on = [f"{inc.peer_id}: {ledger.tasks_in_flight(inc.peer_id)[:8]}" for inc in self.pool.live()]
         self.fail(
             f"stalled: step {st.step} has received nothing for {timeout_s:g} s (monitor.stall_timeout_s); "
             f"groups in flight {', '.join(on) or 'none'}, re-queued {list(self.book.requeued)[:8]}; "
-            f"last progress: {st.last_progress_what}. `asyncrl launch --resume {self.run_dir}` continues "
-            "from the last checkpoint"
+            f"last progress: {st.last_progress_what}{rejected}. `asyncrl launch --resume {self.run_dir}` "
+            "continues from the last checkpoint"
         )
 
     def on_step_done(self, msg: StepDone) -> None:

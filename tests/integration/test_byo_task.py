@@ -341,3 +341,18 @@ def test_dynamic_sampling_stops_when_no_group_has_a_signal(tiny_model_dir, tmp_p
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "learner.max_degenerate_per_step" in proc.stderr, proc.stderr
+
+
+def test_a_sample_the_learner_would_reject_is_drawn_again(tiny_model_dir, tmp_path):
+    """Sample 0 of every group first comes back with a NaN log-prob: the generator draws it
+    again instead of sending it (a rejected trajectory would leave its step waiting forever)."""
+    data = write_rows(tmp_path / "data.jsonl")
+    proc = launch(
+        tiny_model_dir,
+        tmp_path,
+        *dataset_sets(data, "generators.kind=tests.byo_generators:NanOnFirstDraw"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
+    exact_ledger(summary)
+    assert summary["samples_invalid_redrawn"] == summary["samples_regenerated"] == NUM_ROWS
