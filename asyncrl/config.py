@@ -507,6 +507,11 @@ def check_task_kind(section: TaskConfig) -> None:
 def check_rewards(section: TaskConfig) -> None:
     """Each of task.rewards resolves (a misspelled name, a bad pattern, a bad URL) at load time."""
     if not section.rewards:
+        if section.scoring.eval_reward:
+            raise ConfigError(
+                f"config error at task.scoring.eval_reward: {section.scoring.eval_reward!r} names a reward, "
+                "but task.rewards is empty; add the reward or remove eval_reward"
+            )
         return
     from asyncrl.rewards.base import check_rewards as check
 

@@ -6,4 +6,6 @@
   generator (`check_generator`, or the pytest mixin `GeneratorContractTests`).
 - `asyncrl.testing.sglang.engine`: the engine behind it (continuous batching, pause modes, weight
   versions), usable without HTTP.
+- `asyncrl.testing.verifier`: a stand-in remote verifier (the `remote` reward's HTTP protocol,
+  exact match), in-process or `python -m asyncrl.testing.verifier --port N`.
 """
