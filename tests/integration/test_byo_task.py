@@ -62,6 +62,13 @@ def launch(tiny_model_dir, tmp_path, *sets, name="byo", timeout=300):
     )
 
 
+def launch_ok(tiny_model_dir, tmp_path, *sets) -> dict:
+    """Launch to completion (exit 0); the run's summary.json."""
+    proc = launch(tiny_model_dir, tmp_path, *sets)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((tmp_path / "byo" / "summary.json").read_text())
+
+
 def exact_ledger(summary, *, steps=STEPS):
     assert summary["status"] == "completed", summary
     assert summary["steps"] == steps
@@ -99,13 +106,11 @@ def test_dataset_smaller_than_a_step_is_refused_at_load(tiny_model_dir, tmp_path
 
 def test_a_reward_that_raises_on_ten_percent_is_counted_and_the_run_completes(tiny_model_dir, tmp_path):
     data = write_rows(tmp_path / "data.jsonl")
-    proc = launch(
+    summary = launch_ok(
         tiny_model_dir,
         tmp_path,
         *dataset_sets(data, reward("tests.byo_rewards:raises_on_tenth")),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
     exact_ledger(summary)
     # Rows 0 and 10 raise: 2 groups x 4 samples, each scored 0 for that reward.
     assert summary["reward_failures"] == {"verifier": 2 * SAMPLES}
@@ -116,7 +121,7 @@ def test_a_reward_that_raises_on_ten_percent_is_counted_and_the_run_completes(ti
 
 def test_regenerate_draws_failed_samples_again_and_counts_them(tiny_model_dir, tmp_path):
     data = write_rows(tmp_path / "data.jsonl")
-    proc = launch(
+    summary = launch_ok(
         tiny_model_dir,
         tmp_path,
         *dataset_sets(
@@ -126,8 +131,6 @@ def test_regenerate_draws_failed_samples_again_and_counts_them(tiny_model_dir, t
             "task.scoring.max_regenerations=1",
         ),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
     exact_ledger(summary)
     # The failure is deterministic (the row), so each failed sample is drawn once more and fails again.
     assert summary["samples_regenerated"] == 2 * SAMPLES
@@ -137,13 +140,11 @@ def test_regenerate_draws_failed_samples_again_and_counts_them(tiny_model_dir, t
 
 def test_a_reward_that_hangs_times_out_and_the_run_completes(tiny_model_dir, tmp_path):
     data = write_rows(tmp_path / "data.jsonl")
-    proc = launch(
+    summary = launch_ok(
         tiny_model_dir,
         tmp_path,
         *dataset_sets(data, reward("tests.byo_rewards:hangs_on_tenth"), "task.scoring.timeout_s=1.0"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
     exact_ledger(summary)
     assert summary["reward_failures"] == {"verifier": 2 * SAMPLES}  # rows 3 and 13
 
@@ -302,7 +303,7 @@ def test_dynamic_sampling_keeps_every_step_full_in_pool_mode(tiny_model_dir, tmp
     """DAPO dynamic sampling: groups whose rewards are all equal leave as they complete and
     are replaced by new prompts, so every step trains groups_per_step informative groups."""
     data = write_rows(tmp_path / "data.jsonl")
-    proc = launch(
+    summary = launch_ok(
         tiny_model_dir,
         tmp_path,
         *dataset_sets(
@@ -312,8 +313,6 @@ def test_dynamic_sampling_keeps_every_step_full_in_pool_mode(tiny_model_dir, tmp
             "learner.drop_degenerate_groups=true",
         ),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
     steps = read_records(tmp_path / "byo", "step")
@@ -347,12 +346,10 @@ def test_a_sample_the_learner_would_reject_is_drawn_again(tiny_model_dir, tmp_pa
     """Sample 0 of every group first comes back with a NaN log-prob: the generator draws it
     again instead of sending it (a rejected trajectory would leave its step waiting forever)."""
     data = write_rows(tmp_path / "data.jsonl")
-    proc = launch(
+    summary = launch_ok(
         tiny_model_dir,
         tmp_path,
         *dataset_sets(data, "generators.kind=tests.byo_generators:NanOnFirstDraw"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((tmp_path / "byo" / "summary.json").read_text())
     exact_ledger(summary)
     assert summary["samples_invalid_redrawn"] == summary["samples_regenerated"] == NUM_ROWS
