@@ -2,7 +2,7 @@
 
 Each row is one short multi-step arithmetic word problem:
 
-    {"question": "Mia has 23 shells. She finds 9, then gives away 4. How many shells now?",
+    {"question": "Mia has 23 shells. She finds 9, then gives away 4. How many now?",
      "answer": "28", "steps": 2, "numbers": [23, 9, -4]}
 
 `steps` is the number of operations (2 or 3, each + or -), `numbers` the start amount followed by

@@ -5,7 +5,7 @@ template (generation prompt added) and scores 1.0 for a completion whose last \\
 the answer, else 0.0. From the repository root:
 
     python -m asyncrl launch --set task.kind=examples.word_problems.wp_task:word_problems_task \\
-        --set model.path=examples/word_problems/model --set sampling.max_new_tokens=40
+        --set model.path=examples/word_problems/model --set sampling.max_new_tokens=36
 
 Options (`--set task.options.KEY=VALUE`): `train_path`, `eval_path` (default: this directory's
 data/), `system` (a system message, "" = none; must match what build_model.py trained with),
