@@ -393,13 +393,17 @@ class Launcher:
 
     def check_stalled(self) -> None:
         """No silent stalls: the run stops (resumably) when nothing has moved for
-        monitor.stall_timeout_s, with one line naming what the next step waits for."""
+        monitor.stall_timeout_s while it waits on something (a group admitted and not done, or a
+        trajectory the learner rejected), with one line naming what the next step waits for. A
+        learner busy with a long step while every admitted group is done is not a stall."""
         timeout_s = self.cfg.monitor.stall_timeout_s
         st = self.state
         if not timeout_s or st.phase != "training" or time.monotonic() - st.last_progress < timeout_s:
             return
-        ledger = self.book.ledger
         invalid = int(st.metrics.get("learner/invalid_trajectories", 0))
+        if not self.book.open and not invalid:
+            return
+        ledger = self.book.ledger
         rejected = f"; the learner rejected {invalid} trajectories (logs/learner.log)" if invalid else ""
         on = [f"{inc.peer_id}: {ledger.tasks_in_flight(inc.peer_id)[:8]}" for inc in self.pool.live()]
         self.fail(
