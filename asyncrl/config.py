@@ -113,6 +113,8 @@ class TaskConfig(_Section, frozen=True, kw_only=True):
     seed: int = 1  # prompt stream seed (addition: the problems; dataset: the shuffle)
     num_eval: NonNegInt = 500  # held-out prompts for greedy accuracy before/after (0 = skip)
     eval_seed: int = 2  # held-out stream seed (addition), held-out fraction seed (dataset)
+    eval_device: Literal["auto", "cpu", "cuda"] = "auto"  # greedy evaluation before/after
+    eval_batch_size: PosInt = 64  # held-out prompts decoded together
     dataset: DatasetConfig = DatasetConfig()
     prompt: PromptConfig = PromptConfig()
     # Rewards summed with their weights; [] = the task's own score (addition: exact match).
@@ -135,6 +137,7 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     num_generators: PosInt = 1
     max_batch_groups: PosInt = 16  # groups sampled together in one batched generate call
     threads: PosInt = 1  # torch intra-op threads per generator process
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # the built-in torch generator (and OPD teacher)
     # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
     # and its in-flight tasks re-queued); one more failure past this ends the run.
     max_restarts: NonNegInt = 3
@@ -145,6 +148,19 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     # Keyword options for the plugin, handed to its setup() as GeneratorContext.options
     # (e.g. `--set generators.options.replay_path=RUN/trajectories.jsonl` for the replay generator).
     options: dict[str, str | int | float | bool] = {}
+
+
+class LoraConfig(_Section, frozen=True, kw_only=True):
+    """LoRA RL (peft): train low-rank adapters only; rank 0 = off (docs/learner.md)."""
+
+    rank: NonNegInt = 0
+    alpha: PosFloat = 16.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Module names to adapt; [] = every linear layer of the attention and MLP blocks.
+    target_modules: list[str] = []
+    # What generators receive: "merged" weights (base + adapter, the base's names and shapes) or
+    # the "adapter" alone (generators that load adapters: SGLang's LoRA endpoints).
+    publish: Literal["merged", "adapter"] = "merged"
 
 
 class LearnerConfig(_Section, frozen=True, kw_only=True):
@@ -183,9 +199,39 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # Optimizer updates per batch (PPO epochs): each later epoch re-runs the batch under the updated
     # model against the same anchor (the policy at the step's start). > 1 trains whole batches.
     epochs: PosInt = 1
-    max_open_groups: PosInt = 64  # streamed groups holding S0/S1 buffers at once
-    world_size: PosInt = 1  # data-parallel learner ranks (gloo on CPU, NCCL on GPU); group j on rank j % R
-    micro_batch_size: PosInt = 256  # sequences per forward/backward
+    # One rank streams each trajectory into its group's S0/S1 buffers (ALGORITHMS.md 5); the
+    # groups open at once are bounded by this many MiB of buffers (the bound, in groups, is logged
+    # and in summary.json). Several ranks train complete groups in lockstep and hold no such buffers.
+    stream_memory_mb: PosFloat = 1024.0
+    # Learner ranks (torch.distributed: gloo on CPU, NCCL on GPU). Every rank sees every trajectory
+    # and trains its share of each complete group; "fsdp" shards parameters, gradients and optimizer
+    # state over the ranks (FSDP2, per transformer block), "none" replicates them (data parallel).
+    world_size: PosInt = 1
+    sharding: Literal["none", "fsdp"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
+    # Mixed precision: forward/backward in bf16 (or fp16) with fp32 master weights, optimizer state
+    # and gradient reduction; "none" = everything in float32.
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    # The dtype published weights are shipped in (what the generators serve); "auto" = the
+    # mixed-precision compute dtype, float32 without it.
+    serving_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cpu_offload: bool = False  # fsdp: keep sharded parameters and optimizer state in host memory
+    activation_checkpointing: bool = False  # recompute each transformer block in the backward
+    micro_batch_size: PosInt = 256  # sequences per forward/backward (at most)
+    # Tokens (prompt + completion, padded) per forward/backward, at most; 0 = no token bound.
+    # A longer sequence trains alone.
+    max_tokens_per_microbatch: NonNegInt = 0
+    # Tokens per chunk of [tokens, vocab] logits in every learner forward (training, entropy,
+    # the distillation teacher's scores): the full-vocabulary logits of a micro-batch never exist.
+    logprob_chunk_size: PosInt = 1024
+    # A step whose loss, gradient norm or updated parameters are not finite is skipped (no update,
+    # optimizer state untouched, counted); this many consecutive skips end the run with a checkpoint
+    # from before the fault.
+    max_nonfinite_steps: PosInt = 3
+    # How long the learner (model load, rank start, process group) may take to say hello to the
+    # launcher; a 7B checkpoint on a cold disk takes minutes.
+    startup_timeout_s: PosFloat = 600.0
+    lora: LoraConfig = LoraConfig()
     # Streaming: while more of the step's window is still to come, the learner starts training
     # only once this many trajectories wait (then trains all it can); the window's last
     # `min_chunk` - 1 train as they arrive, so a step still ends one arrival after its last
@@ -330,6 +376,17 @@ class Config(_Section, frozen=True, kw_only=True):
                 f"one is the median pivot); got {lrn.samples_per_group}"
             )
 
+        if lrn.world_size > 1 and lrn.kl_coef > 0 and lrn.kl_placement == "loss":
+            raise ValueError(
+                "learner.kl_coef > 0 with kl_placement = 'loss' keeps an unsharded reference model per "
+                "rank, which several learner ranks do not support yet; use learner.world_size = 1 or "
+                "kl_placement = 'reward'"
+            )
+        if lrn.lora.rank and lrn.sharding == "fsdp":
+            raise ValueError(
+                "learner.lora with learner.sharding = 'fsdp' is not supported yet: the adapters are "
+                "small, so use learner.sharding = 'none' (replicated ranks) with LoRA"
+            )
         for key, cpus in (("learner.cpus", lrn.cpus), ("generators.cpus", self.generators.cpus)):
             if len(set(cpus)) != len(cpus):
                 raise ValueError(f"{key} = {list(cpus)} lists a CPU twice; list each CPU once")
@@ -460,6 +517,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(
             f"config error at buffer.action: staleness policy {policy.name!r} keeps the last "
             "max_staleness + 1 versions, and 'downweight' trains groups older than that; use withhold or drop"
+        )
+    kept = sorted({"ewma", "old_train"} & set(policy.needs))
+    if config.learner.world_size > 1 and kept and not config.opd.enabled:
+        raise ConfigError(
+            f"config error at learner.world_size: staleness policy {policy.name!r} keeps {' and '.join(kept)} "
+            "copies of the weights, which several learner ranks do not shard yet; use learner.world_size = 1"
         )
     if needs_one_rank(policy, world_size=config.learner.world_size, distills=config.opd.enabled):
         raise ConfigError(

@@ -173,6 +173,49 @@ def token_logprobs(
     )
 
 
+def _chunk_candidates(
+    hidden_CD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    ids_CN: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype)) / temperature
+    return z_CV.gather(-1, ids_CN) - torch.logsumexp(z_CV, dim=-1, keepdim=True)
+
+
+def candidate_logprobs(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    ids_TN: torch.Tensor,
+    *,
+    bias_V: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """log softmax((hidden @ weight.T + bias) / temperature) at N candidate ids per position.
+
+    `hidden_TD` has any leading shape matching `ids_TN`'s leading dims ([B, T, D] with [B, T, N]).
+    Chunked like `token_logprobs`: at most one chunk of [C, V] logits is alive, forward or backward.
+    """
+    check_temperature(temperature)
+    check_chunk_size(chunk_size)
+    if hidden_TD.shape[:-1] != ids_TN.shape[:-1]:
+        raise ValueError(f"hidden {tuple(hidden_TD.shape)} does not match ids {tuple(ids_TN.shape)}")
+    flat_hidden = hidden_TD.reshape(-1, hidden_TD.shape[-1])
+    flat_ids = ids_TN.reshape(-1, ids_TN.shape[-1])
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_TD, weight_VD, bias_V)
+    )
+    outs = []
+    for start in range(0, flat_ids.shape[0], chunk_size):
+        args = (flat_hidden[start : start + chunk_size], weight_VD, bias_V, flat_ids[start : start + chunk_size], temperature)
+        outs.append(checkpoint(_chunk_candidates, *args, use_reentrant=False) if needs_grad else _chunk_candidates(*args))
+    if not outs:
+        return flat_hidden.new_zeros(ids_TN.shape, dtype=accumulation_dtype(hidden_TD.dtype))
+    return torch.cat(outs).reshape(ids_TN.shape)
+
+
 def _shift_to_inputs(values_BS: torch.Tensor) -> torch.Tensor:
     """[B, T-1] values of tokens 1..T-1 -> [B, T] aligned with input ids (position 0 gets 0)."""
     return F.pad(values_BS, (1, 0), value=0.0)
