@@ -214,6 +214,10 @@ def run_job(
         "evicted_by_reason": ledger.evicted_by_reason,
         "trajectories_replayed": ledger.num_replays,
         "generator_restarts": state.generator_restarts,
+        "steps_skipped_nonfinite": state.steps_skipped_nonfinite,
+        # Streamed groups the learner could hold open at once (learner.stream_memory_mb); 0 when
+        # it holds no per-group buffers (lockstep ranks, whole batches).
+        "open_group_bound": int(state.metrics.get("learner/open_group_bound", 0)),
         "eval_before": eval_before,
         "eval_after": eval_after,
         "eval_problems": len(task.eval_problems),

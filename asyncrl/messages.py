@@ -176,6 +176,10 @@ class WeightsPublished(_Msg, frozen=True, kw_only=True):
     group_first_version: int = 0  # broadcast: the version whose announcement founds the group
     group_timeout_s: float = 300.0  # broadcast
     catchup: bool = False  # safetensors copy of a broadcast version, for generators outside the group
+    # safetensors: the version directory is a PEFT LoRA adapter (adapter_model.safetensors +
+    # adapter_config.json) for the base model the generators started from, not full weights
+    # (learner.lora.publish = "adapter"; only generators that load adapters take it).
+    adapter: bool = False
 
 
 class WeightsLoaded(_Msg, frozen=True, kw_only=True):
@@ -206,6 +210,8 @@ class StepDone(_Msg, frozen=True, kw_only=True):
     # buffer.mode = "pool" (empty otherwise): groups trained for the first time, and again (replays).
     groups_trained: list[int] = []
     groups_replayed: list[int] = []
+    # A non-finite loss or gradient norm: the update was skipped (the version still advances).
+    skipped_nonfinite: bool = False
 
 
 class GroupsLeft(_Msg, frozen=True, kw_only=True):

@@ -7,6 +7,13 @@ per position drawn from the behavior student; `cache_arrays` lays them out as th
 every cached id with one batched teacher forward over prompt + completion. docs/opd.md has the
 wire format, the temperatures and the memory cost.
 
+Memory: the teacher's [B, L, V] logits never exist. Its decoder's final hidden states at the
+completion positions go through the output embedding a chunk of tokens at a time
+(`kernels.logprobs.candidate_logprobs`, the learner's kernel), so the logits alive at once are
+[chunk, V] float32 and their log_softmax, bounded by `TEACHER_LOGITS_BUDGET_BYTES`. A teacher
+whose logits are not exactly `lm_head(hidden)` (soft-capping, logit scaling) is scored from its
+own logits instead, with rows per forward shrunk to keep them under the same budget.
+
 Legend: B sequences, T completion tokens, N cached ids per position (1 + K extras), L padded
 sequence length, V vocab.
 """
@@ -18,15 +25,20 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncrl.kernels.logprobs import candidate_logprobs, unchunkable_reason
 from asyncrl.models.sampling import left_pad
 
 # The teacher is scored at its own distribution, softmax(logits): OPD distils the student toward
 # pi_T itself, whatever temperature the student samples at (docs/opd.md).
 TEACHER_TEMPERATURE = 1.0
-# Sequences per teacher forward, at most: the logits kept are [rows, T_max + 1, V] float32 and
-# their log_softmax as many again, so rows shrink (down to 1) to keep both under the budget.
+# Sequences per teacher forward, at most.
 TEACHER_BATCH_ROWS = 32
+# Logits alive at once: a chunk of [tokens, V] float32 logits and their log_softmax (tokens
+# shrink, down to 1, to stay under it); 512 MiB is 436 tokens at V = 150k. Teachers scored from
+# their own logits keep [rows, T_max + 1, V] twice instead, and shrink rows.
 TEACHER_LOGITS_BUDGET_BYTES = 512 << 20
+# Tokens per chunk of logits at most (as learner.logprob_chunk_size), before the budget.
+TEACHER_CHUNK_TOKENS = 1024
 
 
 def cache_arrays(
@@ -57,6 +69,16 @@ def _keeps_tail_logits(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def _padded_batch(
+    prompt_ids: Sequence[Sequence[int]], ids_TN: Sequence[torch.Tensor], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, position ids) [B, L] of prompt + completion (column 0 of each
+    `ids_TN`), left-padded so every completion ends at the last column."""
+    seqs = [list(p) + x[:, 0].tolist() for p, x in zip(prompt_ids, ids_TN, strict=True)]
+    ids_BL, attn_BL = left_pad(seqs, pad_token_id)
+    return ids_BL, attn_BL, (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
+
+
 @torch.no_grad()
 def teacher_logprobs(
     teacher,
@@ -67,23 +89,63 @@ def teacher_logprobs(
     temperature: float = TEACHER_TEMPERATURE,
     batch_rows: int = TEACHER_BATCH_ROWS,
     budget_bytes: int = TEACHER_LOGITS_BUDGET_BYTES,
+    chunk_size: int = TEACHER_CHUNK_TOKENS,
 ) -> list[torch.Tensor]:
     """log pi_T(ids_TN[i][t, k] | prompt_i, completion_i[:t]) as float32 [T_i, N] per sequence.
 
     The context of position t is the prompt and the generated tokens before it (column 0 of
     `ids_TN`), so one forward over prompt + completion scores all N ids of every position.
-    Sequences are left-padded, so every completion ends at the last column and only the logits of
-    the last T_max + 1 positions are needed (and computed, where the model supports it).
-    Sequences go through in chunks of at most `batch_rows`, fewer when their tail logits would
-    pass `budget_bytes`.
+    Sequences go through in forwards of at most `batch_rows`; the logits alive at once stay
+    under `budget_bytes` (module docstring), in chunks of at most `chunk_size` tokens.
     """
     if not temperature > 0:
         raise ValueError(f"teacher temperature must be > 0, got {temperature}")
     if len(prompt_ids) != len(ids_TN):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(ids_TN)} completions")
-    tail_only = _keeps_tail_logits(teacher)
     if any(int(x.shape[0]) < 1 for x in ids_TN):
         raise ValueError("every completion needs at least one token to be scored")
+    if unchunkable_reason(teacher) is not None:
+        return _scores_from_logits(
+            teacher, prompt_ids, ids_TN, pad_token_id, temperature, batch_rows, budget_bytes
+        )
+    head = teacher.get_output_embeddings()
+    bytes_per_token = 2 * head.weight.shape[0] * 4  # float32 logits and their log_softmax
+    chunk = max(1, min(chunk_size, budget_bytes // bytes_per_token))
+    out: list[torch.Tensor] = []
+    for start in range(0, len(ids_TN), batch_rows):
+        rows = ids_TN[start : start + batch_rows]
+        ids_BL, attn_BL, pos_BL = _padded_batch(prompt_ids[start : start + batch_rows], rows, pad_token_id)
+        hidden_BLD = teacher.get_decoder()(
+            input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL, use_cache=False
+        ).last_hidden_state
+        width = ids_BL.shape[1]
+        lengths = [int(x.shape[0]) for x in rows]
+        # Token t of a completion of length T sits at column L - T + t; it is predicted one earlier.
+        hidden_TD = torch.cat([hidden_BLD[row, width - 1 - n : width - 1] for row, n in enumerate(lengths)])
+        logp_TN = candidate_logprobs(
+            hidden_TD,
+            head.weight,
+            torch.cat([x.to(torch.int64) for x in rows]),
+            bias_V=head.bias,
+            temperature=temperature,
+            chunk_size=chunk,
+        )
+        out += [x.to(torch.float32) for x in logp_TN.split(lengths)]
+    return out
+
+
+def _scores_from_logits(
+    teacher,
+    prompt_ids: Sequence[Sequence[int]],
+    ids_TN: Sequence[torch.Tensor],
+    pad_token_id: int,
+    temperature: float,
+    batch_rows: int,
+    budget_bytes: int,
+) -> list[torch.Tensor]:
+    """`teacher_logprobs` from the teacher's own logits (of the last T_max + 1 positions, where
+    the model can compute only those): for models whose logits are not `lm_head(hidden)`."""
+    tail_only = _keeps_tail_logits(teacher)
     vocab = teacher.get_output_embeddings().weight.shape[0]
     max_len = max((int(x.shape[0]) for x in ids_TN), default=0)
     bytes_per_row = 2 * (max_len + 1) * vocab * 4  # float32 logits and their log_softmax
@@ -92,16 +154,11 @@ def teacher_logprobs(
     for start in range(0, len(ids_TN), rows):
         chunk = ids_TN[start : start + rows]
         lengths = [int(x.shape[0]) for x in chunk]
-        seqs = [
-            list(p) + x[:, 0].tolist() for p, x in zip(prompt_ids[start : start + rows], chunk, strict=True)
-        ]
-        ids_BL, attn_BL = left_pad(seqs, pad_token_id)
-        pos_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
+        ids_BL, attn_BL, pos_BL = _padded_batch(prompt_ids[start : start + rows], chunk, pad_token_id)
         keep = max(lengths) + 1  # the logits before each completion token, plus the last one
         extra = {"logits_to_keep": keep} if tail_only else {}
         logits = teacher(input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL, **extra).logits
-        logits_BKV = logits[:, -keep:]
-        logp_BKV = torch.log_softmax(logits_BKV.float() / temperature, dim=-1)
+        logp_BKV = torch.log_softmax(logits[:, -keep:].float() / temperature, dim=-1)
         for row, (x, t_len) in enumerate(zip(chunk, lengths, strict=True)):
             # Token t of a completion of length T sits at column L - T + t; its logits one earlier.
             first = keep - 1 - t_len

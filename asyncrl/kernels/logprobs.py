@@ -181,7 +181,9 @@ def _chunk_candidates(
     temperature: float,
 ) -> torch.Tensor:
     z_CV = F.linear(hidden_CD, weight_VD, bias_V).to(accumulation_dtype(hidden_CD.dtype)) / temperature
-    return z_CV.gather(-1, ids_CN) - torch.logsumexp(z_CV, dim=-1, keepdim=True)
+    # log_softmax then gather, as the unchunked references do (same rounding); its backward keeps
+    # only the [C, V] output, and z_CV dies here.
+    return torch.log_softmax(z_CV, dim=-1).gather(-1, ids_CN)
 
 
 def candidate_logprobs(
@@ -196,24 +198,52 @@ def candidate_logprobs(
     """log softmax((hidden @ weight.T + bias) / temperature) at N candidate ids per position.
 
     `hidden_TD` has any leading shape matching `ids_TN`'s leading dims ([B, T, D] with [B, T, N]).
-    Chunked like `token_logprobs`: at most one chunk of [C, V] logits is alive, forward or backward.
+    Over the full vocabulary (no nucleus): distillation compares whole distributions. Chunked like
+    `token_logprobs`: at most one chunk of [C, V] logits is alive, forward or backward. The output
+    has the accumulation dtype (float32 for bf16/float32 inputs, float64 for float64).
     """
     check_temperature(temperature)
     check_chunk_size(chunk_size)
     if hidden_TD.shape[:-1] != ids_TN.shape[:-1]:
         raise ValueError(f"hidden {tuple(hidden_TD.shape)} does not match ids {tuple(ids_TN.shape)}")
-    flat_hidden = hidden_TD.reshape(-1, hidden_TD.shape[-1])
-    flat_ids = ids_TN.reshape(-1, ids_TN.shape[-1])
+    flat_hidden_TD = hidden_TD.reshape(-1, hidden_TD.shape[-1])
+    flat_ids_TN = ids_TN.reshape(-1, ids_TN.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_TD, weight_VD, bias_V)
     )
     outs = []
-    for start in range(0, flat_ids.shape[0], chunk_size):
-        args = (flat_hidden[start : start + chunk_size], weight_VD, bias_V, flat_ids[start : start + chunk_size], temperature)
-        outs.append(checkpoint(_chunk_candidates, *args, use_reentrant=False) if needs_grad else _chunk_candidates(*args))
+    for start in range(0, flat_ids_TN.shape[0], chunk_size):
+        args = (
+            flat_hidden_TD[start : start + chunk_size],
+            weight_VD,
+            bias_V,
+            flat_ids_TN[start : start + chunk_size],
+            temperature,
+        )
+        outs.append(
+            checkpoint(_chunk_candidates, *args, use_reentrant=False)
+            if needs_grad
+            else _chunk_candidates(*args)
+        )
     if not outs:
-        return flat_hidden.new_zeros(ids_TN.shape, dtype=accumulation_dtype(hidden_TD.dtype))
+        return flat_hidden_TD.new_zeros(ids_TN.shape, dtype=accumulation_dtype(hidden_TD.dtype))
     return torch.cat(outs).reshape(ids_TN.shape)
+
+
+def unchunkable_reason(model: torch.nn.Module) -> str | None:
+    """Why `model`'s logits are not exactly `lm_head(final hidden state)` (None when they are).
+
+    The chunked paths apply the output embedding themselves, so logit scaling or soft-capping
+    (Gemma 2, Cohere, Granite) or a head that is not an `nn.Linear` would be silently skipped.
+    """
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1.0):
+            return f"model has {name}"
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"the output embedding is a {type(head).__name__}, not an nn.Linear"
+    return None
 
 
 def _shift_to_inputs(values_BS: torch.Tensor) -> torch.Tensor:
@@ -243,13 +273,10 @@ def causal_lm_logprobs(
         logits_BSV = model(input_ids=input_ids_BT).logits[:, :-1]
         out = logprobs_from_logits(logits_BSV, targets_BS, temperature=temperature, top_p=top_p)
     else:
-        config = getattr(model, "config", None)
-        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-            if getattr(config, name, None) not in (None, 1.0):
-                raise ValueError(f"chunked log-probs need logits == lm_head(hidden); model has {name}")
+        reason = unchunkable_reason(model)
+        if reason is not None:
+            raise ValueError(f"chunked log-probs need logits == lm_head(hidden); {reason}")
         head = model.get_output_embeddings()
-        if not isinstance(head, torch.nn.Linear):
-            raise ValueError(f"chunked log-probs need an nn.Linear output embedding, got {type(head)}")
         hidden_BTD = model.get_decoder()(input_ids=input_ids_BT).last_hidden_state
         out = token_logprobs(
             hidden_BTD[:, :-1],

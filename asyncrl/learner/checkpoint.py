@@ -14,9 +14,14 @@ stop early; then it sends its StepDone, so the launcher writes its half
 (`asyncrl/scheduler/checkpoint.py`) for the same version after the learner's file exists. A
 resume (`asyncrl launch --resume RUN_DIR`) takes the newest version with both halves.
 
-File: `<run_dir>/checkpoints/learner-{version:08d}.pt`, written with `torch.save` to a temporary
-file, fsynced and renamed (atomic). It is read with `torch.load(weights_only=True)`, which
-unpickles tensors and plain containers only, never arbitrary objects.
+Layout: `<run_dir>/checkpoints/learner-{version:08d}/`, a torch.distributed.checkpoint (DCP)
+directory. Every learner rank writes its own shards of the model and optimizer state (collective:
+all ranks call `save_learner_checkpoint` at the same step), keyed by parameter name, so a
+checkpoint loads on the same or a different number of ranks, sharded or not: DCP reads each
+rank's slices of each tensor. Rank 0 adds `extras.pt` (version, RNG, EWMA, snapshots, held
+trajectories), written with `torch.save` and read with `torch.load(weights_only=True)` (tensors
+and plain containers only). The directory is written under a temporary name and renamed by rank 0
+once every rank's shards are in (atomic).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import dataclasses
 import os
 import random
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,20 +38,23 @@ import torch
 
 from asyncrl.learner.step import TrainSample
 
-FORMAT = 1
+FORMAT = 2
 KEEP = 2  # learner checkpoints kept on disk (each holds the model and the optimizer state)
-_NAME_RE = re.compile(r"^learner-(\d{8,})\.pt$")
+_NAME_RE = re.compile(r"^learner-(\d{8,})$")
+EXTRAS = "extras.pt"
 
 
 def learner_checkpoint_path(run_dir: Path, version: int) -> Path:
-    return run_dir / "checkpoints" / f"learner-{version:08d}.pt"
+    return run_dir / "checkpoints" / f"learner-{version:08d}"
 
 
 def learner_checkpoint_versions(run_dir: Path) -> list[int]:
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _NAME_RE.match(p.name)))
+    return sorted(
+        int(m.group(1)) for p in folder.iterdir() if (m := _NAME_RE.match(p.name)) and (p / EXTRAS).is_file()
+    )
 
 
 def _held_state(step: int, sample: TrainSample, extra: dict | None = None) -> dict:
@@ -54,57 +63,84 @@ def _held_state(step: int, sample: TrainSample, extra: dict | None = None) -> di
     return {"step": step, "sample": fields, "extra": dict(extra or {})}
 
 
+def _model_and_optim(trainer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.actor, trainer.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable[tuple] = ()) -> Path:
-    """Atomically write the trainer's state after `version` updates, with the (step, sample)
-    pairs the learner holds for later steps (or (step, sample, extra) triples: pool mode keeps
-    each group's reuse count and freshness in `extra`)."""
+    """Write the trainer's state after `version` updates (every rank: its shards), with the
+    (step, sample) pairs the learner holds for later steps (or (step, sample, extra) triples:
+    pool mode keeps each group's reuse count and freshness in `extra`), kept by rank 0."""
+    import torch.distributed.checkpoint as dcp
+
     path = learner_checkpoint_path(run_dir, version)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
+    tmp = path.with_name(f".{path.name}.tmp")
+    rank0 = trainer.rank == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dcp.save(_model_and_optim(trainer), checkpoint_id=tmp)  # the ranks meet here (tmp exists)
+    if not rank0:
+        return path
+    extras = {
         "format": FORMAT,
         "version": version,
-        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "optimizer": trainer.optimizer.state_dict(),
+        "world_size": trainer.world_size,
         "torch_rng": torch.get_rng_state(),
         "python_rng": list(random.getstate()[1]),
         "ewma": None
         if trainer.ewma is None
         else {"params": trainer.ewma.params, "total": trainer.ewma.total},
         "snapshots": {str(v): s for v, s in trainer.snapshots.items()},
+        "nonfinite_total": trainer.nonfinite_total,
         "held": [_held_state(*entry) for entry in held],
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    torch.save(extras, tmp / EXTRAS)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     # Keep the newest KEEP: the launcher's half of the newest may not be written yet.
     for old in learner_checkpoint_versions(run_dir)[:-KEEP]:
-        learner_checkpoint_path(run_dir, old).unlink(missing_ok=True)
+        shutil.rmtree(learner_checkpoint_path(run_dir, old), ignore_errors=True)
     return path
 
 
 def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: bool = False) -> list[tuple]:
-    """Restore a trainer (built from the same config and model) to `version`; returns the held
-    (step, sample) pairs to put back into the learner's buffer ((step, sample, extra) triples
-    with `extras`)."""
+    """Restore a trainer (built from the same config and model, on any number of ranks) to
+    `version`; every rank calls it. Returns the held (step, sample) pairs to put back into the
+    learner's buffer ((step, sample, extra) triples with `extras`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     from asyncrl.staleness.ewma import EwmaParams
 
     path = learner_checkpoint_path(run_dir, version)
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path / EXTRAS, weights_only=True)
     except (OSError, RuntimeError, ValueError) as exc:
         raise ValueError(f"learner checkpoint {path} cannot be read: {exc}") from None
     if state.get("format") != FORMAT or state.get("version") != version:
         raise ValueError(
             f"learner checkpoint {path} is not a format-{FORMAT} checkpoint of version {version}"
         )
-    trainer.model.load_state_dict(state["model"], strict=True)
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    target = _model_and_optim(trainer)
+    try:
+        dcp.load(target, checkpoint_id=path)
+    except Exception as exc:  # DCP raises CheckpointException (a BaseException subclass) among others
+        raise ValueError(f"learner checkpoint {path} cannot be loaded into this model: {exc}") from None
+    set_state_dict(
+        trainer.actor, trainer.optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
     torch.set_rng_state(state["torch_rng"])
     random.setstate((3, tuple(state["python_rng"]), None))
     if state["ewma"] is not None:
         trainer.ewma = EwmaParams(state["ewma"]["params"], float(state["ewma"]["total"]))
     trainer.snapshots = {int(v): s for v, s in state["snapshots"].items()}
+    trainer.nonfinite_total = int(state.get("nonfinite_total", 0))
     held = [(int(h["step"]), TrainSample(**h["sample"]), h.get("extra", {})) for h in state.get("held", [])]
     return held if extras else [(step, sample) for step, sample, _ in held]

@@ -31,28 +31,47 @@ from pathlib import Path
 import torch
 
 from asyncrl.learner.step import TrainSample
+from asyncrl.models.policy import PolicyLM
 from asyncrl.learner.trainer import StepResult, Trainer
 
 
-def rank_of_group(group_id: int, world_size: int) -> int:
-    return group_id % world_size
+def window_size(config) -> int:
+    """Trajectories of one step's window. Every rank sees all of them (lockstep ranks each train
+    their share of every chunk, `recipes.py`)."""
+    return config.learner.groups_per_step * config.learner.samples_per_group
 
 
-def local_window_size(step: int, *, rank: int, world_size: int, groups_per_step: int, group_size: int) -> int:
-    """Trajectories of step `step` that rank `rank` trains (its groups times the group size)."""
-    first = step * groups_per_step
-    return group_size * sum(1 for j in range(first, first + groups_per_step) if j % world_size == rank)
-
-
-def load_policy_model(path: Path, threads: int, seed: int):
+def load_policy_model(path: Path, config) -> tuple[PolicyLM, object]:
+    """The learner's policy on its device, wrapped for its ranks and precision (`parallel.py`),
+    and the tokenizer. On a wrapped model every rank calls this, in the same order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
+    from asyncrl.learner import parallel
+
+    lrn = config.learner
+    torch.set_num_threads(lrn.threads)
+    torch.manual_seed(config.run.seed)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    return model, tokenizer
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm.train()
+    policy = PolicyLM(lm, chunk_size=lrn.logprob_chunk_size)
+    device = parallel.resolve_device(lrn.device, local_rank=parallel.local_rank())
+    if parallel.is_wrapped(lrn):
+        parallel.init_single_rank_group(device, config.monitor.heartbeat_timeout_s)  # no-op with ranks
+        parallel.parallelize(
+            policy,
+            world_size=lrn.world_size,
+            sharding=lrn.sharding,
+            mixed_precision=lrn.mixed_precision,
+            cpu_offload=lrn.cpu_offload,
+            activation_checkpointing=lrn.activation_checkpointing,
+            device=device,
+        )
+    else:
+        if lrn.activation_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.to(device)
+    return policy, tokenizer
 
 
 def gradient_mode(fallback: str) -> str:
@@ -71,14 +90,15 @@ def config_gradient_mode(config) -> str:
     return gradient_mode(Objective.from_config(config).fallback_reason(policy) or "")
 
 
-def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Trainer:
+def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
     from asyncrl.config import check_staleness_policy
     from asyncrl.learner.objective import Objective
 
     lrn = config.learner
+    objective = Objective.from_config(config)
     return Trainer(
-        model,
-        Objective.from_config(config),
+        actor,
+        objective,
         check_staleness_policy(config.staleness),
         lr=lrn.lr,
         optimizer=lrn.optimizer,
@@ -89,10 +109,25 @@ def build_trainer(config, model, *, pad_token_id: int, process_group=None) -> Tr
         pad_token_id=pad_token_id,
         group_size=lrn.samples_per_group,
         micro_batch_size=lrn.micro_batch_size,
-        max_open_groups=lrn.max_open_groups,
+        max_open_groups=max_open_groups(lrn, actor, objective),
         max_staleness=config.effective_max_staleness,
-        process_group=process_group,
+        max_tokens_per_microbatch=lrn.max_tokens_per_microbatch,
+        chunk_groups=-(-lrn.min_chunk // lrn.samples_per_group),
+        max_nonfinite_steps=lrn.max_nonfinite_steps,
     )
+
+
+def max_open_groups(lrn, actor: PolicyLM, objective) -> int:
+    """Open groups a streaming rank may hold: learner.stream_memory_mb over one group's buffers
+    (parameter-sized, float32, `BUFFERS_PER_OPEN_GROUP` of them for the estimator), at least 1."""
+    from asyncrl.learner.streaming import BUFFERS_PER_OPEN_GROUP
+
+    per_group = BUFFERS_PER_OPEN_GROUP.get(getattr(objective, "stream_estimator", "opd"), 0)
+    trainable = sum(p.numel() for p in actor.parameters() if p.requires_grad)
+    group_bytes = per_group * trainable * 4
+    if group_bytes == 0:
+        return lrn.groups_per_step
+    return max(1, int(lrn.stream_memory_mb * 2**20 // group_bytes))
 
 
 class StepLoop:
@@ -191,9 +226,9 @@ class StepLoop:
     async def run_step(self, step: int) -> StepResult | None:
         """Train step `step` and apply its update; None when stopping first."""
         trainer = self.trainer
-        trainer.begin_step(step)
-        self.taken_step, self.taken = step, []
         expected = self.window_size(step)
+        trainer.begin_step(step, window_groups=expected // trainer.group_size)
+        self.taken_step, self.taken = step, []
         whole_window = self.sink is not None or bool(trainer.fallback)
         offered = 0
         draining = False  # streaming: a run of work started, continued while there is work
@@ -212,8 +247,12 @@ class StepLoop:
                 for sample in fresh:
                     trainer.offer(sample)
                 offered += len(fresh)
+                # Lockstep ranks train the chunks the trainer picks from the offered sequence alone.
                 if trainer.has_work() and (
-                    draining or trainer.num_waiting() >= self.min_chunk or expected - offered < self.min_chunk
+                    trainer.lockstep
+                    or draining
+                    or trainer.num_waiting() >= self.min_chunk
+                    or expected - offered < self.min_chunk
                 ):
                     draining = True
                     if await self._busy(trainer.work):

@@ -1,20 +1,29 @@
-"""Data-parallel learner ranks: rank 0 (the learner service) starts ranks 1..R-1 and feeds them.
+"""Learner ranks 1..R-1: the process group, the feed of trajectories from rank 0, and the worker
+loop that trains in lockstep with rank 0.
 
-Place in the data flow: generators push every trajectory to rank 0, which validates and
-deduplicates it and forwards the groups of rank r (group_id % R, `loop.rank_of_group`) to rank r
-over a loopback PUSH socket. Every rank streams its own groups into its own `Trainer`; at the end
-of a step each rank's summed gradient and unit count meet in one all-reduce (gloo on CPU, NCCL
-on GPU), so every rank applies the same update to the same parameters. Per-trajectory backwards
-never touch the group (the manual equivalent of DDP `no_sync` plus one reduction per step).
-Only rank 0 publishes weights and talks to the launcher.
+Place in the data flow: generators push every trajectory to rank 0 (the learner service), which
+validates and deduplicates it and forwards it to every other rank over a PUSH socket, in the
+order it offers it to its own trainer. Every rank therefore sees the same sequence of
+trajectories, and the trainer picks its chunks of complete groups from that sequence alone
+(`recipes.py`), so every rank runs the same forwards and backwards in the same order, each on its
+share of the chunk: FSDP2's collectives (`parallel.py`) pair up. After each step every rank takes
+part in the same gathers and checkpoint writes as rank 0 (`after_step`). Only rank 0 publishes
+weights and talks to the launcher.
 
-Process rules: rank 0 starts the workers, and only rank 0 signals them (Shutdown, then SIGTERM,
-then SIGKILL, by pid). A worker exits when rank 0 disappears. A worker that dies fails the run
-with its log's last lines. The group rendezvous uses its own TCPStore on loopback, separate from
-the weight-update group's store (`asyncrl.transport.broadcast`).
+Two ways to start the ranks, one protocol:
 
-Run (by rank 0 only) as `python -m asyncrl.learner.ranks --rank R --world W --store-port P
---feed ADDR --run-dir DIR --model PATH`.
+* `asyncrl launch` (learner.start = "launch"): rank 0 starts ranks 1..R-1 as its child processes
+  (`RankGroup.spawn`), with a TCPStore of its own on loopback; it alone signals them (Shutdown,
+  then SIGTERM, then SIGKILL, by pid), and a worker that dies fails the run with its log's tail.
+* `torchrun` (learner.start = "torchrun", `asyncrl.learner.torchrun`): every rank is started by
+  torchrun and joins through env:// (across hosts with --nnodes); rank 0 runs the learner service.
+
+Either way rank 0 puts each worker's feed address in the group's store (`feed_key`), the worker
+reads it there and connects, and a worker exits when rank 0 says Shutdown or its feed's sender is
+gone.
+
+Run (by rank 0 only, in launch mode) as `python -m asyncrl.learner.ranks --rank R --world W
+--store-port P --run-dir DIR --model PATH --resume-version V`.
 """
 
 from __future__ import annotations
@@ -29,12 +38,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import zmq
 
-from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, local_window_size
+from asyncrl.learner.checkpoint import learner_checkpoint_path, load_learner_checkpoint, save_learner_checkpoint
+from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, window_size
+from asyncrl.learner.parallel import backend_for, iter_full_state, resolve_device, serving_dtype
 from asyncrl.learner.step import sample_from_message
+from asyncrl.learner.trainer import NonFiniteError
 from asyncrl.messages import Shutdown, Trajectory
 from asyncrl.transport.zmq_io import Endpoint
 
@@ -44,70 +55,115 @@ POLL_S = 0.2
 STOP_GRACE_S = 5.0
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def feed_key(rank: int) -> str:
+    return f"asyncrl/learner/feed/{rank}"
 
 
-def _timeout(config) -> datetime.timedelta:
-    return datetime.timedelta(seconds=config.monitor.heartbeat_timeout_s)
+def group_timeout(config) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(config.monitor.heartbeat_timeout_s, config.learner.startup_timeout_s))
+
+
+def checkpoint_due(config, version: int) -> bool:
+    """Whether the learner checkpoints after reaching `version` (every rank decides the same)."""
+    every = config.run.checkpoint_every
+    return version == config.learner.steps or bool(every and version % every == 0)
+
+
+def after_step(trainer, config, run_dir: Path, version: int, *, publish_to=None, final_to=None, held=()) -> None:
+    """What every rank does after reaching `version`, in this order (each a collective on a
+    sharded model): gather the weights in the serving dtype (rank 0 hands them to `publish_to`),
+    gather them in float32 on the last step (rank 0: `final_to`), checkpoint when due."""
+    lrn = config.learner
+    state = iter_full_state(trainer.model, serving_dtype(lrn))
+    if publish_to is not None:
+        publish_to(dict(state))
+    else:
+        for _ in state:
+            pass
+    if version == lrn.steps:
+        final = iter_full_state(trainer.model, None)
+        if final_to is not None:
+            final_to(dict(final))
+        else:
+            for _ in final:
+                pass
+    if checkpoint_due(config, version):
+        save_learner_checkpoint(run_dir, version, trainer, held)
+
+
+def keep_before_fault(run_dir: Path, version: int, trainer, loop) -> None:
+    """Too many non-finite steps in a row: checkpoint version `version` (its weights are those
+    before the first skipped step) unless it is the start or already on disk. Every rank calls it."""
+    if version > 0 and not learner_checkpoint_path(run_dir, version).exists():
+        held = loop.held(after_step=version - 1) if loop is not None else ()
+        save_learner_checkpoint(run_dir, version, trainer, held)
+
 
 
 class RankGroup:
-    """Rank 0's handle on ranks 1..R-1: their processes, their feeds and the process group."""
+    """Rank 0's handle on ranks 1..R-1: their feeds, and their processes when it started them."""
 
     def __init__(self, ctx, model_path: Path) -> None:
         self.ctx = ctx
         self.config = ctx.config
         self.world_size = self.config.learner.world_size
         self.model_path = model_path
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            self.world_size,
-            is_master=True,
-            timeout=_timeout(self.config),
-            wait_for_workers=False,
-        )
         self.feeds: dict[int, Endpoint] = {}
         for rank in range(1, self.world_size):
             feed = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"learner.feed{rank}")
-            feed.bind_loopback()
+            feed.bind_loopback()  # ranks on other hosts: issue #23 (workers that join over TCP)
             self.feeds[rank] = feed
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}
-        self.process_group = None
 
     async def start(self) -> None:
-        """Start the workers and join the group with them (returns when all have joined)."""
+        """Join the process group with ranks 1..R-1 (starting them first unless torchrun did) and
+        tell each where its feed is. Returns when every rank has joined."""
+        device = resolve_device(self.config.learner.device)
+        if not dist.is_initialized():
+            store = dist.TCPStore(
+                "127.0.0.1", 0, self.world_size, is_master=True,
+                timeout=group_timeout(self.config), wait_for_workers=False,
+            )  # fmt: skip
+            self.spawn(store.port)
+            await asyncio.to_thread(
+                dist.init_process_group,
+                backend_for(device),
+                store=store,
+                rank=0,
+                world_size=self.world_size,
+                timeout=group_timeout(self.config),
+            )
+        store = dist.distributed_c10d._get_default_store()
+        for rank, feed in self.feeds.items():
+            store.set(feed_key(rank), feed.address)
+        log.info("learner: %d ranks joined (%s)", self.world_size, backend_for(device))
+
+    def spawn(self, store_port: int) -> None:
         logs = self.ctx.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        for rank, feed in self.feeds.items():
+        for rank in self.feeds:
             self.logs[rank] = logs / f"learner-rank{rank}.log"
             cmd = [
                 sys.executable, "-m", "asyncrl.learner.ranks", "--rank", str(rank),
-                "--world", str(self.world_size), "--store-port", str(self.store.port),
-                "--feed", feed.address, "--run-dir", str(self.ctx.run_dir), "--model", str(self.model_path),
+                "--world", str(self.world_size), "--store-port", str(store_port),
+                "--run-dir", str(self.ctx.run_dir), "--model", str(self.model_path),
+                "--resume-version", self.ctx.extra.get("resume_version", "0"),
             ]  # fmt: skip
+            env = {**os.environ, "LOCAL_RANK": str(rank)}  # its GPU on a GPU host
             with open(self.logs[rank], "ab") as out:
                 self.procs[rank] = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
                 )
-        await asyncio.to_thread(
-            dist.init_process_group,
-            _backend(),
-            store=self.store,
-            rank=0,
-            world_size=self.world_size,
-            timeout=_timeout(self.config),
-        )
-        self.process_group = dist.group.WORLD
-        log.info("learner: %d data-parallel ranks joined (%s)", self.world_size, _backend())
 
-    async def forward(self, rank: int, msg: Trajectory, tensors) -> None:
-        await self.feeds[rank].send(msg, tensors)
+    async def forward(self, msg: Trajectory, tensors) -> None:
+        """Every other rank gets every trajectory, in rank 0's order."""
+        for feed in self.feeds.values():
+            await feed.send(msg, tensors)
 
     async def supervise(self) -> None:
-        """A worker that exits before it is told to stop fails the learner (and so the run)."""
+        """A worker rank 0 started that exits before it is told to stop fails the run. (Ranks
+        that torchrun started are its to watch; a dead one breaks the next collective.)"""
         while True:
             for rank, proc in self.procs.items():
                 code = proc.poll()
@@ -144,26 +200,24 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------- the worker process
+# ---------------------------------------------------------------------- the worker
 
 
-async def _worker(args: argparse.Namespace, config, trainer) -> None:
-    lrn = config.learner
+async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_version: int) -> None:
+    """Rank `rank` (> 0) of a joined process group: train every step in lockstep with rank 0."""
+    store = dist.distributed_c10d._get_default_store()
+    address = (await asyncio.to_thread(store.get, feed_key(rank))).decode()
+    policy, tokenizer = await asyncio.to_thread(load_policy_model, model_path, config)
+    trainer = build_trainer(config, policy, pad_token_id=tokenizer.pad_token_id)
+    if resume_version:
+        await asyncio.to_thread(load_learner_checkpoint, run_dir, resume_version, trainer)
+        # Rank 0 republishes the resumed version first: take part in its gather.
+        await asyncio.to_thread(lambda: [None for _ in iter_full_state(trainer.model, serving_dtype(config.learner))])
     zctx = zmq.Context()
-    feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{args.rank}")
-    feed.connect(args.feed)
-    loop = StepLoop(
-        trainer,
-        lambda step: local_window_size(
-            step,
-            rank=args.rank,
-            world_size=args.world,
-            groups_per_step=lrn.groups_per_step,
-            group_size=lrn.samples_per_group,
-        ),
-        min_chunk=lrn.min_chunk,
-    )
-    parent = os.getppid()
+    feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{rank}")
+    feed.connect(address)
+    loop = StepLoop(trainer, lambda step: window_size(config), min_chunk=config.learner.min_chunk)
+    stopped = asyncio.Event()
 
     async def receive() -> None:
         while True:
@@ -172,22 +226,32 @@ async def _worker(args: argparse.Namespace, config, trainer) -> None:
                 loop.add(msg.step, sample_from_message(msg, tensors))
             elif isinstance(msg, Shutdown):
                 loop.stop()
+                stopped.set()
                 return
 
     async def watch_parent() -> None:
+        parent = os.getppid()  # rank 0, or torchrun's agent
         while os.getppid() == parent:
             await asyncio.sleep(0.5)  # polling the parent pid
-        log.warning("rank %d: rank 0 is gone; exiting", args.rank)
+        log.warning("rank %d: the process that started it is gone; exiting", rank)
         loop.stop()
+        stopped.set()
 
-    tasks = [asyncio.create_task(receive()), asyncio.create_task(watch_parent())]
+    receiver = asyncio.create_task(receive())
+    watcher = asyncio.create_task(watch_parent())
     try:
-        for step in range(lrn.steps):
-            if await loop.run_step(step) is None:
-                break
+        for step in range(resume_version, config.learner.steps):
+            try:
+                if await loop.run_step(step) is None:
+                    break
+            except NonFiniteError:  # rank 0 raises it at the same step: checkpoint together
+                await asyncio.to_thread(keep_before_fault, run_dir, step, trainer, None)
+                raise
+            await asyncio.to_thread(after_step, trainer, config, run_dir, step + 1)
+        await stopped.wait()  # rank 0 says when the run is over
     finally:
-        for t in tasks:
-            t.cancel()
+        receiver.cancel()
+        watcher.cancel()
         feed.close()
         zctx.term()
 
@@ -200,9 +264,9 @@ def main(argv: list[str] | None = None) -> None:
 
     quiet_offline()
     p = argparse.ArgumentParser()
-    for name in ("--rank", "--world", "--store-port"):
+    for name in ("--rank", "--world", "--store-port", "--resume-version"):
         p.add_argument(name, type=int, required=True)
-    for name in ("--feed", "--run-dir", "--model"):
+    for name in ("--run-dir", "--model"):
         p.add_argument(name, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -210,16 +274,13 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s learner-rank{args.rank} %(levelname)s %(name)s: %(message)s",
     )
     config = load_resolved_config(Path(args.run_dir) / "config.json")
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.world, is_master=False, timeout=_timeout(config))
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.world, is_master=False, timeout=group_timeout(config))
+    device = resolve_device(config.learner.device, local_rank=int(os.environ.get("LOCAL_RANK", args.rank)))
     dist.init_process_group(
-        _backend(), store=store, rank=args.rank, world_size=args.world, timeout=_timeout(config)
-    )
-    model, tokenizer = load_policy_model(Path(args.model), config.learner.threads, config.run.seed)
-    trainer = build_trainer(
-        config, model, pad_token_id=tokenizer.pad_token_id, process_group=dist.group.WORLD
+        backend_for(device), store=store, rank=args.rank, world_size=args.world, timeout=group_timeout(config)
     )
     try:
-        uvloop.run(_worker(args, config, trainer))
+        uvloop.run(run_worker(args.rank, config, Path(args.run_dir), Path(args.model), args.resume_version))
     finally:
         dist.destroy_process_group()
 

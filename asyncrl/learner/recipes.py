@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-from asyncrl.kernels.logprobs import causal_lm_position_logprobs
 from asyncrl.learner.advantages import group_rewards
 from asyncrl.learner.objective import DistillationObjective, RLObjective
 from asyncrl.learner.step import TrainSample, pack, pack_opd
@@ -75,7 +74,7 @@ class RLRecipe:
         self.objective: RLObjective = trainer.objective
         self.reference = None
         if self.objective.uses_reference:
-            self.reference = copy.deepcopy(trainer.model).eval().requires_grad_(False)
+            self.reference = copy.deepcopy(trainer.actor).eval().requires_grad_(False)
         self.acc: StreamingAccumulator | None = None
 
     def begin_step(self) -> None:
@@ -83,7 +82,8 @@ class RLRecipe:
         self.deferred: set[int] = set()  # traj ids that tried to stream and could not
         self.streamed_loss: dict[int, list[tuple[int, float]]] = defaultdict(list)  # gid -> (slot, l(+1))
         self.acc = None
-        if not t.fallback:
+        self.trained_groups = 0  # lockstep: complete groups trained so far (t.completed order)
+        if not t.fallback and not t.lockstep:
             self.acc = StreamingAccumulator(
                 t.params,
                 estimator=self.objective.stream_estimator,
@@ -97,9 +97,25 @@ class RLRecipe:
 
     # ------------------------------------------------------------------ streaming
     def has_work(self) -> bool:
+        if self.trainer.lockstep:
+            return not self.trainer.fallback and self._next_chunk() is not None
         if self.acc is None:
             return False
         return any(self._streamable_now(gid) for gid in self.trainer.waiting) or bool(self._closable())
+
+    def _next_chunk(self) -> list[int] | None:
+        """Lockstep: the next `chunk_groups` complete groups, in completion order (the step's
+        last chunk may be shorter). Decided by the offered sequence alone, which every rank sees
+        the same, so every rank trains the same chunks in the same order."""
+        t = self.trainer
+        ready = t.completed[self.trained_groups :]
+        if not ready:
+            return None
+        if len(ready) >= t.chunk_groups:
+            return ready[: t.chunk_groups]
+        if t.window_groups is None or len(t.completed) >= t.window_groups:
+            return ready
+        return None
 
     def _closable(self) -> list[int]:
         t = self.trainer
@@ -111,6 +127,12 @@ class RLRecipe:
         return any(s.traj_id not in self.deferred for s in self.trainer.waiting[gid])
 
     def work(self) -> bool:
+        if self.trainer.lockstep:
+            chunk = self._next_chunk()
+            if chunk is None:
+                return False
+            self._train_chunk(chunk)
+            return True
         assert self.acc is not None, "work() is for streaming steps; use batch_backward"
         closable = self._closable()
         if closable:
@@ -132,9 +154,9 @@ class RLRecipe:
         t = self.trainer
         if sample.weight != 1.0:
             return False  # a weighted group trains when complete (its advantages are scaled)
-        batch = pack([sample], pad_token_id=t.pad_token_id)
-        logp_1L = t.logp(t.model, batch.input_ids_BL)
-        corr = t.correct(batch, logp_1L.detach(), torch.ones(1, dtype=t.dtype))
+        batch = pack([sample], pad_token_id=t.pad_token_id).to(t.device)
+        logp_1L = t.logp(t.actor, batch.input_ids_BL)
+        corr = t.correct(batch, logp_1L.detach(), torch.ones(1, dtype=t.dtype, device=t.device))
         found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
         if found is None:
             return False
@@ -161,12 +183,23 @@ class RLRecipe:
         t.totals.streamed += 1
         return True
 
-    def _close_groups(self, gids: list[int]) -> None:
-        """Train the waiting members of complete groups with known advantages, then fold."""
+    def _train_chunk(self, gids: list[int]) -> None:
+        """Lockstep: this rank's share of complete groups `gids`, with known advantages (the
+        backward reduces the gradient over the ranks)."""
         t = self.trainer
-        chunk = [s for g in gids for s in t.waiting[g]]
-        adv_of = {}
-        keep_of = {}
+        chunk = [s for g in gids for s in sorted(t.members[g], key=lambda s: s.sample_index)]
+        adv_of, keep_of = self._group_advantages(gids)
+        self._backward_parts(t.share(chunk), adv_of, keep_of)
+        for g in gids:
+            t.waiting.pop(g, None)
+        self.trained_groups += len(gids)
+
+    def _group_advantages(self, gids: list[int]) -> tuple[dict[int, float], dict[int, bool]]:
+        """Each member's advantage (times its group's weight) and keep flag, by traj id; adds
+        the streamed members' loss values now that their advantages are known."""
+        t = self.trainer
+        adv_of: dict[int, float] = {}
+        keep_of: dict[int, bool] = {}
         for g in gids:
             members = sorted(t.members[g], key=lambda s: s.sample_index)
             rewards_1N = torch.tensor([[s.reward for s in members]], dtype=torch.float64)
@@ -178,13 +211,27 @@ class RLRecipe:
             for slot, loss_pos in self.streamed_loss.pop(g, []):
                 k = [s.sample_index for s in members].index(slot)
                 t.totals.loss += float(adv_1N[0, k]) * loss_pos
-        for start in range(0, len(chunk), t.micro_batch_size):
-            part = chunk[start : start + t.micro_batch_size]
+        return adv_of, keep_of
+
+    def _backward_parts(self, samples: list[TrainSample], adv_of: dict, keep_of: dict) -> None:
+        t = self.trainer
+        for part in t.microbatches(samples):
+            if part is None:
+                t.dummy_backward()
+                continue
+            chosen = [samples[i] for i in part]
             self._backward_chunk(
-                part,
-                torch.tensor([adv_of[s.traj_id] for s in part], dtype=t.dtype),
-                torch.tensor([keep_of[s.traj_id] for s in part]),
+                chosen,
+                torch.tensor([adv_of[s.traj_id] for s in chosen], dtype=t.dtype),
+                torch.tensor([keep_of[s.traj_id] for s in chosen]),
             )
+
+    def _close_groups(self, gids: list[int]) -> None:
+        """Train the waiting members of complete groups with known advantages, then fold."""
+        t = self.trainer
+        chunk = [s for g in gids for s in t.waiting[g]]
+        adv_of, keep_of = self._group_advantages(gids)
+        self._backward_parts(chunk, adv_of, keep_of)
         # Their gradient stays in `.grad` (summed with the step's other complete groups); the
         # streamed members of these groups fold from S0/S1 into the accumulator.
         for g in gids:
@@ -201,14 +248,17 @@ class RLRecipe:
         """Loss over complete-group members with known advantages (local policies only):
         gradients accumulate into `.grad`."""
         t = self.trainer
-        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False)
+        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
+        adv_B, keep_B = adv_B.to(t.device), keep_B.to(t.device)
         mask = batch.completion_mask_BL & keep_B[:, None]
-        logp_BL = t.logp(t.model, batch.input_ids_BL)
+        logp_BL = t.logp(t.actor, batch.input_ids_BL)
         corr = t.correct(batch, logp_BL.detach(), adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
         loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
         loss.backward()
         t.totals.loss += float(loss.detach())
+        if self.acc is None:  # lockstep: no accumulator counts Z for these members
+            t.totals.units += self.objective.units(mask)
         tokens = float(stats.num_tokens)
         t.account(
             batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
@@ -217,36 +267,51 @@ class RLRecipe:
     # ------------------------------------------------------------------ whole batch
     def batch_backward(self, samples: Sequence[TrainSample]) -> None:
         t = self.trainer
-        batch = pack(samples, pad_token_id=t.pad_token_id)
-        ids = batch.input_ids_BL
-        num = ids.shape[0]
-        mb = t.micro_batch_size
-        single = num <= mb and self.reference is None
+        whole = pack(samples, pad_token_id=t.pad_token_id)
+        rewards_B = whole.reward_B.double()
+        # Lockstep ranks each train their share of the rows; advantages come from the whole batch.
+        rows = list(range(t.rank, len(samples), t.world_size))
+        mine = [samples[i] for i in rows]
+        parts = t.microbatches(mine)
+        batch = pack(mine, pad_token_id=t.pad_token_id, require_complete=False) if mine else None
+        ids = batch.input_ids_BL.to(t.device) if batch is not None else None
+        single = len(parts) == 1 and parts[0] is not None and len(parts[0]) == len(mine)
+        single = single and self.reference is None and not t.lockstep
         with torch.no_grad():
             logp_ref_BL = None
             if self.reference is not None:
-                logp_ref_BL = torch.cat([t.logp(self.reference, ids[i : i + mb]) for i in range(0, num, mb)])
+                logp_ref_BL = _by_parts(lambda x: t.logp(self.reference, x), ids, parts, t)
         if single:
-            logp_BL = t.logp(t.model, ids)
+            logp_BL = t.logp(t.actor, ids)
             logp_now_BL = logp_BL.detach()
         else:
             with torch.no_grad():
-                logp_now_BL = torch.cat([t.logp(t.model, ids[i : i + mb]) for i in range(0, num, mb)])
-        valid = batch.completion_mask_BL
-        rewards_B = batch.reward_B.double()
+                logp_now_BL = _by_parts(lambda x: t.logp(t.actor, x), ids, parts, t)
         if logp_ref_BL is not None:
-            rewards_B = rewards_B + self.objective.kl_reward_penalty(logp_now_BL, logp_ref_BL, valid)
+            rewards_B = rewards_B + self.objective.kl_reward_penalty(
+                logp_now_BL, logp_ref_BL, batch.completion_mask_BL.to(t.device)
+            ).cpu()
         rewards_GN = group_rewards(
-            rewards_B, batch.group_B, batch.slot_B, num_groups=batch.num_groups, group_size=batch.group_size
+            rewards_B, whole.group_B, whole.slot_B, num_groups=whole.num_groups, group_size=whole.group_size
         )
         adv_GN, keep_GN = self.objective.group_advantages(rewards_GN)
-        adv_B = adv_GN[batch.group_B, batch.slot_B].to(t.dtype)
-        if any(s.weight != 1.0 for s in samples):
-            adv_B = adv_B * torch.tensor([s.weight for s in samples], dtype=t.dtype)
-        mask = valid & keep_GN[batch.group_B, batch.slot_B][:, None]
+        if batch is None:  # more ranks than rows: this rank only takes part in the collectives
+            plan = _EpochPlan(None, None, None, None, None, parts)
+            if t.epochs > 1:
+                t.epoch_plans.append(functools.partial(self._policy_backward, plan))
+            self._policy_backward(plan)
+            return
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        g_B, n_B = whole.group_B[rows_t], whole.slot_B[rows_t]
+        adv_B = adv_GN[g_B, n_B].to(t.dtype)
+        if any(s.weight != 1.0 for s in mine):
+            adv_B = adv_B * torch.tensor([s.weight for s in mine], dtype=t.dtype)
+        batch = batch.to(t.device)
+        adv_B = adv_B.to(t.device)
+        mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(t.device)[:, None]
         corr = t.correct(batch, logp_now_BL, adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
-        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL)
+        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL, parts)
         if t.epochs > 1:
             t.epoch_plans.append(functools.partial(self._policy_backward, plan))
         loss_sum, clipped, kl_values = self._policy_backward(plan, logp_BL if single else None)
@@ -256,7 +321,7 @@ class RLRecipe:
         stats = stats_dict(corr)
         if kl_values:
             stats["kl"] = sum(kl_values) / len(kl_values)
-        t.account(batch, samples, stats, tokens=float(mask.sum()), clipped=clipped)
+        t.account(batch, mine, stats, tokens=float(mask.sum()), clipped=clipped)
 
     def _policy_backward(
         self, plan: _EpochPlan, logp_BL: torch.Tensor | None = None
@@ -266,20 +331,27 @@ class RLRecipe:
         batch). Returns the summed loss, the clipped token count and the KL values. A later epoch
         re-runs it with the same anchors, corrections and advantages (PPO epochs)."""
         t = self.trainer
-        ids, corr, adv_BL, mask, logp_ref_BL = plan
-        mb = t.micro_batch_size
+        ids, corr, adv_BL, mask, logp_ref_BL, parts = plan
         kl_values: list[float] = []
         loss_sum = clipped = 0.0
-        for start in range(0, ids.shape[0], mb):
-            sl = slice(start, start + mb)
-            logp_mb = logp_BL if logp_BL is not None else t.logp(t.model, ids[sl])
-            part = corr._replace(
-                logp_anchor_BT=corr.logp_anchor_BT[sl], weight_BT=corr.weight_BT[sl], mask_BT=corr.mask_BT[sl]
+        for part in parts:
+            if part is None:
+                t.dummy_backward()
+                continue
+            if logp_BL is not None:  # the whole batch in one part, in row order
+                sl, width = torch.arange(ids.shape[0], device=ids.device), ids.shape[1]
+            else:
+                sl, width = _rows(part, mask)
+            logp_mb = logp_BL if logp_BL is not None else t.logp(t.actor, ids[sl, :width])
+            part_corr = corr._replace(
+                logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
+                weight_BT=corr.weight_BT[sl, :width],
+                mask_BT=corr.mask_BT[sl, :width],
             )
-            loss, stats = self.objective.policy_loss(logp_mb, part, adv_BL[sl], mask[sl])
+            loss, stats = self.objective.policy_loss(logp_mb, part_corr, adv_BL[sl, :width], mask[sl, :width])
             if logp_ref_BL is not None:
                 kl, kl_value = self.objective.kl_term(
-                    logp_mb, logp_ref_BL[sl], mask[sl], part.weight_BT * part.mask_BT
+                    logp_mb, logp_ref_BL[sl, :width], mask[sl, :width], part_corr.weight_BT * part_corr.mask_BT
                 )
                 loss = loss + kl
                 kl_values.append(kl_value)
@@ -287,6 +359,31 @@ class RLRecipe:
             loss_sum += float(loss.detach())
             clipped += float(stats.clip_fraction) * float(stats.num_tokens)
         return loss_sum, clipped, kl_values
+
+
+def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Row indices of a micro-batch and its width: the packed length, cut after the last column
+    any of its rows has a completion token in (right padding beyond it changes nothing)."""
+    sl = torch.tensor(part, dtype=torch.long, device=mask_BL.device)
+    cols = mask_BL[sl].any(dim=0).nonzero()
+    width = int(cols.max()) + 1 if len(cols) else 2
+    return sl, width
+
+
+def _by_parts(fn, ids_BL: torch.Tensor | None, parts: list, t: Trainer) -> torch.Tensor | None:
+    """`fn` (a no-grad forward) over micro-batches of rows, reassembled in row order and padded
+    to the batch's width; `None` parts are a lockstep rank's empty turns."""
+    out = None
+    for part in parts:
+        if part is None:
+            t.logp(t.actor, torch.full((1, 2), t.pad_token_id, dtype=torch.long))
+            continue
+        sl = torch.tensor(part, dtype=torch.long, device=ids_BL.device)
+        values = fn(ids_BL[sl])
+        if out is None:
+            out = values.new_zeros(ids_BL.shape)
+        out[sl] = values
+    return out
 
 
 class DistillationRecipe:
@@ -299,48 +396,73 @@ class DistillationRecipe:
         self.objective: DistillationObjective = trainer.objective
 
     def begin_step(self) -> None:
-        pass  # no per-step state beyond the trainer's
+        self.trained = 0  # lockstep: trajectories trained so far, in offer order
 
     def has_work(self) -> bool:
-        return not self.trainer.fallback and any(self.trainer.waiting.values())
+        t = self.trainer
+        if t.fallback:
+            return False
+        if t.lockstep:
+            return self._next_chunk() is not None
+        return any(t.waiting.values())
+
+    def _next_chunk(self) -> list[TrainSample] | None:
+        """Lockstep: the next `chunk_groups` x group_size trajectories in offer order (the step's
+        last chunk may be shorter): the same on every rank."""
+        t = self.trainer
+        ready = t.arrivals[self.trained :]
+        size = t.chunk_groups * t.group_size
+        if len(ready) >= size:
+            return ready[:size]
+        if ready and (t.window_groups is None or len(t.arrivals) >= t.window_groups * t.group_size):
+            return ready
+        return None
 
     def work(self) -> bool:
         t = self.trainer
         assert not t.fallback, "work() is for streaming steps; use batch_backward"
-        chunk = [s for w in t.waiting.values() for s in w][: t.micro_batch_size]
+        if t.lockstep:
+            chunk = self._next_chunk() or []
+            self.trained += len(chunk)
+        else:
+            chunk = [s for w in t.waiting.values() for s in w][: t.micro_batch_size]
         if not chunk:
             return False
         for s in chunk:
             t.waiting[s.group_id].remove(s)
-        self._backward(chunk)
+        self._backward_parts(t.share(chunk))
         return True
 
     def batch_backward(self, samples: Sequence[TrainSample]) -> None:
         t = self.trainer
-        for start in range(0, len(samples), t.micro_batch_size):
-            self._backward(samples[start : start + t.micro_batch_size])
+        mine = t.share(samples)
+        self._backward_parts(mine)
         if t.epochs > 1:
-            t.epoch_plans.append(functools.partial(self._later_epoch, samples))
+            t.epoch_plans.append(functools.partial(self._backward_parts, mine, account=False))
 
-    def _later_epoch(self, samples: Sequence[TrainSample]) -> None:
-        """The same loss under the updated model: the per-token advantage log pi_T - sg(log pi)
-        is recomputed under the student; the step counted these samples and their loss already."""
-        mb = self.trainer.micro_batch_size
-        for start in range(0, len(samples), mb):
-            self._backward(samples[start : start + mb], account=False)
+    def _backward_parts(self, samples: Sequence[TrainSample], *, account: bool = True) -> None:
+        """A later epoch (`account=False`) runs the same loss under the updated model: the
+        per-token advantage log pi_T - sg(log pi) is recomputed under the student; the step
+        counted these samples and their loss already."""
+        t = self.trainer
+        for part in t.microbatches(samples):
+            if part is None:
+                t.dummy_backward()
+            else:
+                self._backward([samples[i] for i in part], account=account)
 
     def _backward(self, samples: Sequence[TrainSample], *, account: bool = True) -> None:
         """OPD loss of these trajectories; gradients accumulate into `.grad`."""
         t = self.trainer
         if any(s.teacher_logprobs is None for s in samples):
             raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
-        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False)
+        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
         teacher, ids, behav = (
-            x.to(t.dtype) if x.is_floating_point() else x
+            (x.to(t.dtype) if x.is_floating_point() else x).to(t.device)
             for x in pack_opd(samples, batch.input_ids_BL.shape[1])
         )
         mask = batch.completion_mask_BL
-        logp_BLN = causal_lm_position_logprobs(t.model, batch.input_ids_BL, ids, temperature=t.temperature)
+        logp_BLN = t.actor(batch.input_ids_BL, temperature=t.temperature, candidates_BLN=ids)
         loss, kl = self.objective.loss(logp_BLN[..., 0], logp_BLN, teacher, behav, ids, mask)
         loss.backward()
         if not account:
@@ -359,6 +481,7 @@ class _EpochPlan(NamedTuple):
     adv_BL: torch.Tensor
     mask_BL: torch.Tensor
     logp_ref_BL: torch.Tensor | None
+    parts: list  # row indices per micro-batch (`Trainer.microbatches`)
 
 
 def trained_tokens(sample: TrainSample) -> int:

@@ -30,18 +30,12 @@ from asyncrl.learner.checkpoint import (
     load_learner_checkpoint,
     save_learner_checkpoint,
 )
-from asyncrl.learner.loop import (
-    StepLoop,
-    build_trainer,
-    gradient_mode,
-    load_policy_model,
-    local_window_size,
-    rank_of_group,
-)
+from asyncrl.learner.loop import StepLoop, build_trainer, gradient_mode, load_policy_model, window_size
+from asyncrl.learner.parallel import full_state, is_wrapped, serving_dtype
 from asyncrl.learner.pool import PoolLoop
-from asyncrl.learner.ranks import RankGroup
+from asyncrl.learner.ranks import RankGroup, after_step, checkpoint_due, keep_before_fault
 from asyncrl.learner.step import sample_from_message
-from asyncrl.learner.trainer import StepResult
+from asyncrl.learner.trainer import NonFiniteError, StepResult
 from asyncrl.messages import GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import split_trajectories
@@ -59,40 +53,16 @@ class LearnerService:
         self.ctx = ctx
         cfg = ctx.config
         self.cfg = cfg.learner
-        model_path = Path(ctx.extra["model"])
-        self.model, self.tokenizer = load_policy_model(model_path, self.cfg.threads, cfg.run.seed)
-        self.ranks = RankGroup(ctx, model_path) if self.cfg.world_size > 1 else None
-        self.trainer = build_trainer(
-            cfg,
-            self.model,
-            pad_token_id=self.tokenizer.pad_token_id,
-        )
-        log.info(gradient_mode(self.trainer.fallback))
+        self.model_path = Path(ctx.extra["model"])
+        self.ranks = RankGroup(ctx, self.model_path) if self.cfg.world_size > 1 else None
         self.publisher = make_publisher(
             cfg,
             run_dir=ctx.run_dir,
-            model_dir=model_path,
+            model_dir=self.model_path,
             generator_ids=filter(None, ctx.extra.get("generators", "").split(",")),
         )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
-        # The step source, chosen once: windows (the groups admitted for each step) or the pool.
-        self.loop: StepLoop = (
-            PoolLoop(self.trainer, cfg)
-            if cfg.buffer.mode == "pool"
-            else StepLoop(
-                self.trainer,
-                lambda step: local_window_size(
-                    step,
-                    rank=0,
-                    world_size=self.cfg.world_size,
-                    groups_per_step=self.cfg.groups_per_step,
-                    group_size=self.cfg.samples_per_group,
-                ),
-                before_update=self.wait_closed,
-                min_chunk=self.cfg.min_chunk,
-            )
-        )
         # The last step's publish and reports, running while the next step trains (`train_loop`).
         self.closing: asyncio.Task | None = None
         self.seen: set[int] = set()
@@ -102,8 +72,37 @@ class LearnerService:
         self.num_regenerated = 0  # re-admitted copies of restored trajectories, dropped
         self.start_version = int(ctx.extra.get("resume_version", "0"))
         self.version = self.start_version
+
+    def setup(self) -> None:
+        """Load the model on its device (every rank at once when there are several: the
+        wrapping is collective), build the trainer and the step source, restore a checkpoint."""
+        cfg = self.ctx.config
+        self.policy, self.tokenizer = load_policy_model(self.model_path, cfg)
+        self.model = self.policy.lm
+        self.trainer = build_trainer(cfg, self.policy, pad_token_id=self.tokenizer.pad_token_id)
+        log.info(gradient_mode(self.trainer.fallback))
+        if self.trainer.streams_per_trajectory:
+            log.info(
+                "learner: at most %d groups open at once (learner.stream_memory_mb = %g)",
+                self.trainer.max_open_groups,
+                self.cfg.stream_memory_mb,
+            )
+        # The step source, chosen once: windows (the groups admitted for each step) or the pool.
+        self.loop: StepLoop = (
+            PoolLoop(self.trainer, cfg)
+            if cfg.buffer.mode == "pool"
+            else StepLoop(
+                self.trainer,
+                lambda step: window_size(cfg),
+                before_update=self.wait_closed,
+                min_chunk=self.cfg.min_chunk,
+            )
+        )
+        if is_wrapped(self.cfg):
+            # Gathering the weights is a collective: it must not overlap the next step's.
+            self.loop.overlap_close = False
         if self.start_version:
-            held = load_learner_checkpoint(ctx.run_dir, self.start_version, self.trainer, extras=True)
+            held = load_learner_checkpoint(self.ctx.run_dir, self.start_version, self.trainer, extras=True)
             for _, sample, _ in held:
                 self.seen.add(sample.traj_id)
                 self.restored.add(sample.traj_id)
@@ -151,10 +150,8 @@ class LearnerService:
             log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
             return
         self.seen.add(msg.traj_id)
-        rank = rank_of_group(msg.group_id, self.cfg.world_size)
-        if rank != 0:
-            await self.ranks.forward(rank, msg, tensors)
-            return
+        if self.ranks is not None:
+            await self.ranks.forward(msg, tensors)  # every rank sees every trajectory, in this order
         self.loop.add(msg.step, sample_from_message(msg, tensors))
         # A group withheld or dropped as it arrived frees its credit now (pool mode; per
         # trajectory, so no coroutine when there is nothing to send).
@@ -175,18 +172,22 @@ class LearnerService:
 
     async def train_loop(self) -> None:
         loop = self.loop
-        every = self.ctx.config.run.checkpoint_every
         try:
             for step in range(self.start_version, self.cfg.steps):
                 begin = time.perf_counter()
                 idle_before = loop.idle_s
-                result = await loop.run_step(step)  # awaits the last step's closing before its update
+                try:
+                    result = await loop.run_step(step)  # awaits the last step's closing before its update
+                except NonFiniteError:
+                    await self.wait_closed()
+                    await asyncio.to_thread(keep_before_fault, self.ctx.run_dir, step, self.trainer, loop)
+                    raise
                 if result is None:
                     break
                 end = time.perf_counter()
                 self.version = step + 1
                 last = step == self.cfg.steps - 1
-                checkpoint = last or bool(every and self.version % every == 0)
+                checkpoint = checkpoint_due(self.ctx.config, self.version)
                 await self.wait_closed()  # StepDone and WeightsPublished go out in step order
                 closing = self.close_step(
                     step,
@@ -236,15 +237,22 @@ class LearnerService:
         """Publish version step + 1, checkpoint it when due, and report StepDone and the metrics."""
         loop = self.loop
         version = step + 1
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        published = await self.publisher.publish(state, version, self.ctx.ctrl.send)
-        if checkpoint:
-            # Before StepDone: the launcher writes its half of the checkpoint on receiving it.
-            held = loop.held(after_step=step)  # on the loop thread, before the data loop adds more
-            await asyncio.to_thread(save_learner_checkpoint, self.ctx.run_dir, version, self.trainer, held)
-        if last:
-            # The launcher ends the run on the last StepDone: the final model must exist by then.
-            await asyncio.to_thread(self.save_final)
+        # Every rank gathers the weights (and checkpoints) in the same order (`ranks.after_step`).
+        # The checkpoint comes before StepDone: the launcher writes its half on receiving it; the
+        # final model (the last step) too: the launcher ends the run on the last StepDone.
+        gathered: dict[str, dict] = {}
+        held = loop.held(after_step=step) if checkpoint else ()  # on the loop thread, before more arrive
+        await asyncio.to_thread(
+            after_step,
+            self.trainer,
+            self.ctx.config,
+            self.ctx.run_dir,
+            version,
+            publish_to=lambda state: gathered.__setitem__("serving", state),
+            final_to=self.save_final,
+            held=held,
+        )
+        published = await self.publisher.publish(gathered.pop("serving"), version, self.ctx.ctrl.send)
         held, windows = loop.depth()
         await self.ctx.ctrl.send(result.step_done(step_s=step_s, idle_s=idle_s, **loop.step_report()))
         await self.send_left()
@@ -261,6 +269,12 @@ class LearnerService:
                     "learner/streamed": float(result.streamed),
                     "learner/deferred": float(result.deferred),
                     "learner/stream_peak_bytes": float(result.peak_stream_bytes),
+                    # Groups a streaming rank may hold open (learner.stream_memory_mb); 0 = lockstep
+                    # ranks, or whole batches: no per-group buffers.
+                    "learner/open_group_bound": float(
+                        self.trainer.max_open_groups if self.trainer.streams_per_trajectory else 0
+                    ),
+                    "learner/skipped_nonfinite": float(self.trainer.nonfinite_total),
                     "learner/duplicates": float(self.num_duplicates),
                     "learner/resume_restored": float(len(self.restored)),
                     "learner/resume_regenerated": float(self.num_regenerated),
@@ -284,20 +298,21 @@ class LearnerService:
         w = self.ctx.config.weights
         return Path(w.dir) if w.dir else self.ctx.run_dir / "weights"
 
-    def save_final(self) -> None:
+    def save_final(self, state: dict[str, torch.Tensor]) -> None:
+        """The final weights (gathered in float32) as a Hugging Face directory."""
         out = self.ctx.run_dir / "final_model"
-        self.model.save_pretrained(out, safe_serialization=True)
+        self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
 
     async def run(self) -> None:
-        if self.ranks is not None:
-            await self.ranks.start()
-            self.trainer.process_group = self.ranks.process_group
         try:
+            if self.ranks is not None:
+                await self.ranks.start()
+            await asyncio.to_thread(self.setup)
             await self.ctx.hello(endpoint=self.data.address)
             if self.start_version > 0:
                 # Resumed: generators start from the base model, so hand them this version first.
-                state = {k: v.detach() for k, v in self.model.state_dict().items()}
+                state = await asyncio.to_thread(full_state, self.model, serving_dtype(self.cfg))
                 await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
                 await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:
@@ -306,8 +321,9 @@ class LearnerService:
                     loops.append(tg.create_task(self.ranks.supervise(), name="learner-ranks"))
                 ctrl = tg.create_task(self.ctrl_loop(), name="learner-ctrl")
                 await tg.create_task(self.train_loop(), name="learner-train")
-                if self.version < self.cfg.steps and self.version > self.start_version:
-                    # Stopped early (Ctrl-C or a failure elsewhere): keep what was trained.
+                if self.trainer.world_size == 1 and self.cfg.steps > self.version > self.start_version:
+                    # Stopped early (Ctrl-C or a failure elsewhere): keep what was trained. (Several
+                    # ranks may be inside a step's collectives: their last periodic checkpoint stands.)
                     path = learner_checkpoint_path(self.ctx.run_dir, self.version)
                     if not path.exists():
                         held = self.loop.held(after_step=self.version - 1)

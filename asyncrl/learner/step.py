@@ -55,6 +55,10 @@ class PackedBatch(NamedTuple):
     num_groups: int
     group_size: int
 
+    def to(self, device: torch.device) -> PackedBatch:
+        """The same batch with its tensors on `device` (no copy when they are there already)."""
+        return self._replace(**{k: v.to(device) for k, v in self._asdict().items() if isinstance(v, torch.Tensor)})
+
 
 class StepStats(NamedTuple):
     loss: float
@@ -182,6 +186,7 @@ class StepResult:
     deferred: int  # trajectories whose clip made them wait for their group
     peak_stream_bytes: int
     fallback: str  # "" when streaming, else why the step trained as one batch
+    skipped_nonfinite: bool = False  # a non-finite loss or gradient: no update was applied
 
     @property
     def version(self) -> int:

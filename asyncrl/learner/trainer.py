@@ -28,22 +28,30 @@ all-reduce per update.
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from asyncrl.kernels.logprobs import causal_lm_logprobs
+from asyncrl.learner.microbatch import split_microbatches
 from asyncrl.learner.objective import Objective
+from asyncrl.learner.parallel import is_sharded
 from asyncrl.learner.recipes import Recipe, make_recipe
 from asyncrl.learner.step import PackedBatch, StepResult, StepTotals, TrainSample, staleness_B
 from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
+from asyncrl.models.policy import PolicyLM
 from asyncrl.staleness.base import Correction, StalenessPolicy, TokenBatch, with_current_as_prox
 from asyncrl.staleness.ewma import EwmaParams
 from asyncrl.staleness.exact import assemble_old_train_logp, versions_needed
 from asyncrl.staleness.freshness import freshness_score
+
+
+log = logging.getLogger(__name__)
 
 
 class StalenessViolation(AssertionError):
@@ -53,7 +61,7 @@ class StalenessViolation(AssertionError):
 class Trainer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        actor: PolicyLM,
         objective: Objective,
         policy: StalenessPolicy,
         *,
@@ -69,9 +77,26 @@ class Trainer:
         max_open_groups: int,
         max_staleness: int,
         process_group: dist.ProcessGroup | None = None,
+        max_tokens_per_microbatch: int = 0,
+        chunk_groups: int = 1,
+        max_nonfinite_steps: int = 3,
     ) -> None:
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.actor = actor  # the policy network's forwards (log-probs); maybe FSDP2-wrapped (`parallel.py`)
+        self.model = actor.lm  # the Hugging Face model: state_dict names, save_pretrained
+        self.params = [p for p in actor.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        # Several ranks (or a wrapped model) train complete groups in lockstep: every rank sees
+        # every trajectory and trains its share of each chunk (`recipes.py`); the gradient is
+        # reduced by the backward itself. One plain rank streams per trajectory.
+        self.lockstep = is_sharded(actor)
+        self.rank = dist.get_rank() if self.lockstep else 0
+        self.world_size = dist.get_world_size() if self.lockstep else 1
+        self.chunk_groups = chunk_groups
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.fault_steps = _fault_steps(os.environ.get(FAULT_ENV, ""))
         self.objective = objective
         self.policy = policy
         self.lr = lr
@@ -91,30 +116,37 @@ class Trainer:
                 self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
             )
         self.fallback = objective.fallback_reason(policy) or ""
+        # Per-trajectory S0/S1 streaming (one plain rank; bounded by max_open_groups).
+        self.streams_per_trajectory = not self.fallback and not self.lockstep
         # Extra policy inputs: an EWMA of the parameters (PPO-EWMA) or snapshots of the last
         # max_staleness + 1 versions (exact old logits), each with a scratch model for forwards.
         self.ewma = None
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.scratch = None
         if "ewma" in policy.needs or "old_train" in policy.needs:
-            self.scratch = copy.deepcopy(model).eval().requires_grad_(False)
+            self.scratch = copy.deepcopy(actor).eval().requires_grad_(False)
         if "ewma" in policy.needs:
             if policy.ewma_decay is None:
                 raise ValueError(
                     f"staleness policy {policy.name!r} needs 'ewma' inputs but declares no ewma_decay"
                 )
             self.ewma_decay: float = policy.ewma_decay
-            self.ewma = EwmaParams.init(model.state_dict())
+            self.ewma = EwmaParams.init(self.model.state_dict())
         if "old_train" in policy.needs:
-            self.snapshots[0] = _snapshot(model)
+            self.snapshots[0] = _snapshot(self.model)
         self.dtype = self.params[0].dtype
         self.epochs = objective.epochs
         self.step = -1
         self.recipe: Recipe = make_recipe(self)  # RL or distillation, for the trainer's lifetime
 
     # ------------------------------------------------------------------ step state
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, window_groups: int | None = None) -> None:
+        """Start step `step`; `window_groups` is how many groups it will offer (None: unknown,
+        e.g. the pool). Lockstep ranks train a step's last, shorter chunk once that many are in."""
         self.step = step
+        self.window_groups = window_groups
+        self.completed: list[int] = []  # group ids in the order their last member was offered
+        self.arrivals: list[TrainSample] = []  # every offered trajectory, in offer order
         self.totals = StepTotals()
         # What later epochs re-run (learner.epochs > 1), appended by the recipe.
         self.epoch_plans: list[Callable[[], object]] = []
@@ -132,6 +164,9 @@ class Trainer:
     def offer(self, sample: TrainSample) -> None:
         self.members[sample.group_id].append(sample)
         self.waiting[sample.group_id].append(sample)
+        self.arrivals.append(sample)
+        if len(self.members[sample.group_id]) == self.group_size:
+            self.completed.append(sample.group_id)
 
     def num_waiting(self) -> int:
         """Trajectories offered this step and not trained yet."""
@@ -151,7 +186,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ shared pieces
     def _scratch_logp(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor) -> torch.Tensor:
-        self.scratch.load_state_dict(state, strict=True)
+        self.scratch.lm.load_state_dict(state, strict=True)
         mb = self.micro_batch_size
         with torch.no_grad():
             return torch.cat(
@@ -218,7 +253,7 @@ class Trainer:
         self, batch: PackedBatch, samples, stats: dict[str, float], *, tokens: float, clipped: float
     ) -> None:
         """Add trained samples to the step's totals, asserting the staleness bound."""
-        stale_B = staleness_B(batch, self.step)
+        stale_B = staleness_B(batch, self.step).cpu()
         # A down-weighted group (buffer.action = "downweight") is past the bound by design.
         bounded_B = torch.tensor([s.weight == 1.0 for s in samples])
         if bool(bounded_B.any()) and int(stale_B[bounded_B].max()) > self.max_staleness:
@@ -231,19 +266,60 @@ class Trainer:
         self.totals.clipped_tokens += clipped
         self.totals.add_stats(stats, tokens)
 
-    def logp(self, model, ids_BL: torch.Tensor) -> torch.Tensor:
-        return causal_lm_logprobs(model, ids_BL, temperature=self.temperature, top_p=self.top_p).logp
+    def logp(self, actor: PolicyLM, ids_BL: torch.Tensor) -> torch.Tensor:
+        """log pi(x_t | x_<t) under `actor` (a `PolicyLM`), on the learner's device."""
+        out = actor(ids_BL.to(self.device), temperature=self.temperature, top_p=self.top_p)
+        return out.logp
 
-    def _apply_gradient(self, grad_P: torch.Tensor, lr_scale: float) -> float:
-        """Write the (already reduced and scaled) gradient, clip, step; returns the norm before clipping."""
-        write_flat_grad(self.params, grad_P)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * lr_scale
-        self.optimizer.step()
+    def microbatches(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        """Indices of `samples` per forward/backward: at most `micro_batch_size` sequences and
+        `max_tokens_per_microbatch` padded tokens. Lockstep ranks all run as many as the rank
+        with the most (the others pad with empty ones: `None` here, see `dummy_backward`)."""
+        parts = split_microbatches(
+            samples, max_seqs=self.micro_batch_size, max_tokens=self.max_tokens_per_microbatch
+        )
+        if self.lockstep:
+            count = torch.tensor([len(parts)], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            parts = parts + [None] * (int(count) - len(parts))
+        return parts
+
+    def dummy_backward(self) -> None:
+        """A forward and backward that changes no gradient: a lockstep rank with nothing to train
+        in this micro-batch still takes part in its collectives."""
+        ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
+        (self.logp(self.actor, ids) * 0.0).sum().backward()
+
+    def share(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
+        """This rank's part of `samples` (every rank sees all of them, in the same order)."""
+        return list(samples[self.rank :: self.world_size])
+
+    def _apply_gradient(self, scale: float, lr_scale: float, loss: float) -> tuple[float, bool]:
+        """Scale the reduced gradient in `.grad`, clip, step; returns (the norm before clipping,
+        whether the update was applied). A non-finite loss or norm skips the step: gradients are
+        dropped, parameters and optimizer state stay as they were."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.step in self.fault_steps:
+            for g in grads:
+                g.fill_(float("nan"))  # fault injection (ASYNCRL_FAULT_NONFINITE), for tests
+        torch._foreach_mul_(grads, scale)
+        norm_t = torch.nn.utils.get_total_norm(grads) if grads else None
+        norm = _local(norm_t) if norm_t is not None else 0.0
+        applied = math.isfinite(norm) and math.isfinite(loss)
+        if applied:
+            if norm_t is not None:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, norm_t)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr * lr_scale
+            self.optimizer.step()
+            if not _all_finite(self.params):
+                raise NonFiniteError(
+                    f"step {self.step}: the optimizer step made a parameter non-finite; resume from the "
+                    "last checkpoint with a lower learner.lr"
+                )
         for p in self.params:
             p.grad = None
-        return grad_norm
+        return norm, applied
 
     # ------------------------------------------------------------------ the update
     def finish_step(self) -> StepResult:
@@ -254,32 +330,41 @@ class Trainer:
             units_local = float(self.acc.num_units)
             grad_P, stream_stats = self.acc.finish(1.0)  # the streamed groups' summed loss gradient
             grad_P = grad_P + flatten_grads(self.params, dtype=self.dtype)  # plus complete groups'
+            write_flat_grad(self.params, grad_P)
             peak = stream_stats.peak_memory_bytes
         else:
             units_local = t.units
-            grad_P = flatten_grads(self.params, dtype=self.dtype)
             peak = 0
         summed = torch.tensor(
             [units_local, t.loss, t.clipped_tokens, t.tokens, t.reward, t.seqs, t.staleness_sum],
             dtype=torch.float64,
         )
-        if self.process_group is not None:
+        if self.process_group is not None and not self.lockstep:
+            grad_P = flatten_grads(self.params, dtype=self.dtype)
             flat = torch.cat([grad_P.to(torch.float64), summed])
             dist.all_reduce(flat, group=self.process_group)  # the step's one collective
             grad_P, summed = flat[: grad_P.numel()].to(self.dtype), flat[grad_P.numel() :]
+            write_flat_grad(self.params, grad_P)
+        elif self.lockstep:
+            dist.all_reduce(summed)  # the gradient was reduced by each backward
         units, loss, clipped, tokens, reward, seqs, stale_sum = summed.tolist()
         denominator = self.objective.denominator(units)
         scale = 1.0 / denominator if denominator > 0 else 0.0
-        grad_norm = self._apply_gradient(grad_P * scale, t.lr_scale)
-        for _ in range(1, self.epochs):  # the same Z: the masks do not change between epochs
+        grad_norm, applied = self._apply_gradient(scale, t.lr_scale, loss)
+        for _ in range(1, self.epochs if applied else 1):  # the same Z: the masks do not change
             for rerun in self.epoch_plans:
                 rerun()
-            grad_P = flatten_grads(self.params, dtype=self.dtype)
-            if self.process_group is not None:
+            if self.process_group is not None and not self.lockstep:
+                grad_P = flatten_grads(self.params, dtype=self.dtype)
                 dist.all_reduce(grad_P, group=self.process_group)
-            grad_norm = self._apply_gradient(grad_P * scale, t.lr_scale)
+                write_flat_grad(self.params, grad_P)
+            grad_norm, applied = self._apply_gradient(scale, t.lr_scale, loss)
+            if not applied:
+                break
         self.epoch_plans = []
-        self._after_update()
+        self._count_nonfinite(applied, loss=loss * scale, grad_norm=grad_norm)
+        if applied:
+            self._after_update()
         stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
         return StepResult(
             step=self.step,
@@ -297,7 +382,66 @@ class Trainer:
             deferred=t.deferred,
             peak_stream_bytes=peak,
             fallback=self.fallback,
+            skipped_nonfinite=not applied,
         )
+
+    def _count_nonfinite(self, applied: bool, *, loss: float, grad_norm: float) -> None:
+        """Count a skipped step; too many in a row end the run (`NonFiniteError`): the weights are
+        still those before the first of them, which the caller checkpoints."""
+        if applied:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        log.error(
+            "step %d skipped: loss %s, gradient norm %s (%d in a row; learner.max_nonfinite_steps = %d)",
+            self.step, loss, grad_norm, self.nonfinite_in_a_row, self.max_nonfinite_steps,
+        )  # fmt: skip
+        if self.nonfinite_in_a_row >= self.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient (last: step "
+                f"{self.step}, loss {loss}, gradient norm {grad_norm}); the checkpoint at version "
+                f"{self.step + 1 - self.nonfinite_in_a_row} holds the weights before the first. Lower "
+                "learner.lr, check the rewards and data, or raise learner.max_nonfinite_steps"
+            )
+
+
+class NonFiniteError(RuntimeError):
+    """Training cannot go on: too many non-finite steps in a row, or a non-finite parameter."""
+
+
+FAULT_ENV = "ASYNCRL_FAULT_NONFINITE"
+
+
+def _fault_steps(text: str) -> set[int] | _Every:
+    """Steps whose gradient a test poisons with NaN: "" none, "all", or "3,5"."""
+    text = text.strip()
+    if text == "all":
+        return _Every()
+    return {int(x) for x in text.split(",") if x.strip()}
+
+
+class _Every:
+    def __contains__(self, step: object) -> bool:
+        return True
+
+
+def _local(t: torch.Tensor) -> float:
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def _all_finite(params: Sequence[torch.Tensor]) -> bool:
+    """Every parameter finite, on every rank (this rank's shards, then an all-reduce)."""
+    bad = torch.tensor(
+        [sum(int(not bool(torch.isfinite(_shard(p)).all())) for p in params)], dtype=torch.int64
+    )
+    if dist.is_initialized() and any(isinstance(p, DTensor) for p in params):
+        dist.all_reduce(bad)
+    return int(bad) == 0
+
+
+def _shard(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,8 +5,12 @@ Place in the data flow: the learner's `Trainer` calls `PolicyLM(input_ids)` for 
 reasons to put the log-prob computation inside one module's forward:
 
 * memory: the decoder's final hidden states go through the LM head in chunks of `chunk_size`
-  tokens (`kernels.logprobs.token_logprobs`), so a micro-batch's `[tokens, vocab]` logits never
-  exist at once, in the forward or the backward;
+  tokens, so a micro-batch's `[tokens, vocab]` logits never exist at once, in the forward or the
+  backward (asserted by peak tensor memory in tests/unit/test_policy_lm.py). Sampled tokens at
+  top_p = 1 take the fused kernel (`kernels.fused_logprobs`: about 3.5 chunks of logits at the
+  peak, against about 6 for the checkpointed reference, and faster); top_p < 1 takes
+  `kernels.logprobs.token_logprobs` (the nucleus needs a sort per chunk); candidates take
+  `kernels.logprobs.candidate_logprobs`;
 * sharding: FSDP2 (`learner/parallel.py`) gathers a module's parameters around that module's
   forward and reduce-scatters their gradients after its backward. The embedding, final norm and
   LM head belong to the root unit, this module, so they are gathered while the head is applied
@@ -23,7 +27,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncrl.kernels.logprobs import TokenLogprobs, candidate_logprobs, token_logprobs
+from asyncrl.kernels.fused_logprobs import fused_token_logprobs
+from asyncrl.kernels.logprobs import (
+    TokenLogprobs,
+    candidate_logprobs,
+    check_chunk_size,
+    token_logprobs,
+    unchunkable_reason,
+)
+
+# Tokens per chunk of [tokens, vocab] logits (learner.logprob_chunk_size): 1024 x 150k x 4 bytes
+# = 614 MB per live chunk, small next to a 7B model's weights, large enough for full-width matmuls.
+DEFAULT_CHUNK_SIZE = 1024
 
 
 def _shift(values_BS: torch.Tensor) -> torch.Tensor:
@@ -34,21 +49,18 @@ def _shift(values_BS: torch.Tensor) -> torch.Tensor:
 
 def check_chunkable(lm: torch.nn.Module) -> None:
     """Chunked log-probs need logits == lm_head(hidden): no logit scaling or soft-capping."""
-    config = getattr(lm, "config", None)
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, name, None) not in (None, 1.0):
-            raise ValueError(f"the learner's chunked log-probs need logits == lm_head(hidden); model has {name}")
-    head = lm.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"the learner needs an nn.Linear output embedding, got {type(head).__name__}")
+    reason = unchunkable_reason(lm)
+    if reason is not None:
+        raise ValueError(f"the learner's chunked log-probs need logits == lm_head(hidden); {reason}")
 
 
 class PolicyLM(torch.nn.Module):
     """`forward(input_ids_BL)` -> log pi(x_t | x_<t) and entropies, aligned with the inputs."""
 
-    def __init__(self, lm: torch.nn.Module, *, chunk_size: int = 1024) -> None:
+    def __init__(self, lm: torch.nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
         check_chunkable(lm)
+        check_chunk_size(chunk_size)
         self.lm = lm
         self.chunk_size = chunk_size
 
@@ -62,14 +74,22 @@ class PolicyLM(torch.nn.Module):
     ) -> TokenLogprobs | torch.Tensor:
         """Log-probs of every input token given its prefix (position 0 holds 0: mask it out).
 
+        Rows are right-padded (causal attention keeps real tokens independent of the padding).
+        Outputs are float32 (float64 for a float64 model), whatever the compute dtype.
         With `candidates_BLN`, log pi(candidates_BLN[b, t, k] | x_<t) instead ([B, L, N], for
-        distillation's cached tokens), over the full vocabulary at `temperature`.
+        distillation's cached tokens), over the full vocabulary at `temperature`: a nucleus
+        (`top_p` < 1) is refused there, as the unchunked reference has none either.
         """
-        hidden_BLD = self.lm.get_decoder()(input_ids=input_ids_BL).last_hidden_state[:, :-1]
+        if candidates_BLN is not None and top_p != 1.0:
+            raise ValueError(f"candidate log-probs are over the full vocabulary; got top_p={top_p}")
+        # No KV cache: a training forward never decodes, and the cache would keep every layer's
+        # keys and values alive until the backward, even under activation checkpointing.
+        decoder_out = self.lm.get_decoder()(input_ids=input_ids_BL, use_cache=False)
+        hidden_BSD = decoder_out.last_hidden_state[:, :-1]
         head = self.lm.get_output_embeddings()
         if candidates_BLN is not None:
             out_BSN = candidate_logprobs(
-                hidden_BLD,
+                hidden_BSD,
                 head.weight,
                 candidates_BLN[:, 1:],
                 bias_V=head.bias,
@@ -77,13 +97,24 @@ class PolicyLM(torch.nn.Module):
                 chunk_size=self.chunk_size,
             )
             return _shift(out_BSN)
-        out = token_logprobs(
-            hidden_BLD,
-            head.weight,
-            input_ids_BL[:, 1:],
-            bias_V=head.bias,
-            temperature=temperature,
-            top_p=top_p,
-            chunk_size=self.chunk_size,
-        )
+        targets_BS = input_ids_BL[:, 1:]
+        if top_p == 1.0:
+            out = fused_token_logprobs(
+                hidden_BSD,
+                head.weight,
+                targets_BS,
+                bias_V=head.bias,
+                temperature=temperature,
+                chunk_size=self.chunk_size,
+            )
+        else:
+            out = token_logprobs(
+                hidden_BSD,
+                head.weight,
+                targets_BS,
+                bias_V=head.bias,
+                temperature=temperature,
+                chunk_size=self.chunk_size,
+                top_p=top_p,
+            )
         return TokenLogprobs(_shift(out.logp), _shift(out.entropy))

@@ -52,6 +52,7 @@ class RunState:
     loaded_versions: dict[str, int] = field(default_factory=dict)  # generator slot -> version
     metrics: dict[str, float] = field(default_factory=dict)
     generator_restarts: int = 0
+    steps_skipped_nonfinite: int = 0  # updates the learner skipped (non-finite loss or gradient)
     tasks_requeued: int = 0
     stale_messages: int = 0  # from a generator process already replaced (dropped)
     rejected_frames: int = 0  # on the launcher's control socket (malformed, unknown peer, ...)

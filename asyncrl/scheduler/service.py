@@ -180,7 +180,8 @@ class Launcher:
             for child in list(self.children.values()):
                 if child.stopping or self.finished.is_set():
                     continue
-                reason = health(child, heartbeat_timeout_s=timeout_s, startup_timeout_s=STARTUP_TIMEOUT_S)
+                startup_s = self.cfg.learner.startup_timeout_s if child.role == "learner" else STARTUP_TIMEOUT_S
+                reason = health(child, heartbeat_timeout_s=timeout_s, startup_timeout_s=startup_s)
                 if reason is None:
                     continue
                 if child.role != "generator":
@@ -418,6 +419,7 @@ class Launcher:
         st.step = msg.step + 1
         st.policy_version = msg.version
         st.trajectories_trained += msg.num_trajectories
+        st.steps_skipped_nonfinite += int(msg.skipped_nonfinite)
         st.max_staleness = max(st.max_staleness, msg.max_staleness)
         st.last_reward = msg.mean_reward
         st.last_loss = msg.loss
@@ -499,9 +501,11 @@ class Launcher:
             learner = self.workers.spawn(
                 "learner", "learner", ctrl_address=self.ctrl_address, extra=learner_extra
             )
-            if not await inbox.wait_until(lambda: learner.ready, timeout_s=STARTUP_TIMEOUT_S):
+            startup_s = self.cfg.learner.startup_timeout_s
+            if not await inbox.wait_until(lambda: learner.ready, timeout_s=startup_s):
                 self.fail(
-                    f"learner did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.run_dir / 'logs'}"
+                    f"learner did not say Hello within {startup_s:.0f} s (learner.startup_timeout_s); "
+                    f"see {self.run_dir / 'logs'}"
                 )
             if not self.finished.is_set():
                 self.set_phase("starting generators")

@@ -7,10 +7,11 @@ suits it (shards: after the atomic rename; a broadcast group: before the bytes m
 join) and returns the announcement it sent. Each generator's `WeightsLoaded` comes back on the
 same loop as `on_loaded`. Retention (which versions may be deleted) lives here too.
 
-Implementations of `WeightPublisher`: `ShardPublisher` (weights.transport = "shards") and
-`BroadcastPublisher` ("broadcast": the store address and layout go out in the announcement,
-generators join the group lazily, the bytes follow over it; then catch-up shards for generators
-outside the group). Both broadcast flavours share `GroupPublisher`, the announce / send / catch-up /
+Implementations of `WeightPublisher`: `ShardPublisher` (weights.transport = "shards"),
+`AdapterPublisher` (learner.lora.publish = "adapter": a PEFT adapter directory per version, the
+same versioning and retention) and `BroadcastPublisher` ("broadcast": the store address and layout
+go out in the announcement, generators join the group lazily, the bytes follow over it; then
+catch-up shards for generators outside the group). Both broadcast flavours share `GroupPublisher`, the announce / send / catch-up /
 retention flow written once; a backend only says how the bytes cross the group.
 
 `make_publisher` picks one from the config. A generator backend whose servers take weights in their
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import os
 import time
@@ -90,6 +92,8 @@ class ShardPublisher:
     """
 
     transport = "safetensors"
+    single_file: str | None = None  # write_shards(single_file=...): one named file, no index
+    adapter = False  # announced as WeightsPublished.adapter
 
     def __init__(
         self,
@@ -130,6 +134,7 @@ class ShardPublisher:
             num_threads=None,  # hashlib and os.write release the GIL: shards go in parallel
             fsync=False,
             reuse_spare=self.recycle,
+            single_file=self.single_file,
         )
         return WeightsPublished(
             version=version,
@@ -138,6 +143,7 @@ class ShardPublisher:
             num_bytes=manifest.total_size_bytes,
             publish_s=time.perf_counter() - start,
             catchup=self.catchup,
+            adapter=self.adapter,
         )
 
     def on_loaded(self, generator_id: str, version: int) -> None:
@@ -148,6 +154,39 @@ class ShardPublisher:
 
     def close(self) -> None:
         pass
+
+
+class AdapterPublisher(ShardPublisher):
+    """learner.lora.publish = "adapter": each version is a PEFT adapter directory,
+
+        v00000042/  adapter_model.safetensors, adapter_config.json, manifest.json
+
+    published, announced (`WeightsPublished.adapter`) and retained exactly like shards, for
+    generators whose servers load adapters (SGLang's `/load_lora_adapter`). `publish` takes the
+    adapter's tensors under PEFT's names (`learner.lora.adapter_state`); `adapter_config` is the
+    content of adapter_config.json (`learner.lora.adapter_config`), the same for every version.
+    """
+
+    single_file = "adapter_model.safetensors"  # learner.lora.ADAPTER_WEIGHTS_NAME
+    adapter = True
+
+    def __init__(
+        self,
+        weights_dir: Path,
+        *,
+        adapter_config: Mapping[str, Any],
+        keep_last: int,
+        generator_ids: Iterable[str],
+        recycle: bool = True,
+    ) -> None:
+        config_bytes = json.dumps(dict(adapter_config), indent=2, sort_keys=True).encode()
+        super().__init__(
+            weights_dir,
+            extra_files={"adapter_config.json": config_bytes},
+            keep_last=keep_last,
+            generator_ids=generator_ids,
+            recycle=recycle,
+        )
 
 
 class GroupPublisher(abc.ABC):
@@ -344,13 +383,32 @@ def publisher_key(config: Any) -> str | None:
 
 
 def make_publisher(
-    config: Any, *, run_dir: Path, model_dir: Path, generator_ids: Iterable[str]
+    config: Any,
+    *,
+    run_dir: Path,
+    model_dir: Path,
+    generator_ids: Iterable[str],
+    adapter_config: Mapping[str, Any] | None = None,
 ) -> WeightPublisher:
-    """The publisher for `config.weights.transport` (and the generator backend, see the module doc)."""
+    """The publisher for `config.weights.transport` (and the generator backend, see the module doc).
+
+    With learner.lora.publish = "adapter" (and rank > 0) it is an `AdapterPublisher`, whatever the
+    transport, and `adapter_config` (`learner.lora.adapter_config(model)`) is required.
+    """
     from asyncrl.transport.shards import collect_config_files
 
     w = config.weights
     ids = list(generator_ids)
+    lora = config.learner.lora
+    if lora.rank and lora.publish == "adapter":
+        if adapter_config is None:
+            raise ValueError("learner.lora.publish = 'adapter': make_publisher needs the adapter_config")
+        return AdapterPublisher(
+            Path(w.dir) if w.dir else run_dir / "weights",
+            adapter_config=adapter_config,
+            keep_last=w.keep_last,
+            generator_ids=ids,
+        )
     shards = ShardPublisher(
         Path(w.dir) if w.dir else run_dir / "weights",
         extra_files=collect_config_files(model_dir),

@@ -198,6 +198,7 @@ def write_shards(
     num_threads: int | None = None,
     fsync: bool = True,
     reuse_spare: bool = True,
+    single_file: str | None = None,
 ) -> ShardManifest:
     """Publish `state_dict` (Hugging Face names) atomically as `root/v{version:08d}`.
 
@@ -208,8 +209,11 @@ def write_shards(
     by up to `num_threads` threads (default: CPU count), each hashing a shard as it writes it; the
     shards are planned even, and as many as a multiple of the threads, so the threads finish
     together. With `reuse_spare`, a spare left by `retention.prune(..., keep_spare=True)` is taken
-    and its files overwritten rather than new ones created. Raises FileExistsError if the version
-    is already published and ValueError for bad input; on any failure nothing is published.
+    and its files overwritten rather than new ones created. With `single_file` (a name ending in
+    `.safetensors`), every tensor goes into that one file and no index is written: the layout of a
+    PEFT adapter directory (`adapter_model.safetensors`), which readers find by name. Raises
+    FileExistsError if the version is already published and ValueError for bad input; on any
+    failure nothing is published.
     """
     root = Path(root)
     final_dir = version_dir(root, version)
@@ -231,9 +235,16 @@ def write_shards(
 
     sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
     max_threads = pool_size(num_threads, len(names))
-    plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes, num_parallel=max_threads)
+    if single_file is not None:
+        check_file_name(single_file)
+        if not single_file.endswith(".safetensors") or single_file in extra:
+            raise ValueError(f"single_file must be a new *.safetensors file name, got {single_file!r}")
+        plan = [list(range(len(names)))]
+        file_names = [single_file]
+    else:
+        plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes, num_parallel=max_threads)
+        file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     num_shards = len(plan)
-    file_names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
 
     root.mkdir(parents=True, exist_ok=True)
     tmp_dir = temporary_dir(root, f"v{version:08d}")
@@ -257,8 +268,9 @@ def write_shards(
             shard_files = tuple(futures[s].result() for s in range(num_shards))
         file_of = {names[i]: file_names[s] for s, idx in enumerate(plan) for i in idx}
         total_size_bytes = sum(sizes)
-        index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
-        _write_small_file(tmp_dir / INDEX_NAME, json.dumps(index, indent=2).encode(), fsync=fsync)
+        if single_file is None:
+            index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
+            _write_small_file(tmp_dir / INDEX_NAME, json.dumps(index, indent=2).encode(), fsync=fsync)
         extra_records = tuple(
             _write_small_file(tmp_dir / n, data, fsync=fsync) for n, data in sorted(extra.items())
         )

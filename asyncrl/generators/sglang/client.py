@@ -40,6 +40,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     return_logprob: bool  # no default: omit_defaults must never drop it (the server's default is false)
     return_sampling_mask: bool = False
     sampling_logprobs_mode: str | None = None
+    lora_path: str | None = None  # the LoRA adapter's name (learner.lora.publish = "adapter")
     stream: bool = False
 
 

@@ -8,7 +8,10 @@ running servers (`urls`) or starts them itself (`launch`, `launch.py`; stopped o
 Weights: safetensors shards go pause -> /update_weights_from_disk -> /model_info check ->
 continue on every server (SGLANG_API.md section 6); with weights.transport=broadcast the servers
 join the learner's weight update group and take every version over it (`group.py`, the
-learner's side in `publisher.py`, found through the `asyncrl.publishers` plugin registry).
+learner's side in `publisher.py`, found through the `asyncrl.publishers` plugin registry). A
+version published as a LoRA adapter (learner.lora.publish = "adapter") is loaded into every server
+with /load_lora_adapter and named by each new request's `lora_path` (`adapters.py`); the servers
+then need `--enable-lora --max-lora-rank R` (launch_args, or however they were started).
 
 Options (`generators.options.*`; either `urls` or `launch`, the rest optional; checked by
 `options.py` when the job is loaded):
@@ -56,6 +59,13 @@ from typing import Any
 
 from asyncrl.generators.base import GeneratorContext, Rollout
 from asyncrl.generators.rollouts import RolloutBuilder
+from asyncrl.generators.sglang.adapters import (
+    AdapterBook,
+    Unloader,
+    cut_requests,
+    is_adapter_dir,
+    load_adapter,
+)
 from asyncrl.generators.sglang.client import (
     Fleet,
     GenerateRequest,
@@ -101,6 +111,8 @@ class SGLangGenerator:
         self._ready_lock: asyncio.Lock | None = None
         self._ready = False
         self._group = None  # group.GroupUpdater, once the servers joined a weight update group
+        self._adapters: AdapterBook | None = None  # LoRA adapters on the servers (adapters.py)
+        self._unloader: Unloader | None = None
         self._closed = False
         self.num_reissues = 0
         self.num_aborted_segments = 0
@@ -131,6 +143,8 @@ class SGLangGenerator:
                 wait_timeout_s=float(self.opts["request_timeout_s"]),
             )
             self.fleet.on_readmit = self._bring_up_to_date
+            self._adapters = AdapterBook(ctx.generator_id)
+            self._unloader = Unloader(self.fleet.call, self.fleet.servers, self._adapters)
             self._rollouts = RolloutBuilder.for_task(ctx.task, AutoTokenizer.from_pretrained(ctx.model_path))
         except BaseException:
             if self._launched:  # nobody will call close() on a generator whose setup failed
@@ -261,6 +275,7 @@ class SGLangGenerator:
             while True:
                 rid = f"{self._ctx.generator_id}-t{task.task_id}-s{k}-a{attempt}"
                 attempt += 1
+                adapter = self._adapters.acquire() if self._adapters is not None else None
                 body = GenerateRequest(
                     input_ids=list(task.prompt_ids) + ids,
                     sampling_params=self._sampling_params(
@@ -270,8 +285,13 @@ class SGLangGenerator:
                     return_logprob=True,
                     return_sampling_mask=use_mask,
                     sampling_logprobs_mode="selected" if use_mask else None,
+                    lora_path=adapter[1] if adapter else None,
                 )
-                server = await self.fleet.acquire()
+                try:
+                    server = await self.fleet.acquire()
+                except BaseException:
+                    self._release_adapter(adapter)
+                    raise
                 try:
                     resp = await self._request(server, body)
                 except ServerUnavailable as exc:
@@ -288,7 +308,10 @@ class SGLangGenerator:
                     continue
                 finally:
                     self.fleet.release(server)
+                    self._release_adapter(adapter)
                 new_ids, new_logps, new_versions = self._tokens(resp, server)
+                if adapter is not None:  # every token came from the adapter the request named
+                    new_versions = [adapter[0]] * len(new_ids)
                 finish = (resp.meta_info.finish_reason or {}).get("type", "")
                 if finish == "abort":
                     aborts += 1
@@ -319,6 +342,10 @@ class SGLangGenerator:
             finish_reason="stop" if finish == "stop" else "length",
         )
 
+    def _release_adapter(self, adapter: tuple[int, str] | None) -> None:
+        if adapter is not None and self._adapters is not None and self._unloader is not None:
+            self._unloader.start(self._adapters.release(adapter[1]))
+
     async def _abort_quietly(self, server: Server, rid: str) -> None:
         """Best effort: a failed request must not keep a server busy (its answer is never read)."""
         try:
@@ -346,7 +373,14 @@ class SGLangGenerator:
         return decode_model_info(data).weight_version
 
     async def _push(self, server: Server, version: int, directory: str) -> None:
-        """pause -> load from disk -> check /model_info -> continue, on one server."""
+        """pause -> load from disk -> check /model_info -> continue, on one server; a LoRA
+        adapter directory is loaded alongside the base weights instead (`adapters.py`)."""
+        if is_adapter_dir(Path(directory)):
+            assert self._adapters is not None
+            await load_adapter(
+                self.fleet.call, server, self._adapters.name(version), directory, self._adapters
+            )
+            return
         mode = self.opts["pause_mode"]
         await self._control(server, "/pause_generation", {"mode": mode})
         try:
@@ -430,6 +464,26 @@ class SGLangGenerator:
                 )
             self._weights = (version, directory)
             self._version = version
+            if is_adapter_dir(Path(directory)):
+                await self._switch_adapter(
+                    version, [s for s, r in zip(servers, results, strict=True) if r is None]
+                )
+
+    async def _switch_adapter(self, version: int, servers: list[Server]) -> None:
+        """New requests name adapter `version` from now on; with pause_mode retract or abort the
+        servers' running requests are cut so they continue (or restart) under it."""
+        assert self._adapters is not None and self._unloader is not None
+        self._unloader.start(self._adapters.switch(version, self._adapters.name(version)))
+        if self.opts["pause_mode"] == "in_place":
+            return
+        results = await asyncio.gather(
+            *(cut_requests(self.fleet.call, s) for s in servers), return_exceptions=True
+        )
+        for server, result in zip(servers, results, strict=True):
+            if isinstance(result, ServerUnavailable | SGLangRequestError):
+                self.fleet.quarantine(server, f"cutting requests for adapter version {version}: {result}")
+            elif isinstance(result, BaseException):
+                raise result
 
     async def receive_broadcast(self, msg: WeightsPublished) -> None:
         """weights.transport=broadcast: the servers take version `msg.version` over the learner's
@@ -458,6 +512,8 @@ class SGLangGenerator:
         try:
             if self._group is not None:
                 await self._group.leave()
+            if self._unloader is not None:
+                await self._unloader.close()
             if hasattr(self, "fleet"):
                 await self.fleet.close()
         finally:

@@ -13,7 +13,9 @@ What it reproduces (/work/shared/SGLANG_API.md sections 1-3):
 - weight updates: when not paused, an update takes the writer lock (waits for running requests to
   drain while new ones wait); when paused it runs at once; `flush_cache` fails in `in_place` mode
   with requests alive, as SGLang's does;
-- the weight-update session (`begin_weight_update` / `end_weight_update`) rules.
+- the weight-update session (`begin_weight_update` / `end_weight_update`) rules;
+- LoRA adapters (`lora.py`): load and unload by name, requests that name one run under it, an
+  unload waits for the requests that use the adapter.
 
 Every step recomputes each sequence from scratch (no KV cache): exact, simple, and fast enough for
 the small models tests use. So `retract` and `in_place` produce the same numbers here (both read
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from asyncrl.models.sampling import left_pad
+from asyncrl.testing.sglang.lora import NOT_ENABLED, Adapter, LoraSettings, forward, read_adapter
 from asyncrl.testing.sglang.params import Pick, RequestError, SamplingSpec, pick_token
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,8 @@ class EngineRequest:
     top_logprobs_num: int = 0
     return_sampling_mask: bool = False
     sampling_logprobs_mode: str | None = None
+    lora: str | None = None  # the adapter the request names (`lora_path`); resolved at submit
+    adapter: Adapter | None = None
     rng: torch.Generator = field(default_factory=torch.Generator)
     output_ids: list[int] = field(default_factory=list)
     picks: list[Pick] = field(default_factory=list)
@@ -85,6 +90,7 @@ class Engine:
         weight_version: str = "default",
         threads: int = 1,
         skip_tokenizer_init: bool = False,
+        lora: LoraSettings | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,6 +125,10 @@ class Engine:
         self.control_log: list[tuple[str, dict[str, Any]]] = []
         self.rids: list[str] = []
         self.num_generate_requests = 0
+        self.lora = lora or LoraSettings()
+        self.adapters: dict[str, Adapter] = {}  # loaded, by name
+        self.lora_events: list[tuple[str, str]] = []  # ("load" | "unload", name), in order
+        self.lora_requests: dict[str, int] = {}  # admitted requests per adapter name
         self.thread = threading.Thread(target=self._loop, name="standin-scheduler", daemon=True)
         self.thread.start()
 
@@ -156,6 +166,16 @@ class Engine:
                 raise RequestError("The server is shutting down.")
             if req.rid in self.running:
                 raise RequestError(f"Duplicate request ID detected: {req.rid}")
+            if req.lora is not None:
+                if not self.lora.enabled:
+                    raise RequestError(NOT_ENABLED)
+                if req.lora not in self.adapters:
+                    raise RequestError(
+                        f"The following requested LoRA adapters are not loaded: {req.lora}\n"
+                        f"Loaded adapters: {list(self.adapters)}."
+                    )
+                req.adapter = self.adapters[req.lora]
+                self.lora_requests[req.lora] = self.lora_requests.get(req.lora, 0) + 1
             self.running[req.rid] = req
             self.rids.append(req.rid)
             self.num_generate_requests += 1
@@ -322,6 +342,44 @@ class Engine:
         with self.cond:
             return None if t is None else t.detach().clone()
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def loaded_adapters(self) -> dict[str, str]:
+        with self.cond:
+            return {name: a.path for name, a in self.adapters.items()}
+
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """(success, error_message): read and check the adapter, then register it under `name`."""
+        with self.cond:
+            self.control_log.append(("load_lora_adapter", {"lora_name": name, "lora_path": path}))
+            if name in self.adapters:
+                return False, f"LoRA with name {name} already exists. Loaded LoRAs: {list(self.adapters)}"
+        try:
+            adapter = read_adapter(self.model, name, path, self.lora)
+        except RequestError as exc:
+            return False, str(exc)
+        with self.cond:
+            if name in self.adapters:  # a concurrent load of the same name won
+                return False, f"LoRA with name {name} already exists. Loaded LoRAs: {list(self.adapters)}"
+            self.adapters[name] = adapter
+            self.lora_events.append(("load", name))
+        return True, ""
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """(success, error_message): new requests can no longer name it at once; returns when no
+        running request uses it any more."""
+        with self.cond:
+            self.control_log.append(("unload_lora_adapter", {"lora_name": name}))
+            if not self.lora.enabled:
+                return False, NOT_ENABLED
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                return False, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}"
+            self.cond.wait_for(
+                lambda: self.closed or all(r.adapter is not adapter for r in self.running.values())
+            )
+            self.lora_events.append(("unload", name))
+        return True, ""
+
     def update_weight_version(self, new_version: str, *, abort_all: bool) -> None:
         body = {"new_version": new_version, "abort_all_requests": abort_all}
         with self._exclusive("update_weight_version", body, abort_all):
@@ -418,10 +476,12 @@ class Engine:
             return {"type": "length", "length": len(req.output_ids)}
         return None
 
-    def _forward_last(self, seqs: list[list[int]]) -> torch.Tensor:
+    def _forward_last(self, seqs: list[list[int]], adapter: Adapter | None = None) -> torch.Tensor:
         ids_BL, attn_BL = left_pad(seqs, self.pad_id)
         pos_BL = (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
-        return self.model(input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL).logits
+        return forward(
+            self.model, adapter, input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL
+        ).logits
 
     @torch.no_grad()
     def _step(self, batch: list[EngineRequest]) -> dict[str, Pick]:
@@ -429,21 +489,23 @@ class Engine:
             if req.logprob_start_len >= 0 and req.input_logprobs is None:
                 req.input_logprobs = self._input_logprobs(req)
         active = [r for r in batch if len(r.output_ids) < self._budget(r)]
-        if not active:
-            return {}
-        logits_BLV = self._forward_last([r.input_ids + r.output_ids for r in active])
+        by_adapter: dict[int, list[EngineRequest]] = {}  # one forward per adapter (None: the base)
+        for req in active:
+            by_adapter.setdefault(id(req.adapter), []).append(req)
         out = {}
-        for i, req in enumerate(active):
-            banned = []
-            if len(req.output_ids) < req.spec.min_new_tokens:
-                banned = sorted({*self.eos_ids, *req.spec.stop_token_ids})
-            out[req.rid] = pick_token(logits_BLV[i, -1], req.spec, req.rng, banned=banned)
+        for group in by_adapter.values():
+            logits_BLV = self._forward_last([r.input_ids + r.output_ids for r in group], group[0].adapter)
+            for i, req in enumerate(group):
+                banned = []
+                if len(req.output_ids) < req.spec.min_new_tokens:
+                    banned = sorted({*self.eos_ids, *req.spec.stop_token_ids})
+                out[req.rid] = pick_token(logits_BLV[i, -1], req.spec, req.rng, banned=banned)
         return out
 
     def _input_logprobs(self, req: EngineRequest) -> list[list[Any]]:
         """Prompt log-probs from position `logprob_start_len`, plain log_softmax (no temperature)."""
         ids = req.input_ids
-        logits_LV = self._forward_last([ids])[0].float()
+        logits_LV = self._forward_last([ids], req.adapter)[0].float()
         logp_LV = torch.log_softmax(logits_LV, dim=-1)
         rows: list[list[Any]] = []
         for pos in range(req.logprob_start_len, len(ids)):

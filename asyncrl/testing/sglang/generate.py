@@ -2,9 +2,9 @@
 
 Place in the data flow: `server.py` receives a POST /generate and passes its JSON body to
 `parse_generate`, which checks it against the contract of /work/shared/SGLANG_API.md section 1
-(one of text or input_ids, batches, `n`, per-item options, `sampling_params` via `params.py`) and
-returns one `EngineRequest` per sample, or raises `ContractError` / `RequestError` for the server
-to answer 400 with SGLang's error shape. `server.py` submits the requests to `engine.py`, waits
+(one of text or input_ids, batches, `n`, per-item options, `lora_path` adapter names,
+`sampling_params` via `params.py`) and returns one `EngineRequest` per sample, or raises
+`ContractError` / `RequestError` for the server to answer 400 with SGLang's error shape. `server.py` submits the requests to `engine.py`, waits
 for them, and turns each finished one into its response item with `generate_response` (text,
 output_ids and `meta_info`: finish reason, weight-version spans, log-prob triples, sampling masks).
 No HTTP here: the handler's status codes and sockets stay in `server.py`.
@@ -79,6 +79,10 @@ def parse_generate(engine: Engine, body: dict[str, Any]) -> tuple[list[EngineReq
     if mode not in (None, "selected", "support"):
         raise RequestError(f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}.")
     per_item = {k: _as_list(v, len(prompts), k) for k, v in options.items()}
+    loras = _as_list(body.get("lora_path"), len(prompts), "lora_path")  # adapter names (or None)
+    for lora in loras:
+        if lora is not None and not isinstance(lora, str):
+            raise RequestError(f"lora_path must be an adapter name (a string) or null, got {lora!r}.")
     reqs = []
     for i, (prompt, spec) in enumerate(zip(prompts, specs, strict=True)):
         engine.check_input(prompt, spec)
@@ -99,6 +103,7 @@ def parse_generate(engine: Engine, body: dict[str, Any]) -> tuple[list[EngineReq
                     return_sampling_mask=bool(per_item["return_sampling_mask"][i]),
                     sampling_logprobs_mode=mode
                     or ("selected" if per_item["return_sampling_mask"][i] else None),
+                    lora=loras[i],
                 )
             )
     return reqs, batched

@@ -17,8 +17,11 @@ its error shapes), /pause_generation, /continue_generation, /abort_request,
 over the group and are loaded into the model, `groups.py`), /destroy_weights_update_group,
 /get_weights_by_name, /flush_cache, GET /health, /health_generate, /ready, /model_info,
 /server_info (and their /get_* aliases), /v1/loads; /get_weight_version is 404 as in 0.5.21+.
+LoRA (`lora.py`): /load_lora_adapter, /unload_lora_adapter and `lora_path` on /generate, with
+`--enable-lora`, `--max-lora-rank` and `--lora-target-modules`; /server_info's `internal_states`
+add `loaded_adapters`, `lora_events` (loads and unloads in order) and `lora_requests` (per name).
 Not implemented: streaming (400), /update_weights_from_tensor (400), the flattened_bucket load
-format, multimodal inputs, LoRA.
+format, multimodal inputs, /load_lora_adapter_from_tensors, `--lora-paths` at launch.
 
 Run it as a process (prints `SGLANG_STANDIN_URL http://127.0.0.1:PORT` once it listens):
 
@@ -51,6 +54,7 @@ from typing import Any
 from asyncrl.testing.sglang.engine import Engine, EngineRequest
 from asyncrl.testing.sglang.generate import generate_response, parse_generate
 from asyncrl.testing.sglang.groups import GroupError, WeightGroups
+from asyncrl.testing.sglang.lora import LoraSettings
 from asyncrl.testing.sglang.params import ContractError, RequestError
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ IGNORED_FLAGS_WITH_VALUE = (
     "--random-seed",
     "--max-running-requests",
     "--chunked-prefill-size",
+    "--max-loras-per-batch",  # GPU memory slots for adapters: the stand-in has no such limit
+    "--lora-backend",
 )
 IGNORED_SWITCHES = (
     "--enable-deterministic-inference",
@@ -100,9 +106,14 @@ class StandInServer:
         weight_version: str = "default",
         threads: int = 1,
         skip_tokenizer_init: bool = False,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.engine = Engine(
-            model_dir, weight_version=weight_version, threads=threads, skip_tokenizer_init=skip_tokenizer_init
+            model_dir,
+            weight_version=weight_version,
+            threads=threads,
+            skip_tokenizer_init=skip_tokenizer_init,
+            lora=lora,
         )
         self.groups = WeightGroups()
         self.faults: collections.deque[str] = collections.deque()  # "disconnect" or "error500"
@@ -169,8 +180,17 @@ class StandInServer:
                     "launch_command": " ".join(sys.argv),
                     "startup_time": self.started,
                     "internal_states": [
-                        {"num_generate_requests": e.num_generate_requests, "paused": e.paused}
+                        {
+                            "num_generate_requests": e.num_generate_requests,
+                            "paused": e.paused,
+                            "loaded_adapters": e.loaded_adapters(),
+                            "lora_events": [list(ev) for ev in e.lora_events],
+                            "lora_requests": dict(e.lora_requests),
+                        }
                     ],
+                    "enable_lora": e.lora.enabled,
+                    "max_lora_rank": e.lora.max_rank,
+                    "lora_target_modules": list(e.lora.target_modules) or None,
                     "version": SERVER_VERSION,
                     "frontend": "python",
                 }
@@ -245,9 +265,33 @@ class StandInServer:
                 return self._group_call(lambda: self.groups.destroy(name))
             case "/get_weights_by_name":
                 return self.weights_by_name(body)
+            case "/load_lora_adapter" | "/unload_lora_adapter":
+                return self.lora_call(path, body)
             case "/flush_cache":
                 return self.flush_cache()
         raise _Reply(404, {"detail": "Not Found"})
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def lora_call(self, path: str, body: dict[str, Any]) -> Any:
+        """/load_lora_adapter {lora_name, lora_path} or /unload_lora_adapter {lora_name}: 200 on
+        success, 400 with `error_message` otherwise (SGLang's LoRAUpdateOutput shape)."""
+        required = ("lora_name", "lora_path") if path == "/load_lora_adapter" else ("lora_name",)
+        missing = [k for k in required if not isinstance(body.get(k), str)]
+        if missing:  # FastAPI's validation error of a required field
+            detail = [{"type": "missing", "loc": ["body", k], "msg": "Field required"} for k in missing]
+            raise _Reply(422, {"detail": detail})
+        if path == "/load_lora_adapter":
+            ok, error = self.engine.load_lora_adapter(body["lora_name"], body["lora_path"])
+        else:
+            ok, error = self.engine.unload_lora_adapter(body["lora_name"])
+        reply = {
+            "rid": None,
+            "http_worker_ipc": None,
+            "success": ok,
+            "error_message": error,
+            "loaded_adapters": self.engine.loaded_adapters() if ok else None,
+        }
+        raise _Reply(200 if ok else 400, reply)
 
     # ------------------------------------------------------------------ weight groups
     def _group_call(self, action: Any) -> Any:
@@ -390,6 +434,11 @@ def main(argv: list[str] | None = None) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    parser.add_argument("--enable-lora", action="store_true", help="accept /load_lora_adapter and lora_path")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
+    parser.add_argument(
+        "--lora-target-modules", nargs="+", default=[], help="modules adapters may target ('all': any)"
+    )
     for flag in IGNORED_FLAGS_WITH_VALUE:
         parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in IGNORED_SWITCHES:
@@ -409,6 +458,11 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         threads=args.threads,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        lora=LoraSettings(
+            enabled=args.enable_lora,
+            max_rank=args.max_lora_rank,
+            target_modules=tuple(args.lora_target_modules),
+        ),
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

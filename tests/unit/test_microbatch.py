@@ -1,0 +1,98 @@
+"""Micro-batches by sequences and padded tokens: hand-computed splits and properties over random
+lengths (every index once, in order, within both bounds, fewest contiguous micro-batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.learner.microbatch import padded_tokens, split_lengths, split_microbatches
+from asyncrl.learner.step import TrainSample
+
+
+def make_sample(prompt_len: int, completion_len: int, traj_id: int = 0) -> TrainSample:
+    return TrainSample(
+        traj_id=traj_id,
+        group_id=0,
+        sample_index=traj_id,
+        prompt_ids=list(range(prompt_len)),
+        completion_ids=torch.zeros(completion_len, dtype=torch.int64),
+        behavior_logprobs=torch.zeros(completion_len),
+        token_versions=torch.zeros(completion_len, dtype=torch.int64),
+        reward=0.0,
+    )
+
+
+def test_hand_computed_split_counts_prompt_and_completion_padded_to_the_longest():
+    # Rows of 3+2=5, 1+1=2, 4+4=8, 2+1=3 tokens; budget 16: [5, 2] costs 2*5=10, adding 8 would
+    # cost 3*8=24; [8] then [8, 3] costs 2*8=16 (fits exactly).
+    samples = [make_sample(3, 2), make_sample(1, 1), make_sample(4, 4), make_sample(2, 1)]
+    assert split_microbatches(samples, max_seqs=8, max_tokens=16) == [[0, 1], [2, 3]]
+    assert split_microbatches(samples, max_seqs=8, max_tokens=15) == [[0, 1], [2], [3]]
+    assert split_microbatches(samples, max_seqs=3, max_tokens=0) == [[0, 1, 2], [3]]
+    assert split_microbatches(samples, max_seqs=1, max_tokens=100) == [[0], [1], [2], [3]]
+
+
+def test_no_token_bound_splits_by_sequences_only():
+    assert split_lengths([100, 1, 7, 3, 9], max_seqs=2, max_tokens=0) == [[0, 1], [2, 3], [4]]
+
+
+def test_a_row_over_the_budget_trains_alone():
+    assert split_lengths([2, 2, 50, 2, 2], max_seqs=8, max_tokens=10) == [[0, 1], [2], [3, 4]]
+    assert split_lengths([50], max_seqs=8, max_tokens=10) == [[0]]
+    assert split_lengths([50, 60], max_seqs=8, max_tokens=10) == [[0], [1]]
+
+
+def test_empty_input_and_bad_bounds():
+    assert split_microbatches([], max_seqs=4, max_tokens=16) == []
+    with pytest.raises(ValueError, match="max_seqs"):
+        split_lengths([1], max_seqs=0, max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        split_lengths([1], max_seqs=1, max_tokens=-1)
+
+
+def _fewest_contiguous(lengths: list[int], max_seqs: int, max_tokens: int) -> int:
+    """The fewest micro-batches of any split into contiguous slices (dynamic programming)."""
+    inf = len(lengths) + 1
+    best = [0] + [inf] * len(lengths)
+    for end in range(1, len(lengths) + 1):
+        for start in range(end - 1, -1, -1):
+            rows = end - start
+            cost = rows * max(lengths[start:end])
+            alone = rows == 1
+            if rows > max_seqs or (max_tokens and cost > max_tokens and not alone):
+                break  # longer slices ending here cost more
+            best[end] = min(best[end], best[start] + 1)
+    return best[-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=40), max_size=30),
+    max_seqs=st.integers(min_value=1, max_value=8),
+    max_tokens=st.one_of(st.just(0), st.integers(min_value=1, max_value=120)),
+)
+def test_split_properties(lengths, max_seqs, max_tokens):
+    parts = split_lengths(lengths, max_seqs=max_seqs, max_tokens=max_tokens)
+    # Every index exactly once, in input order, each micro-batch non-empty.
+    assert [i for part in parts for i in part] == list(range(len(lengths)))
+    assert all(parts)
+    for part in parts:
+        assert len(part) <= max_seqs
+        within = max_tokens == 0 or padded_tokens(lengths, part) <= max_tokens
+        assert within or (len(part) == 1 and lengths[part[0]] > max_tokens)
+    # Deterministic, and no contiguous split has fewer micro-batches.
+    assert split_lengths(lengths, max_seqs=max_seqs, max_tokens=max_tokens) == parts
+    assert len(parts) == _fewest_contiguous(lengths, max_seqs, max_tokens)
+
+
+@settings(max_examples=50, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(0, 12), st.integers(1, 12)), max_size=12))
+def test_samples_cost_prompt_plus_completion(shapes):
+    samples = [make_sample(p, c, traj_id=i) for i, (p, c) in enumerate(shapes)]
+    lengths = [p + c for p, c in shapes]
+    assert split_microbatches(samples, max_seqs=3, max_tokens=30) == split_lengths(
+        lengths, max_seqs=3, max_tokens=30
+    )
