@@ -241,6 +241,13 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     threads: PosInt = 1
     cpus: list[NonNegInt] = []  # CPUs the learner's processes may run on; [] = any (see generators.cpus)
 
+    @property
+    def publish_dtype(self) -> str:
+        """The torch dtype name weights are published (and generators load them) in."""
+        if self.serving_dtype != "auto":
+            return self.serving_dtype
+        return {"none": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.mixed_precision]
+
     def clip_range(self) -> tuple[float, float]:
         defaults = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}[self.loss]
         return (

@@ -230,7 +230,10 @@ def _rank_step(args: dict) -> dict:
     start = time.perf_counter()
     out = policy(ids_BL[rank::world])
     loss = -(out.logp[:, 1:] * adv_B[rank::world, None].float()).sum() / num_tokens_global
+    rss_forward = _rss_bytes()
     loss.backward()
+    del out
+    rss_backward, peak_backward = _rss_bytes(), _max_rss_bytes()
     optimizer.step()
     step_s = time.perf_counter() - start
     peak = _max_rss_bytes()
@@ -252,6 +255,9 @@ def _rank_step(args: dict) -> dict:
         "peak_rss_bytes": peak,
         "rss_after_imports_bytes": rss_imports,
         "rss_after_setup_bytes": rss_setup,
+        "rss_after_forward_bytes": rss_forward,
+        "rss_after_backward_bytes": rss_backward,
+        "peak_rss_before_optimizer_bytes": peak_backward,
         "step_s": step_s,
         "loss": float(totals[0]),
         "grad_norm": float(totals[1].sqrt()),

@@ -59,6 +59,8 @@ class GeneratorContext:
     opd: Any = None  # asyncrl.config.OpdConfig: when enabled, rollouts carry the teacher's scores
     options: dict[str, Any] = field(default_factory=dict)
     run_dir: str = ""  # the run directory (logs/ for server logs); empty outside `asyncrl launch`
+    # The dtype the learner publishes weights in (learner.serving_dtype): load the model in it.
+    dtype: str = "float32"
 
 
 @runtime_checkable

@@ -180,6 +180,7 @@ class GeneratorService:
                 opd=cfg.opd,
                 options=dict(cfg.generators.options),
                 run_dir=str(ctx.run_dir),
+                dtype=cfg.learner.publish_dtype,
             )
         )
         self.staged = isinstance(self.gen, StagedWeights)

@@ -89,7 +89,7 @@ class TorchGenerator:
         torch.set_num_threads(ctx.threads)
         self._ctx = ctx
         self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
-        self._model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=torch.float32).eval()
+        self._model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, ctx.dtype)).eval()
         self._run_seed = ctx.run_seed
         self._inflight = ctx.inflight
         self._rollouts = RolloutBuilder.for_task(ctx.task, self._tokenizer)

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 COMPUTE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SERVING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
@@ -60,10 +59,8 @@ def is_wrapped(lrn) -> bool:
 
 
 def serving_dtype(lrn) -> torch.dtype:
-    """The dtype weights are published in: the configured one, else the compute dtype."""
-    if lrn.serving_dtype != "auto":
-        return SERVING_DTYPES[lrn.serving_dtype]
-    return COMPUTE_DTYPES[lrn.mixed_precision]
+    """The dtype weights are published in (`LearnerConfig.publish_dtype`)."""
+    return getattr(torch, lrn.publish_dtype)
 
 
 def init_single_rank_group(device: torch.device, timeout_s: float) -> None:

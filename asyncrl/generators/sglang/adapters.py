@@ -126,8 +126,10 @@ async def load_adapter(call: Call, server: Server, name: str, directory: str, bo
     if result is None or not (status == 200 and result.success):
         message = result.error_message if result is not None else error_message(data)
         if "already exists" not in message:
+            # Not "could not load": the files passed their sha256 check, so a refusal is the
+            # server's configuration (--enable-lora, --max-lora-rank, ...), which no retry fixes.
             raise SGLangRequestError(
-                f"{server.url} could not load LoRA adapter {name} from {directory} (HTTP {status}): {message}"
+                f"{server.url} refused LoRA adapter {name} from {directory} (HTTP {status}): {message}"
             )
     book.loaded.setdefault(server.url, set()).add(name)
 
