@@ -519,6 +519,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(_friendly(exc)) from None
     check_task_kind(config.task)
     check_rewards(config.task)
+    check_cuda(config)
     policy = check_staleness_policy(config.staleness)
     if config.buffer.action == "downweight" and "old_train" in policy.needs:
         raise ConfigError(
@@ -537,6 +538,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
         )
     return config
+
+
+def check_cuda(config: Config) -> None:
+    """A device set to 'cuda' on a host without one fails at load time, naming the key. (Not
+    `learner.device`: learner ranks started by torchrun may run on other hosts; each rank checks.)"""
+    cuda_keys = [
+        key
+        for key, setting, used in (
+            ("generators.device", config.generators.device, config.generators.kind == "torch"),
+            ("task.eval_device", config.task.eval_device, config.task.num_eval > 0),
+        )
+        if used and setting == "cuda"
+    ]
+    if cuda_keys:
+        import torch  # only when a GPU is asked for: CPU configs and --help stay torch-free
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"config error at {cuda_keys[0]}: 'cuda' but torch sees no CUDA device on this host; "
+                f"use --set {cuda_keys[0]}=cpu, or auto (a GPU only where there is one)"
+            )
 
 
 def needs_one_rank(policy, *, world_size: int, distills: bool) -> bool:

@@ -51,19 +51,27 @@ def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, f
     """Greedy held-out accuracy (the same decoding before and after training) and, with
     `task.rewards`, each reward's held-out mean. Without rewards the task scores (accuracy = its
     mean score); with them, accuracy is the mean of `task.scoring.eval_reward` (default: the
-    first reward) and the rewards run as in training (asyncrl/rewards/)."""
-    from asyncrl.models.sft import checkpoint_accuracy, checkpoint_completions
-
-    threads = max(1, config.learner.threads)
-    max_new = config.sampling.max_new_tokens
-    if not config.task.rewards:
-        return checkpoint_accuracy(path, task, max_new_tokens=max_new, threads=threads), {}
+    first reward) and the rewards run as in training (asyncrl/rewards/). Decoded on
+    `task.eval_device`, `task.eval_batch_size` prompts at a time; NaN without loading anything
+    when nothing is held out (`task.num_eval = 0`)."""
     if not task.eval_problems:
         return float("nan"), {}
+    from asyncrl.models.sampling import resolve_device
+    from asyncrl.models.sft import checkpoint_accuracy, checkpoint_completions
+
+    max_new = config.sampling.max_new_tokens
+    decode = dict(
+        max_new_tokens=max_new,
+        threads=max(1, config.learner.threads),
+        device=str(resolve_device(config.task.eval_device, field="task.eval_device")),
+        batch_size=config.task.eval_batch_size,
+    )
+    if not config.task.rewards:
+        return checkpoint_accuracy(path, task, **decode), {}
     from asyncrl.rewards.base import RewardInput
     from asyncrl.rewards.scorer import make_scorer
 
-    done = checkpoint_completions(path, task, max_new_tokens=max_new, threads=threads)
+    done = checkpoint_completions(path, task, **decode)
     scorer = make_scorer(config.task)
     try:
         scores = scorer.score_sync(

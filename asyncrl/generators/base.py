@@ -61,6 +61,9 @@ class GeneratorContext:
     run_dir: str = ""  # the run directory (logs/ for server logs); empty outside `asyncrl launch`
     # The dtype the learner publishes weights in (learner.serving_dtype): load the model in it.
     dtype: str = "float32"
+    # Where to run the model (generators.device with "auto" made concrete): "cpu", "cuda" or
+    # "cuda:N". Published weights arrive as CPU tensors; a generator copies them over itself.
+    device: str = "cpu"
 
 
 @runtime_checkable

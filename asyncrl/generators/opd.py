@@ -70,12 +70,16 @@ def _keeps_tail_logits(model) -> bool:
 
 
 def _padded_batch(
-    prompt_ids: Sequence[Sequence[int]], ids_TN: Sequence[torch.Tensor], pad_token_id: int
+    prompt_ids: Sequence[Sequence[int]],
+    ids_TN: Sequence[torch.Tensor],
+    pad_token_id: int,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, attention mask, position ids) [B, L] of prompt + completion (column 0 of each
-    `ids_TN`), left-padded so every completion ends at the last column."""
+    """(ids, attention mask, position ids) [B, L] on `device` of prompt + completion (column 0
+    of each `ids_TN`), left-padded so every completion ends at the last column."""
     seqs = [list(p) + x[:, 0].tolist() for p, x in zip(prompt_ids, ids_TN, strict=True)]
     ids_BL, attn_BL = left_pad(seqs, pad_token_id)
+    ids_BL, attn_BL = ids_BL.to(device), attn_BL.to(device)
     return ids_BL, attn_BL, (attn_BL.cumsum(dim=1) - 1).clamp(min=0)
 
 
@@ -96,7 +100,8 @@ def teacher_logprobs(
     The context of position t is the prompt and the generated tokens before it (column 0 of
     `ids_TN`), so one forward over prompt + completion scores all N ids of every position.
     Sequences go through in forwards of at most `batch_rows`; the logits alive at once stay
-    under `budget_bytes` (module docstring), in chunks of at most `chunk_size` tokens.
+    under `budget_bytes` (module docstring), in chunks of at most `chunk_size` tokens. The
+    inputs go to the teacher's device; the scores come back on the CPU.
     """
     if not temperature > 0:
         raise ValueError(f"teacher temperature must be > 0, got {temperature}")
@@ -109,12 +114,15 @@ def teacher_logprobs(
             teacher, prompt_ids, ids_TN, pad_token_id, temperature, batch_rows, budget_bytes
         )
     head = teacher.get_output_embeddings()
+    device = head.weight.device
     bytes_per_token = 2 * head.weight.shape[0] * 4  # float32 logits and their log_softmax
     chunk = max(1, min(chunk_size, budget_bytes // bytes_per_token))
     out: list[torch.Tensor] = []
     for start in range(0, len(ids_TN), batch_rows):
         rows = ids_TN[start : start + batch_rows]
-        ids_BL, attn_BL, pos_BL = _padded_batch(prompt_ids[start : start + batch_rows], rows, pad_token_id)
+        ids_BL, attn_BL, pos_BL = _padded_batch(
+            prompt_ids[start : start + batch_rows], rows, pad_token_id, device
+        )
         hidden_BLD = teacher.get_decoder()(
             input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL, use_cache=False
         ).last_hidden_state
@@ -125,12 +133,12 @@ def teacher_logprobs(
         logp_TN = candidate_logprobs(
             hidden_TD,
             head.weight,
-            torch.cat([x.to(torch.int64) for x in rows]),
+            torch.cat([x.to(torch.int64) for x in rows]).to(device),
             bias_V=head.bias,
             temperature=temperature,
             chunk_size=chunk,
         )
-        out += [x.to(torch.float32) for x in logp_TN.split(lengths)]
+        out += [x.to("cpu", torch.float32) for x in logp_TN.split(lengths)]
     return out
 
 
@@ -146,7 +154,8 @@ def _scores_from_logits(
     """`teacher_logprobs` from the teacher's own logits (of the last T_max + 1 positions, where
     the model can compute only those): for models whose logits are not `lm_head(hidden)`."""
     tail_only = _keeps_tail_logits(teacher)
-    vocab = teacher.get_output_embeddings().weight.shape[0]
+    weight = teacher.get_output_embeddings().weight
+    vocab, device = weight.shape[0], weight.device
     max_len = max((int(x.shape[0]) for x in ids_TN), default=0)
     bytes_per_row = 2 * (max_len + 1) * vocab * 4  # float32 logits and their log_softmax
     rows = max(1, min(batch_rows, budget_bytes // bytes_per_row))
@@ -154,7 +163,7 @@ def _scores_from_logits(
     for start in range(0, len(ids_TN), rows):
         chunk = ids_TN[start : start + rows]
         lengths = [int(x.shape[0]) for x in chunk]
-        ids_BL, attn_BL, pos_BL = _padded_batch(prompt_ids[start : start + rows], chunk, pad_token_id)
+        ids_BL, attn_BL, pos_BL = _padded_batch(prompt_ids[start : start + rows], chunk, pad_token_id, device)
         keep = max(lengths) + 1  # the logits before each completion token, plus the last one
         extra = {"logits_to_keep": keep} if tail_only else {}
         logits = teacher(input_ids=ids_BL, attention_mask=attn_BL, position_ids=pos_BL, **extra).logits
@@ -163,5 +172,5 @@ def _scores_from_logits(
             # Token t of a completion of length T sits at column L - T + t; its logits one earlier.
             first = keep - 1 - t_len
             logp_TV = logp_BKV[row, first : first + t_len]
-            out.append(logp_TV.gather(1, x.to(torch.int64)).to(torch.float32))
+            out.append(logp_TV.gather(1, x.to(device, torch.int64)).to("cpu", torch.float32))
     return out

@@ -49,6 +49,7 @@ from asyncrl.messages import (
     WeightsLoaded,
     WeightsPublished,
 )
+from asyncrl.models.sampling import device_setting
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import batch_trajectories, tensor_ref
 from asyncrl.transport.manifest import WeightsCorruptError
@@ -181,6 +182,7 @@ class GeneratorService:
                 options=dict(cfg.generators.options),
                 run_dir=str(ctx.run_dir),
                 dtype=cfg.learner.publish_dtype,
+                device=device_setting(cfg.generators.device),
             )
         )
         self.staged = isinstance(self.gen, StagedWeights)

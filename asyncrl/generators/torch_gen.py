@@ -14,6 +14,10 @@ teacher is never updated.
 Weights arrive verified in fresh CPU tensors (`offer_weights`, from the service's fetcher, or
 `load_weights` from a shard directory) and are copied into the model's parameters only when
 complete, so a corrupt or missing shard never leaves the model half-updated.
+
+Placement: the model (and the teacher) live on `GeneratorContext.device` (`generators.device`,
+resolved: a GPU when there is one) in `GeneratorContext.dtype` (the learner's publish dtype).
+Offered weights stay on the CPU until applied, then are copied into the device's parameters.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from asyncrl.messages import PromptTask
 log = logging.getLogger(__name__)
 
 
-def load_teacher(path: str, student_tokenizer):
-    """The OPD teacher from `path` (empty: the shipped teacher), in eval mode, float32.
+def load_teacher(path: str, student_tokenizer, *, device: str = "cpu", dtype: str = "float32"):
+    """The OPD teacher from `path` (empty: the shipped teacher), in eval mode, on `device` in
+    `dtype` (the student's: the generator's device and the publish dtype).
 
     Its tokenizer (when its directory has one) must be the student's: the teacher scores the
     student's token ids, so the ids must mean the same strings.
@@ -56,14 +61,15 @@ def load_teacher(path: str, student_tokenizer):
                 f"opd.teacher: the tokenizer at {teacher_dir} differs from the student's; "
                 "the teacher must share the student's vocabulary"
             )
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=getattr(torch, dtype)).eval()
     if teacher.get_output_embeddings().weight.shape[0] < len(student_tokenizer):
         raise ValueError(
             f"opd.teacher: the model at {teacher_dir} has {teacher.get_output_embeddings().weight.shape[0]} "
             f"output tokens, fewer than the student's {len(student_tokenizer)}"
         )
     teacher.requires_grad_(False)
-    log.info("OPD teacher loaded from %s", teacher_dir)
+    teacher.to(device)
+    log.info("OPD teacher loaded from %s on %s in %s", teacher_dir, device, dtype)
     return teacher
 
 
@@ -86,15 +92,22 @@ class TorchGenerator:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from asyncrl.models.sampling import resolve_device
+
+        device = resolve_device(ctx.device, field="generators.device")  # before loading anything
         torch.set_num_threads(ctx.threads)
         self._ctx = ctx
         self._tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
-        self._model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, ctx.dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(ctx.model_path, dtype=getattr(torch, ctx.dtype)).eval()
+        self._model = model.to(device)
+        log.info("generator %s: model on %s in %s", ctx.generator_id, device, ctx.dtype)
         self._run_seed = ctx.run_seed
         self._inflight = ctx.inflight
         self._rollouts = RolloutBuilder.for_task(ctx.task, self._tokenizer)
         if ctx.opd is not None and ctx.opd.enabled:
-            self._teacher = load_teacher(ctx.opd.teacher, self._tokenizer)
+            self._teacher = load_teacher(
+                ctx.opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype
+            )
             self._opd_samples = ctx.opd.num_samples
 
     @property
@@ -195,7 +208,8 @@ class TorchGenerator:
 
     # ------------------------------------------------------------------ weights
     def _check_state(self, version: int, state: Mapping) -> None:
-        """Every parameter must be there with its shape and dtype, before anything is copied."""
+        """Every parameter must be there with its shape and dtype, before anything is copied (on
+        any device: the copy in `apply_pending` moves them)."""
         params = dict(self._model.named_parameters())
         missing = [n for n in params if n not in state]
         if missing:
@@ -225,7 +239,9 @@ class TorchGenerator:
         """Copy offered weights into the model now, if any; True when the weights changed.
 
         Called by the sampler between decode steps and by the service between batches; never
-        concurrently with a forward pass (both run on the thread that owns the model).
+        concurrently with a forward pass (both run on the thread that owns the model). The CPU
+        tensors are copied into the parameters wherever these live; the copies are blocking, so
+        the weights are in place when `on_applied` acks them.
         """
         import torch
 

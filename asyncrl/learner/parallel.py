@@ -120,9 +120,13 @@ def parallelize(
         "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy(),
     }
-    for block in transformer_blocks(policy.lm):
-        fully_shard(block, **kwargs)
-    fully_shard(policy, **kwargs)
+    units = [*transformer_blocks(policy.lm), policy]
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    for unit in units:
+        # The trainer divides by the step's global unit count Z itself: reduce by summing.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
     return policy
 
 
@@ -138,11 +142,16 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def iter_full_state(lm: torch.nn.Module, dtype: torch.dtype | None = None):
     """(name, full CPU tensor in `dtype`) for every entry of `lm.state_dict()`, gathered one at a
     time: a collective on a sharded model, so every rank iterates it to the end, in step."""
-    for name, t in lm.state_dict().items():
+    done: dict[int, torch.Tensor] = {}  # tied weights (an LM head sharing the embedding): one gather
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if id(t) in done:
+            yield name, done[id(t)]
+            continue
         full = full_tensor(t.detach())
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
-        yield name, full.cpu()
+        done[id(t)] = full = full.cpu()
+        yield name, full
 
 
 def full_state(lm: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ class StalenessViolation(AssertionError):
 class Trainer:
     def __init__(
         self,
-        actor: PolicyLM,
+        actor: PolicyLM | torch.nn.Module,
         objective: Objective,
         policy: StalenessPolicy,
         *,
@@ -81,6 +81,8 @@ class Trainer:
         chunk_groups: int = 1,
         max_nonfinite_steps: int = 3,
     ) -> None:
+        if not isinstance(actor, PolicyLM):
+            actor = PolicyLM(actor)  # a bare Hugging Face model (tests, plugins)
         self.actor = actor  # the policy network's forwards (log-probs); maybe FSDP2-wrapped (`parallel.py`)
         self.model = actor.lm  # the Hugging Face model: state_dict names, save_pretrained
         self.params = [p for p in actor.parameters() if p.requires_grad]

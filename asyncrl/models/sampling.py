@@ -26,6 +26,12 @@ and records their log-probs. They come from a second per-sample generator seeded
 same with or without extras. Under greedy decoding (temperature 0) extras are drawn from
 log_softmax(logits), the distribution whose log-probs greedy decoding records.
 
+Devices: the model may live anywhere (`resolve_device` turns a config setting into one). Token
+ids, masks and positions go to the model's device; the per-sample generators stay CPU
+`torch.Generator`s and their float64 uniforms are moved to the logits, so a sample draws the same
+uniforms on every device. What comes back (ids, log-probs, versions) is plain Python, copied off
+the device once per decode step.
+
 Legend: B sequences, K extra samples per position, L prompt length (left-padded), V vocab.
 """
 
@@ -56,6 +62,36 @@ class SampleOutput(NamedTuple):
     # distribution ([T][K]) and their log-probs under it ([T][K]); None otherwise.
     extra_ids: list[list[list[int]]] | None = None
     extra_logprobs: list[list[list[float]]] | None = None
+
+
+def device_setting(setting: str) -> str:
+    """A device setting with "auto" made concrete: "cuda" when torch sees a GPU, else "cpu";
+    anything else ("cpu", "cuda", "cuda:1") as given."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+def resolve_device(setting: str, *, field: str) -> torch.device:
+    """The torch device of a config setting ("auto", "cpu", "cuda", "cuda:N"); ValueError naming
+    `field` (the config key, e.g. "generators.device") when CUDA is asked for and torch has none."""
+    device = torch.device(device_setting(setting))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{field} = {setting!r} but torch sees no CUDA device here (torch.cuda.is_available() is "
+            f"False); set --set {field}=cpu, or {field}=auto to use a GPU only where there is one"
+        )
+    return device
+
+
+def model_device(model) -> torch.device:
+    """Where `model`'s forward wants its inputs: its `device` attribute (Hugging Face models have
+    one), else the device of its first parameter, else the CPU."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    first = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return torch.device("cpu") if first is None else first.device
 
 
 def sample_seed(run_seed: int, group_id: int, sample_index: int, attempt: int = 0) -> int:
@@ -126,27 +162,47 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _last_logits_only(model, device: torch.device) -> dict:
+    """The prefill needs the logits of the last position only; off the CPU, where [B, L, V] logits
+    of a long prompt batch would not fit, ask for those alone (`logits_to_keep`, transformers >=
+    4.50). On the CPU every position's are kept: a [B, D] @ [D, V] product can differ in the last
+    bit from the last rows of a [B * L, D] one, and CPU runs stay bit-for-bit what they were."""
+    if device.type == "cpu" or "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"logits_to_keep": 1}
+
+
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
 
 class _Decode:
-    """The KV-cached state of a batch: cache, attention mask, next positions, last logits."""
+    """The KV-cached state of a batch: cache, attention mask, next positions, last logits. The
+    tensors it feeds the model live on `device`, the model's."""
 
-    def __init__(self, model, seqs: Sequence[Sequence[int]], pad_token_id: int) -> None:
+    def __init__(self, model, seqs: Sequence[Sequence[int]], pad_token_id: int, device: torch.device) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
+        self.device = device
         self.cache_kw = _cache_keyword(model)
-        ids_BL, self.attn_BL = left_pad(seqs, pad_token_id)
+        ids_BL, attn_BL = left_pad(seqs, pad_token_id)
+        ids_BL, self.attn_BL = ids_BL.to(device), attn_BL.to(device)
         pos_BL = (self.attn_BL.cumsum(dim=1) - 1).clamp(min=0)
-        out = model(input_ids=ids_BL, attention_mask=self.attn_BL, position_ids=pos_BL, use_cache=True)
+        out = model(
+            input_ids=ids_BL,
+            attention_mask=self.attn_BL,
+            position_ids=pos_BL,
+            use_cache=True,
+            **_last_logits_only(model, device),
+        )
         self.cache = _cache_of(out)
         self.logits_BV = out.logits[:, -1]
         self.next_pos_B = pos_BL[:, -1] + 1
 
     def step(self, tok_B: torch.Tensor) -> None:
-        ones_B1 = torch.ones((tok_B.shape[0], 1), dtype=self.attn_BL.dtype)
+        tok_B = tok_B.to(self.device)
+        ones_B1 = torch.ones((tok_B.shape[0], 1), dtype=self.attn_BL.dtype, device=self.device)
         self.attn_BL = torch.cat([self.attn_BL, ones_B1], dim=1)
         out = self.model(
             input_ids=tok_B[:, None],
@@ -213,7 +269,8 @@ def generate(
     versions: list[list[int]] = [[] for _ in range(num_seqs)]
     done = [False] * num_seqs
     logits_version = current_version()
-    state = _Decode(model, prompt_ids, pad_token_id)
+    device = model_device(model)
+    state = _Decode(model, prompt_ids, pad_token_id, device)
     steps = 0
     num_updates = 0
     while True:
@@ -224,7 +281,7 @@ def generate(
             u_B = torch.zeros(num_seqs, dtype=torch.float64)
             for i in active:  # one draw per sampled token, from the sample's own generator
                 u_B[i] = torch.rand((), generator=rngs[i], dtype=torch.float64)
-            tok_B = inverse_cdf_sample(logp_BV, u_B)
+            tok_B = inverse_cdf_sample(logp_BV, u_B.to(logp_BV.device))
         else:
             tok_B = logp_BV.argmax(dim=-1)
         tok_logp_B = logp_BV.gather(1, tok_B[:, None]).squeeze(1)
@@ -232,15 +289,17 @@ def generate(
             u_BK = torch.zeros((num_seqs, num_extra), dtype=torch.float64)
             for i in active:
                 u_BK[i] = torch.rand((num_extra,), generator=extra_rngs[i], dtype=torch.float64)
-            extra_BK = inverse_cdf_sample_many(logp_BV, u_BK)
-            extra_logp_BK = logp_BV.gather(1, extra_BK)
+            extra_BK = inverse_cdf_sample_many(logp_BV, u_BK.to(logp_BV.device))
+            extra_ids_BK = extra_BK.tolist()  # one copy off the device per step, not one per row
+            extra_logp_BK = logp_BV.gather(1, extra_BK).tolist()
             for i in active:
-                extra_ids[i].append(extra_BK[i].tolist())
-                extra_logprobs[i].append(extra_logp_BK[i].tolist())
+                extra_ids[i].append(extra_ids_BK[i])
+                extra_logprobs[i].append(extra_logp_BK[i])
+        tok_list, tok_logp_list = tok_B.tolist(), tok_logp_B.tolist()
         for i in active:
-            tok = int(tok_B[i])
+            tok = tok_list[i]
             completions[i].append(tok)
-            logprobs[i].append(float(tok_logp_B[i]))
+            logprobs[i].append(tok_logp_list[i])
             versions[i].append(logits_version)
             done[i] = (tok == eos_token_id and not ignore_eos) or len(completions[i]) >= max_new_tokens
         if all(done):
@@ -258,9 +317,10 @@ def generate(
                             extra_ids[i].clear()
                             extra_logprobs[i].clear()
                 seqs = [list(p) + c for p, c in zip(prompt_ids, completions, strict=True)]
-                state = _Decode(model, seqs, pad_token_id)
+                state = _Decode(model, seqs, pad_token_id, device)
                 continue
-        tok_B = torch.where(torch.tensor(done), torch.full_like(tok_B, pad_token_id), tok_B)
+        done_B = torch.tensor(done, device=tok_B.device)
+        tok_B = torch.where(done_B, torch.full_like(tok_B, pad_token_id), tok_B)
         logits_version = current_version()
         state.step(tok_B)
 

@@ -1,7 +1,9 @@
 """Warm-start supervised fine-tuning (completion tokens only) and greedy evaluation.
 
 Used by `asyncrl sft` to produce the embedded default checkpoint, and by the launcher to measure
-held-out accuracy before and after RL with the same greedy decoding.
+held-out accuracy before and after RL with the same greedy decoding: float32, on the device the
+caller names (`task.eval_device`), `batch_size` held-out prompts decoded together. Greedy decoding
+reads only each row's own tokens, so the batch size does not change the completions.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class Completion(NamedTuple):
 @torch.no_grad()
 def greedy_completions(model, tokenizer, task, *, max_new_tokens: int, batch_size: int = 256) -> list:
     """(problem, Completion) for each of `task`'s held-out problems (an `asyncrl.tasks.base.Task`:
-    prompts rendered by the task), greedy, the same decoding before and after training."""
+    prompts rendered by the task), greedy, the same decoding before and after training, on the
+    model's device, `batch_size` prompts per `generate` call."""
     from asyncrl.models.sampling import answer_ids, generate
 
     problems = list(task.eval_problems)
@@ -119,26 +122,51 @@ def greedy_accuracy(model, tokenizer, task, *, max_new_tokens: int, batch_size: 
     return total / max(1, len(done))
 
 
-def _load(path, threads: int):
+def _load(path, threads: int, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads > 0:
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model, tokenizer
+    return model.to(device), tokenizer
 
 
-def checkpoint_accuracy(path, task, *, max_new_tokens: int, threads: int = 0) -> float:
-    """`greedy_accuracy` of the Hugging Face checkpoint at `path` (float32, eval mode); NaN when
-    the task holds nothing out. `threads` > 0 sets torch's intra-op threads first."""
+def _release(device: str) -> None:
+    """Give the evaluation model's cached GPU memory back (its last reference is gone): the
+    launcher evaluates in its own process, and the learner and generators need the GPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def checkpoint_accuracy(
+    path, task, *, max_new_tokens: int, threads: int = 0, device: str = "cpu", batch_size: int = 256
+) -> float:
+    """`greedy_accuracy` of the Hugging Face checkpoint at `path` (float32, eval mode, on
+    `device`); NaN when the task holds nothing out (nothing is loaded then). `threads` > 0 sets
+    torch's intra-op threads first."""
     if not task.eval_problems:
         return float("nan")
-    model, tokenizer = _load(path, threads)
-    return greedy_accuracy(model, tokenizer, task, max_new_tokens=max_new_tokens)
+    model, tokenizer = _load(path, threads, device)
+    try:
+        return greedy_accuracy(model, tokenizer, task, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    finally:
+        del model
+        _release(device)
 
 
-def checkpoint_completions(path, task, *, max_new_tokens: int, threads: int = 0) -> list:
-    """`greedy_completions` of the checkpoint at `path` (for scoring with the run's rewards)."""
-    model, tokenizer = _load(path, threads)
-    return greedy_completions(model, tokenizer, task, max_new_tokens=max_new_tokens)
+def checkpoint_completions(
+    path, task, *, max_new_tokens: int, threads: int = 0, device: str = "cpu", batch_size: int = 256
+) -> list:
+    """`greedy_completions` of the checkpoint at `path` on `device` (for scoring with the run's
+    rewards); empty when the task holds nothing out (nothing is loaded then)."""
+    if not task.eval_problems:
+        return []
+    model, tokenizer = _load(path, threads, device)
+    try:
+        return greedy_completions(
+            model, tokenizer, task, max_new_tokens=max_new_tokens, batch_size=batch_size
+        )
+    finally:
+        del model
+        _release(device)

@@ -1,6 +1,7 @@
-"""`asyncrl launch --set learner.world_size=2`: two gloo learner ranks, each streaming its own
-groups, give the same update as one rank (sync mode, so both runs train on identical samples), with
-one epoch per batch and with two."""
+"""`asyncrl launch --set learner.world_size=2`: two gloo learner ranks (replicated, or FSDP2-sharded),
+each training its share of every chunk of complete groups in lockstep, give the same update as one
+plain rank streaming per trajectory (sync mode, so both runs train on identical samples): streamed
+steps, whole-batch steps, and two epochs per batch."""
 
 from __future__ import annotations
 
@@ -26,9 +27,16 @@ def _final_params(run_dir):
 # Two epochs at lr 0.1: at lr 1 the first update moves the policy so far that the clip binds almost
 # everywhere in the second pass, whose gradient (the reported grad_norm) is then float noise.
 @pytest.mark.parametrize(
-    "extra", [[], ["learner.epochs=2", "learner.lr=0.1"]], ids=["one_epoch", "two_epochs"]
+    ("extra", "sharding"),
+    [
+        ([], "none"),
+        ([], "fsdp"),
+        (["learner.streaming=off"], "fsdp"),
+        (["learner.epochs=2", "learner.lr=0.1"], "fsdp"),
+    ],
+    ids=["stream-replicated", "stream-fsdp", "batch-fsdp", "two_epochs-fsdp"],
 )
-def test_two_learner_ranks_equal_one(run_short_job, extra):
+def test_two_learner_ranks_equal_one(run_short_job, extra, sharding):
     # The shipped model (the tiny untrained one earns no reward, so its gradient would be zero).
     common = [
         "mode=sync",
@@ -45,7 +53,9 @@ def test_two_learner_ranks_equal_one(run_short_job, extra):
         *extra,  # two epochs: a second all-reduce and update after the first, on both ranks alike
     ]
     _, one = run_short_job(*common, name="one")
-    proc, two = run_short_job(*common, "learner.world_size=2", name="two", timeout=240)
+    proc, two = run_short_job(
+        *common, "learner.world_size=2", f"learner.sharding={sharding}", name="two", timeout=240
+    )
     summary = json.loads((two / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["trajectories_lost"] == 0
     assert (two / "logs" / "learner-rank1.log").exists()  # a second rank really ran

@@ -50,14 +50,18 @@ def _same(a: TrainSample, b: TrainSample) -> bool:
 class _Trainer:
     """What the checkpoint reads and writes of a trainer."""
 
+    rank = 0
+    world_size = 1
+
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
-        self.model = torch.nn.Linear(4, 3)
+        self.model = self.actor = torch.nn.Linear(4, 3)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.model(torch.ones(2, 4)).sum().backward()
         self.optimizer.step()
         self.ewma = None
         self.snapshots = {}
+        self.nonfinite_total = 2
 
 
 def test_trainer_state_and_held_trajectories_round_trip(tmp_path):
@@ -69,6 +73,9 @@ def test_trainer_state_and_held_trajectories_round_trip(tmp_path):
     restored = load_learner_checkpoint(tmp_path, 5, dst)
     for name, value in src.model.state_dict().items():
         assert torch.equal(dst.model.state_dict()[name], value)
+    for a, b in zip(src.optimizer.state.values(), dst.optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert dst.nonfinite_total == 2
     assert [step for step, _ in restored] == [5, 5, 6]
     assert all(_same(a, b) for (_, a), (_, b) in zip(held, restored, strict=True))
     # Only tensors and plain containers are stored: weights_only loading is what restored it.
@@ -84,8 +91,10 @@ class _NoTrain:
     """A trainer that never finishes a step (the loop stops first)."""
 
     fallback = "test"
+    group_size = 2
+    lockstep = False
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, window_groups: int | None = None) -> None:
         pass
 
 
@@ -120,9 +129,9 @@ def test_held_covers_later_windows_and_what_an_unfinished_step_took():
 
 @pytest.mark.parametrize("bad", ["format", "version"])
 def test_a_wrong_checkpoint_is_a_clear_error(tmp_path, bad):
-    path = save_learner_checkpoint(tmp_path, 3, _Trainer(seed=0))
+    path = save_learner_checkpoint(tmp_path, 3, _Trainer(seed=0)) / "extras.pt"
     state = torch.load(path, weights_only=True)
     state[bad] = 99
     torch.save(state, path)
-    with pytest.raises(ValueError, match="is not a format-1 checkpoint of version 3"):
+    with pytest.raises(ValueError, match="is not a format-2 checkpoint of version 3"):
         load_learner_checkpoint(tmp_path, 3, _Trainer(seed=1))

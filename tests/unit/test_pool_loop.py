@@ -26,7 +26,7 @@ def _loop(tiny_model_dir, *sets):
             *sets,
         ]
     )
-    model, _ = load_policy_model(tiny_model_dir, threads=1, seed=0)
+    model, _ = load_policy_model(tiny_model_dir, cfg)
     return PoolLoop(build_trainer(cfg, model, pad_token_id=0), cfg)
 
 

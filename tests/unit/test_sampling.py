@@ -140,3 +140,40 @@ def test_torch_generator_with_ignore_eos_scores_the_answer_up_to_its_eos():
         answer = tok.decode(answer_ids(r.completion_ids, tok.eos_token_id), skip_special_tokens=True)
         assert r.reward == verify(problems[r.task_id][0], answer, problems[r.task_id][1])
     assert sum(r.reward for r in rollouts) > 0
+
+
+class _EveryPositionLM(torch.nn.Module):
+    """The wrapped model without `logits_to_keep`: its prefill returns the logits of every position."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, cache=None):
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            cache=cache,
+        )
+
+
+def test_cpu_prefill_computes_every_position(tiny_model_dir):
+    """Off the CPU the prefill asks for the last position's logits only (`logits_to_keep`); on it
+    every position's are computed as before, since the last rows of a smaller product can differ
+    in the last bit (they do for this model): CPU ids and log-probs stay bit-for-bit."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompts = [[1, 5, 6, 14, 7], [1, 9, 14, 11, 17], [1, 4, 17]]
+    kwargs = dict(
+        max_new_tokens=6,
+        temperature=1.0,
+        eos_token_id=2,
+        pad_token_id=0,
+        seeds=[3, 4, 5],
+        num_extra_samples=2,
+    )
+    last_only = generate(model, prompts, **kwargs)
+    assert last_only == generate(_EveryPositionLM(model), prompts, **kwargs)

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from asyncrl.config import check_staleness_policy, load_config
+from asyncrl.learner.loop import max_open_groups
 from asyncrl.learner.objective import Objective
 from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import StalenessViolation, Trainer
+from asyncrl.models.policy import PolicyLM
 
 STEP = 6  # the trainer's policy_version in these tests
 
@@ -76,9 +78,10 @@ def _trainer(model, *sets, micro=256, group_size=4):
     cfg = load_config(
         overrides=[f"learner.samples_per_group={group_size}", "staleness.max_staleness=2", *sets]
     )
+    objective = Objective.from_config(cfg)
     return Trainer(
         model,
-        Objective.from_config(cfg),
+        objective,
         check_staleness_policy(cfg.staleness),
         lr=1e-2,
         weight_decay=0.0,
@@ -87,7 +90,7 @@ def _trainer(model, *sets, micro=256, group_size=4):
         pad_token_id=0,
         group_size=group_size,
         micro_batch_size=micro,
-        max_open_groups=cfg.learner.max_open_groups,
+        max_open_groups=max_open_groups(cfg.learner, PolicyLM(model), objective),
         max_staleness=2,
     )
 
@@ -213,7 +216,10 @@ def test_a_too_stale_trajectory_is_an_error(tiny_model_dir):
 def test_open_group_bound_defers_instead_of_allocating(tiny_model_dir):
     model = _model(tiny_model_dir)
     samples = [s for s in _samples(model, num_groups=3, degenerate=()) if s.sample_index < 3]
-    t = _trainer(model, "learner.max_open_groups=1")
+    # A budget of 1.5 groups' S0/S1 buffers (grpo: two float32 parameter-sized ones) holds one group.
+    group_mb = 2 * 4 * sum(p.numel() for p in model.parameters()) / 2**20
+    t = _trainer(model, f"learner.stream_memory_mb={1.5 * group_mb}")
+    assert t.max_open_groups == 1
     t.begin_step(STEP)
     for s in samples:
         t.offer(s)
@@ -530,7 +536,7 @@ def test_a_new_batch_global_policy_trains_whole_batches_without_any_list_edit(ti
     trainer = Trainer(
         model, Objective.from_config(cfg), policy, lr=1e-2, weight_decay=0.0, max_grad_norm=1e9,
         temperature=1.0, pad_token_id=0, group_size=4, micro_batch_size=256,
-        max_open_groups=cfg.learner.max_open_groups, max_staleness=2,
+        max_open_groups=64, max_staleness=2,
     )  # fmt: skip
     assert "batch-global" in trainer.fallback
     trainer.begin_step(STEP)
