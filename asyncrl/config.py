@@ -207,6 +207,9 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # and trains its share of each complete group; "fsdp" shards parameters, gradients and optimizer
     # state over the ranks (FSDP2, per transformer block), "none" replicates them (data parallel).
     world_size: PosInt = 1
+    # Who starts the ranks: "launch" (asyncrl launch starts them all) or "torchrun": the launcher
+    # waits for them, started with `torchrun --nproc-per-node R -m asyncrl.learner.torchrun RUN_DIR`.
+    start: Literal["launch", "torchrun"] = "launch"
     sharding: Literal["none", "fsdp"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
     # Mixed precision: forward/backward in bf16 (or fp16) with fp32 master weights, optimizer state
@@ -223,7 +226,7 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     max_tokens_per_microbatch: NonNegInt = 0
     # Tokens per chunk of [tokens, vocab] logits in every learner forward (training, entropy,
     # the distillation teacher's scores): the full-vocabulary logits of a micro-batch never exist.
-    logprob_chunk_size: PosInt = 1024
+    logprob_chunk_size: PosInt = 256
     # A step whose loss, gradient norm or updated parameters are not finite is skipped (no update,
     # optimizer state untouched, counted); this many consecutive skips end the run with a checkpoint
     # from before the fault.
@@ -389,6 +392,19 @@ class Config(_Section, frozen=True, kw_only=True):
                 "rank, which several learner ranks do not support yet; use learner.world_size = 1 or "
                 "kl_placement = 'reward'"
             )
+        if lrn.lora.rank and lrn.lora.publish == "adapter":
+            if self.generators.kind == "torch":
+                raise ValueError(
+                    "learner.lora.publish = 'adapter' needs generators that load LoRA adapters "
+                    "(generators.kind = 'sglang'); the torch generator takes merged weights: set "
+                    "learner.lora.publish = 'merged'"
+                )
+            if self.weights.kind != "shards":
+                raise ValueError(
+                    "learner.lora.publish = 'adapter' ships each version as an adapter directory: use "
+                    "weights.transport = 'shards', or learner.lora.publish = 'merged' to broadcast "
+                    "merged weights"
+                )
         if lrn.lora.rank and lrn.sharding == "fsdp":
             raise ValueError(
                 "learner.lora with learner.sharding = 'fsdp' is not supported yet: the adapters are "

@@ -29,6 +29,8 @@ from asyncrl.transport.zmq_io import Endpoint
 log = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
+# What a worker that the launcher did not start reads to join a run (`asyncrl.learner.torchrun`).
+JOIN_FILE = "learner_join.json"
 
 
 @dataclass

@@ -35,3 +35,7 @@ bench_app.command("pipeline")(pipeline.command)
 from asyncrl.benchmarks import record  # noqa: E402
 
 bench_app.command("record")(record.command)
+
+from asyncrl.benchmarks import learner  # noqa: E402
+
+bench_app.command("learner")(learner.command)

@@ -12,8 +12,8 @@
 2. **Peak resident memory per learner rank** for one training step (forward, backward, AdamW
    step, float32) of a Qwen2-architecture model of about 100M parameters built from a config (no
    download), on 1 rank unsharded vs 2 ranks FSDP2 (`learner.parallel.parallelize`, gloo on
-   127.0.0.1). Each rank is a fresh process (`python -m asyncrl.benchmarks.learner --rank ...`)
-   and reports its `ru_maxrss` (the whole process: imports, model build, step); the global batch
+   127.0.0.1). Each rank is a fresh process (`python -m asyncrl.benchmarks.learner --rank-spec ...`)
+   and reports its peak RSS (VmHWM: the whole process, imports, model build, step); the global batch
    (`--seqs` x `--seq-len`) is the same, split over the ranks as the learner splits a step.
    Reported: each rank's peak, the ratio of the 2-rank per-rank peak (the larger) to the 1-rank
    peak, the same net of the memory a rank holds after its imports, and the step's loss and
@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -105,13 +104,23 @@ def tensor_peak():
     return _tracker_class()()
 
 
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status ("VmRSS", "VmHWM"), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return _status_bytes("VmRSS")
 
 
 def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    """This process's peak resident memory. VmHWM, not getrusage's ru_maxrss: Linux carries
+    ru_maxrss over fork and exec, so a rank started by a parent holding 6 GB would report 6 GB."""
+    return _status_bytes("VmHWM")
 
 
 def build_qwen2(
@@ -189,27 +198,29 @@ def logprob_path_memory(*, vocab: int, tokens: int, chunk_size: int, hidden: int
 # ----------------------------------------------------------------------------- 2. ranks
 def _rank_step(args: dict) -> dict:
     """One learner rank: build, (shard), one training step; returns its figures."""
+    import datetime
+
     import torch
     import torch.distributed as dist
+
+    # Loaded before the baseline is read (a learner holds them too): the modelling code is ~120 MB.
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: F401
+
+    from asyncrl.learner.parallel import parallelize
+    from asyncrl.models.policy import PolicyLM
 
     rss_imports = _rss_bytes()
     torch.set_num_threads(args["threads"])
     rank, world = args["rank"], args["world_size"]
     if world > 1:
-        import datetime
-
         store = dist.TCPStore("127.0.0.1", args["store_port"], world, is_master=False)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
         )
-    from asyncrl.models.policy import PolicyLM
-
     lm = build_qwen2(**args["model"], seed=args["seed"])
     num_params = sum(p.numel() for p in lm.parameters())
     policy = PolicyLM(lm, chunk_size=args["chunk_size"])
     if world > 1:
-        from asyncrl.learner.parallel import parallelize
-
         parallelize(
             policy,
             world_size=world,

@@ -54,6 +54,10 @@ def load_policy_model(path: Path, config) -> tuple[PolicyLM, object]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lm.train()
+    if lrn.lora.rank:
+        from asyncrl.learner.lora import apply_lora
+
+        lm = apply_lora(lm, lrn.lora, seed=config.run.seed)
     policy = PolicyLM(lm, chunk_size=lrn.logprob_chunk_size)
     device = parallel.resolve_device(lrn.device, local_rank=parallel.local_rank())
     if parallel.is_wrapped(lrn):

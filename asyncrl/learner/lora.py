@@ -136,8 +136,33 @@ def _split_key(key: str, layers: Mapping[str, torch.nn.Module]) -> tuple[str, st
     return None
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: an FSDP2-wrapped model's (learner.world_size > 1, or mixed precision) are
+    DTensors, gathered here (a collective: every rank computes the same states in step)."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    t = _full(t)
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """(alpha / r) B A of one adapter of one LoRA layer, in float32, in the base weight's layout."""
+    if adapter in layer.lora_A:  # nn.Linear (and Conv1D with fan_in_fan_out)
+        a, b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)
+        delta = b.float() @ a.float()
+        if getattr(layer, "fan_in_fan_out", False):
+            delta = delta.T
+    elif adapter in layer.lora_embedding_A:  # nn.Embedding: the weight is [vocab, dim]
+        a, b = _full(layer.lora_embedding_A[adapter]), _full(layer.lora_embedding_B[adapter])
+        delta = (b.float() @ a.float()).T
+    else:
+        raise ValueError(f"{type(layer).__name__}: no LoRA weights for adapter {adapter!r}")
+    return delta * layer.scaling[adapter]
 
 
 @torch.no_grad()
@@ -146,18 +171,20 @@ def serving_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> d
 
     Each adapted weight is W + (alpha / r) B A, computed in float32 from the frozen W and the current
     adapter into a new tensor (the model is not modified); every other tensor is the model's own
-    (detached, not copied unless `dtype` casts it). Floating tensors are cast to `dtype` if given.
-    A model without adapters gives its plain state dict.
+    (detached, not copied unless `dtype` casts it or it is gathered from a DTensor). Floating
+    tensors are cast to `dtype` if given. A model without adapters gives its plain state dict.
+    Supported LoRA layers: linear (the default targets) and embedding.
     """
     base = base_model(model)
-    if not is_lora(model):
-        return {k: _cast(v.detach(), dtype) for k, v in base.state_dict().items()}
-    layers = _lora_layers(model)
+    layers = _lora_layers(model) if is_lora(model) else {}
     out: dict[str, torch.Tensor] = {}
-    for key, t in base.state_dict().items():
+    done: dict[int, torch.Tensor] = {}  # tied weights (an LM head sharing the embedding): cast once
+    for key, t in base.state_dict(keep_vars=True).items():
         split = _split_key(key, layers)
         if split is None:
-            out[key] = _cast(t.detach(), dtype)
+            if id(t) not in done:
+                done[id(t)] = _cast(t, dtype)
+            out[key] = done[id(t)]
             continue
         layer_name, rest = split
         if not rest.startswith("base_layer."):
@@ -166,13 +193,12 @@ def serving_state(model: torch.nn.Module, dtype: torch.dtype | None = None) -> d
         name = f"{layer_name}.{param}"
         layer = layers[layer_name]
         if param != "weight":
-            out[name] = _cast(t.detach(), dtype)
+            out[name] = _cast(t, dtype)
             continue
         assert not layer.merged, f"{layer_name}: adapters merged in place; serving_state expects them apart"
-        merged = t.detach().float()
+        merged = _full(t).float()
         for adapter in layer.active_adapters:
-            if adapter in layer.lora_A or adapter in layer.lora_embedding_A:
-                merged = merged + layer.get_delta_weight(adapter).float()
+            merged = merged + _delta(layer, adapter)
         out[name] = merged.to(dtype or t.dtype)
     return out
 

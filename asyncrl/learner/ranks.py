@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import zmq
 
@@ -74,14 +75,14 @@ def after_step(trainer, config, run_dir: Path, version: int, *, publish_to=None,
     sharded model): gather the weights in the serving dtype (rank 0 hands them to `publish_to`),
     gather them in float32 on the last step (rank 0: `final_to`), checkpoint when due."""
     lrn = config.learner
-    state = iter_full_state(trainer.model, serving_dtype(lrn))
+    state = serving_items(trainer.model, lrn)
     if publish_to is not None:
         publish_to(dict(state))
     else:
         for _ in state:
             pass
     if version == lrn.steps:
-        final = iter_full_state(trainer.model, None)
+        final = serving_items(trainer.model, lrn, dtype=None, adapter=False)
         if final_to is not None:
             final_to(dict(final))
         else:
@@ -98,6 +99,20 @@ def keep_before_fault(run_dir: Path, version: int, trainer, loop) -> None:
         held = loop.held(after_step=version - 1) if loop is not None else ()
         save_learner_checkpoint(run_dir, version, trainer, held)
 
+
+
+def serving_items(lm, lrn, *, dtype: torch.dtype | None | str = "serving", adapter: bool | None = None):
+    """(name, full tensor) pairs of what generators load: the weights under the base model's
+    names, gathered one at a time (`parallel.iter_full_state`), with LoRA merged in; or, with
+    `learner.lora.publish = "adapter"`, the adapter alone. In the serving dtype by default."""
+    dtype = serving_dtype(lrn) if dtype == "serving" else dtype
+    if not lrn.lora.rank:
+        return iter_full_state(lm, dtype)
+    from asyncrl.learner import lora  # never sharded: learner.lora with fsdp is rejected at load
+
+    use_adapter = lrn.lora.publish == "adapter" if adapter is None else adapter
+    pick = lora.adapter_state if use_adapter else lora.serving_state
+    return iter(pick(lm, dtype).items())
 
 
 class RankGroup:
@@ -212,9 +227,9 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
     if resume_version:
         await asyncio.to_thread(load_learner_checkpoint, run_dir, resume_version, trainer)
         # Rank 0 republishes the resumed version first: take part in its gather.
-        await asyncio.to_thread(lambda: [None for _ in iter_full_state(trainer.model, serving_dtype(config.learner))])
+        await asyncio.to_thread(lambda: [None for _ in serving_items(trainer.model, config.learner)])
     zctx = zmq.Context()
-    feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{rank}")
+    feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{rank}", accept=(Trajectory, Shutdown))
     feed.connect(address)
     loop = StepLoop(trainer, lambda step: window_size(config), min_chunk=config.learner.min_chunk)
     stopped = asyncio.Event()

@@ -31,9 +31,10 @@ from asyncrl.learner.checkpoint import (
     save_learner_checkpoint,
 )
 from asyncrl.learner.loop import StepLoop, build_trainer, gradient_mode, load_policy_model, window_size
-from asyncrl.learner.parallel import full_state, is_wrapped, serving_dtype
+from asyncrl.learner import lora
+from asyncrl.learner.parallel import is_wrapped
 from asyncrl.learner.pool import PoolLoop
-from asyncrl.learner.ranks import RankGroup, after_step, checkpoint_due, keep_before_fault
+from asyncrl.learner.ranks import RankGroup, after_step, checkpoint_due, keep_before_fault, serving_items
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
 from asyncrl.messages import GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
@@ -55,12 +56,6 @@ class LearnerService:
         self.cfg = cfg.learner
         self.model_path = Path(ctx.extra["model"])
         self.ranks = RankGroup(ctx, self.model_path) if self.cfg.world_size > 1 else None
-        self.publisher = make_publisher(
-            cfg,
-            run_dir=ctx.run_dir,
-            model_dir=self.model_path,
-            generator_ids=filter(None, ctx.extra.get("generators", "").split(",")),
-        )
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind_loopback()
         # The last step's publish and reports, running while the next step trains (`train_loop`).
@@ -79,6 +74,13 @@ class LearnerService:
         cfg = self.ctx.config
         self.policy, self.tokenizer = load_policy_model(self.model_path, cfg)
         self.model = self.policy.lm
+        self.publisher = make_publisher(
+            cfg,
+            run_dir=self.ctx.run_dir,
+            model_dir=self.model_path,
+            generator_ids=filter(None, self.ctx.extra.get("generators", "").split(",")),
+            adapter_config=lora.adapter_config(self.model) if self.cfg.lora.rank else None,
+        )
         self.trainer = build_trainer(cfg, self.policy, pad_token_id=self.tokenizer.pad_token_id)
         log.info(gradient_mode(self.trainer.fallback))
         if self.trainer.streams_per_trajectory:
@@ -301,7 +303,7 @@ class LearnerService:
     def save_final(self, state: dict[str, torch.Tensor]) -> None:
         """The final weights (gathered in float32) as a Hugging Face directory."""
         out = self.ctx.run_dir / "final_model"
-        self.model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        lora.base_model(self.model).save_pretrained(out, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
 
     async def run(self) -> None:
@@ -312,7 +314,7 @@ class LearnerService:
             await self.ctx.hello(endpoint=self.data.address)
             if self.start_version > 0:
                 # Resumed: generators start from the base model, so hand them this version first.
-                state = await asyncio.to_thread(full_state, self.model, serving_dtype(self.cfg))
+                state = await asyncio.to_thread(lambda: dict(serving_items(self.model, self.cfg)))
                 await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
                 await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:

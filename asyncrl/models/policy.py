@@ -8,9 +8,9 @@ reasons to put the log-prob computation inside one module's forward:
   tokens, so a micro-batch's `[tokens, vocab]` logits never exist at once, in the forward or the
   backward (asserted by peak tensor memory in tests/unit/test_policy_lm.py). Sampled tokens at
   top_p = 1 take the fused kernel (`kernels.fused_logprobs`: about 3.5 chunks of logits at the
-  peak, against about 6 for the checkpointed reference, and faster); top_p < 1 takes
-  `kernels.logprobs.token_logprobs` (the nucleus needs a sort per chunk); candidates take
-  `kernels.logprobs.candidate_logprobs`;
+  peak, against about 6 for the checkpointed reference, and 3x faster on CPU); top_p < 1 takes
+  `kernels.logprobs.token_logprobs` (the nucleus sorts each chunk: int64 indices, about twice the
+  memory and several times the time); candidates take `kernels.logprobs.candidate_logprobs`;
 * sharding: FSDP2 (`learner/parallel.py`) gathers a module's parameters around that module's
   forward and reduce-scatters their gradients after its backward. The embedding, final norm and
   LM head belong to the root unit, this module, so they are gathered while the head is applied

@@ -63,7 +63,7 @@ from asyncrl.scheduler.dispatch import Dispatcher
 from asyncrl.scheduler.inbox import Inbox
 from asyncrl.scheduler.modes import make_mode
 from asyncrl.scheduler.records import Records, RecordStream, Reporter, RunState, launcher_snapshot
-from asyncrl.scheduler.spawner import LocalSpawner, Spawner
+from asyncrl.scheduler.spawner import JoinSpawner, LocalSpawner, Spawner
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
 from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.scheduler.workers import Workers
@@ -163,7 +163,10 @@ class Launcher:
             snapshot_s=config.monitor.snapshot_s,
             snapshot=self.snapshot,
         )
-        self.workers = Workers(spawner or LocalSpawner(run_dir), role_modules, self.records)
+        spawner = spawner or LocalSpawner(run_dir)
+        if config.learner.start == "torchrun":  # the learner's ranks join; the launcher starts none
+            spawner = JoinSpawner(spawner, run_dir, joined=frozenset({"learner"}))
+        self.workers = Workers(spawner, role_modules, self.records)
         self.children = self.workers.children  # peer id -> a live worker
 
     # ------------------------------------------------------------------ workers
@@ -501,6 +504,11 @@ class Launcher:
             learner = self.workers.spawn(
                 "learner", "learner", ctrl_address=self.ctrl_address, extra=learner_extra
             )
+            if self.cfg.learner.start == "torchrun":
+                self.records.event(
+                    f"waiting for the learner: torchrun --nproc-per-node {self.cfg.learner.world_size} "
+                    f"-m asyncrl.learner.torchrun {self.run_dir}"
+                )
             startup_s = self.cfg.learner.startup_timeout_s
             if not await inbox.wait_until(lambda: learner.ready, timeout_s=startup_s):
                 self.fail(

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from asyncrl.runtime import JOIN_FILE
+
 # How often `wait` looks for the exit status of a process that was killed or exited.
 REAP_POLL_S = 0.05
 
@@ -118,3 +120,56 @@ class LocalSpawner:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return LocalProcess(proc, log_path)
+
+
+class JoinedProcess:
+    """A `WorkerHandle` for a worker this launcher did not start (torchrun's learner ranks): it
+    joins by reading the join file and saying Hello. The launcher never signals it; it is told
+    to stop over the control channel, and counts as gone once the launcher stops waiting."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log_path = log_path
+        self._gone = False
+
+    @property
+    def pid(self) -> int:
+        return 0  # not ours to signal; its Hello names its pid
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    def exit_code(self) -> int | None:
+        return 0 if self._gone else None
+
+    def terminate(self) -> None:
+        self._gone = True
+
+    def kill(self) -> None:
+        self._gone = True
+
+    async def wait(self) -> int:
+        self._gone = True
+        return 0
+
+
+class JoinSpawner:
+    """Starts nothing for the roles in `joined` (e.g. the learner under torchrun): writes what a
+    joining worker needs, `<run>/learner_join.json` (the launcher's control address, its peer id
+    and its `--extra` arguments), and hands back a `JoinedProcess`. Other roles go to `inner`."""
+
+    def __init__(self, inner: Spawner, run_dir: Path, joined: frozenset[str]) -> None:
+        self.inner = inner
+        self.run_dir = Path(run_dir)
+        self.joined = joined
+
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]):
+        if peer_id not in self.joined:
+            return self.inner.start(peer_id, module, ctrl_address=ctrl_address, extra=extra)
+        import json
+
+        info = {"ctrl": ctrl_address, "peer_id": peer_id, "extra": dict(extra)}
+        tmp = self.run_dir / f".{JOIN_FILE}.tmp"
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(self.run_dir / JOIN_FILE)  # atomic: a joiner never reads half of it
+        return JoinedProcess(self.run_dir / "logs" / f"{peer_id}.log")

@@ -1,4 +1,5 @@
-"""Per-token log-probs: plain reference vs independent torch references, fused kernel vs reference."""
+"""Per-token log-probs: plain reference vs independent torch references, fused kernel vs reference;
+candidate log-probs (distillation) vs full log-softmax."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.kernels.fused_logprobs import fused_token_logprobs
-from asyncrl.kernels.logprobs import causal_lm_logprobs, logprobs_from_logits, token_logprobs
+from asyncrl.kernels.logprobs import (
+    candidate_logprobs,
+    causal_lm_logprobs,
+    causal_lm_position_logprobs,
+    logprobs_from_logits,
+    token_logprobs,
+)
 
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 2e-5}
 
@@ -305,3 +312,128 @@ def test_nucleus_logprob_gradient_is_finite_for_a_token_outside_the_nucleus():
     expected = -5.0 - torch.logsumexp(torch.tensor([4.0, -5.0]), 0)
     assert float(out.logp.detach()) == pytest.approx(float(expected), abs=1e-6)
     assert bool(torch.isfinite(logits.grad).all()) and float(logits.grad[0, 1]) == 0.0
+
+
+# -- candidate log-probs (distillation's N cached tokens) -----------------------------------------
+
+
+def _candidate_inputs(dtype, *, num_tokens=23, num_candidates=3, vocab=41, bias=True, seed=1):
+    hidden, weight, bias_V, _, _, _ = _inputs(dtype, num_tokens=num_tokens, vocab=vocab, bias=bias, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    ids_TN = torch.randint(0, vocab, (num_tokens, num_candidates), generator=gen)
+    grad_TN = torch.randn(num_tokens, num_candidates, generator=gen, dtype=torch.float64)
+    return hidden, weight, bias_V, ids_TN, grad_TN
+
+
+def _candidate_values_and_grads(fn, hidden, weight, bias_V, ids_TN, grad_TN):
+    out = fn(hidden, weight, bias_V, ids_TN)
+    leaves = [t for t in (hidden, weight, bias_V) if t is not None]
+    grads = torch.autograd.grad((out * grad_TN.to(out.dtype)).sum(), leaves)
+    return [out.detach(), *grads]
+
+
+def _candidates_full(temperature):
+    def fn(h, w, b, ids):
+        z = F.linear(h, w, b).to(torch.promote_types(h.dtype, torch.float32)) / temperature
+        return torch.log_softmax(z, dim=-1).gather(-1, ids)
+
+    return fn
+
+
+def _candidates_chunked(temperature, chunk_size):
+    return lambda h, w, b, ids: candidate_logprobs(
+        h, w, ids, bias_V=b, temperature=temperature, chunk_size=chunk_size
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("chunk_size", "temperature", "bias"), [(1, 1.0, True), (5, 0.7, True), (7, 1.3, False), (64, 0.9, True)]
+)
+def test_candidate_logprobs_equal_full_log_softmax(dtype, chunk_size, temperature, bias):
+    """23 tokens: chunk sizes 5 and 7 leave a short last chunk, 64 is one chunk."""
+    inputs = _candidate_inputs(dtype, bias=bias)
+    expected = _candidate_values_and_grads(_candidates_full(temperature), *inputs)
+    got = _candidate_values_and_grads(_candidates_chunked(temperature, chunk_size), *inputs)
+    _assert_all_close(got, expected, TOLERANCES[dtype])
+    assert got[0].dtype == dtype
+
+
+def test_candidate_logprobs_hand_computed_and_column_0_is_the_token_logprob():
+    """Equal logits over V = 4 give -log 4 for every candidate; with the sampled token in column
+    0, the candidate log-prob there equals `token_logprobs` at top_p = 1."""
+    out = candidate_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), torch.tensor([[0, 3], [2, 2]]))
+    torch.testing.assert_close(out, torch.full((2, 2), -torch.log(torch.tensor(4.0)).item()))
+    hidden, weight, bias_V, ids_TN, _ = _candidate_inputs(torch.float64)
+    tokens = token_logprobs(hidden, weight, ids_TN[:, 0], bias_V=bias_V, temperature=0.8, chunk_size=4)
+    cands = candidate_logprobs(hidden, weight, ids_TN, bias_V=bias_V, temperature=0.8, chunk_size=6)
+    torch.testing.assert_close(cands[:, 0], tokens.logp, rtol=0, atol=1e-12)
+
+
+def test_candidate_logprobs_leading_dims_no_grad_and_empty():
+    hidden, weight, bias_V, ids_TN, _ = _candidate_inputs(torch.float64, num_tokens=12)
+    flat = candidate_logprobs(hidden, weight, ids_TN, bias_V=bias_V, chunk_size=5)
+    batched = candidate_logprobs(
+        hidden.reshape(3, 4, -1), weight, ids_TN.reshape(3, 4, -1), bias_V=bias_V, chunk_size=5
+    )
+    assert batched.shape == (3, 4, 3)
+    torch.testing.assert_close(batched, flat.reshape(3, 4, 3), rtol=0, atol=0)
+    with torch.no_grad():
+        plain = candidate_logprobs(hidden, weight, ids_TN, bias_V=bias_V, chunk_size=5)
+    assert not plain.requires_grad
+    torch.testing.assert_close(plain, flat.detach(), rtol=0, atol=0)
+    empty = candidate_logprobs(
+        torch.zeros(2, 0, 4), torch.randn(7, 4), torch.zeros(2, 0, 3, dtype=torch.long)
+    )
+    assert empty.shape == (2, 0, 3)
+
+
+def test_candidate_logprobs_bf16_accumulate_in_float32():
+    hidden, weight, _, ids_TN, _ = _candidate_inputs(torch.float32, bias=False)
+    reference = candidate_logprobs(hidden, weight, ids_TN)
+    out = candidate_logprobs(hidden.bfloat16(), weight.bfloat16(), ids_TN, chunk_size=7)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=0, atol=0.1)  # bf16 rounding of the logits only
+    out.sum().backward()
+
+
+def test_candidate_logprobs_input_validation():
+    hidden, weight, _, ids_TN, _ = _candidate_inputs(torch.float32, bias=False)
+    with pytest.raises(ValueError, match="temperature"):
+        candidate_logprobs(hidden, weight, ids_TN, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        candidate_logprobs(hidden, weight, ids_TN, chunk_size=0)
+    with pytest.raises(ValueError, match="does not match"):
+        candidate_logprobs(hidden, weight, ids_TN[:-1])
+
+
+def test_candidate_logprobs_keep_no_full_logits_for_backward():
+    """Nothing of T x V elements is saved for the backward (the full path does save one)."""
+    hidden, weight, bias_V, ids_TN, _ = _candidate_inputs(torch.float32, num_tokens=64, vocab=97)
+    for fn, bound in (
+        (_candidates_chunked(1.0, 8), max(weight.numel(), 8 * 97)),
+        (_candidates_full(1.0), None),
+    ):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: saved.append(t.numel()) or t, lambda t: t
+        ):
+            out = fn(hidden, weight, bias_V, ids_TN)
+        out.sum().backward()
+        if bound is None:
+            assert max(saved) >= 64 * 97
+        else:
+            assert max(saved) <= bound
+
+
+def test_causal_lm_position_logprobs_match_candidate_logprobs_on_hidden_states(tiny_llama):
+    """The unchunked OPD reference and the chunked kernel on the decoder's hidden states agree."""
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 32, (2, 9), generator=gen)
+    ids_BLN = torch.randint(0, 32, (2, 9, 3), generator=gen)
+    reference = causal_lm_position_logprobs(tiny_llama, input_ids, ids_BLN, temperature=0.8)
+    hidden = tiny_llama.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]
+    head = tiny_llama.get_output_embeddings()
+    chunked = candidate_logprobs(hidden, head.weight, ids_BLN[:, 1:], temperature=0.8, chunk_size=5)
+    assert bool((reference[:, 0] == 0).all())
+    torch.testing.assert_close(reference[:, 1:], chunked, rtol=0, atol=1e-6)

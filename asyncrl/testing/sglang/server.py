@@ -94,6 +94,12 @@ class _Disconnect(Exception):
     """Close the connection without an answer (an injected fault)."""
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # Clients open one connection per request, up to generators.options.max_concurrency (64) at
+    # once; the stdlib's listen backlog of 5 made bursts of connects fail with resets.
+    request_queue_size = 1024
+
+
 class StandInServer:
     """The HTTP front of an `Engine`; a context manager that serves on a loopback thread."""
 
@@ -120,7 +126,7 @@ class StandInServer:
         self.healthy = True
         self.started = time.time()
         handler = type("Handler", (_Handler,), {"server_ref": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd = _HTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
