@@ -49,11 +49,11 @@ def launch(
     quiet_offline()
     try:
         if resume is not None:
-            if config is not None or set_:
-                _fail("--resume takes the run's own config.json; drop the CONFIG file and --set options")
+            if config is not None:
+                _fail("--resume takes the run's own config.json; drop the CONFIG file")
             from asyncrl.job import load_for_resume
 
-            cfg, _ = load_for_resume(resume)
+            cfg, _ = load_for_resume(resume, set_ or [])
         else:
             cfg = load_config(config, set_ or [])
     except (ConfigError, ValueError) as exc:

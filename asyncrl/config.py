@@ -527,6 +527,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             tree = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    return config_from_tree(tree, overrides)
+
+
+def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A config tree (parsed TOML, or `config_to_dict` of a config) <- overrides, validated once."""
     for assignment in overrides:
         apply_override(tree, assignment)
     try:

@@ -131,12 +131,38 @@ def resume_point(run_dir: Path, config: Config) -> int:
     return both[-1]
 
 
-def load_for_resume(run_dir: Path) -> tuple[Config, int]:
-    from asyncrl.config import load_resolved_config
+# What a resume may change: where and how the learner runs, not what it trains. A checkpoint
+# loads on any number of ranks, sharded or not (learner/checkpoint.py).
+RESUME_SETTABLE = (
+    "learner.world_size",
+    "learner.sharding",
+    "learner.start",
+    "learner.device",
+    "learner.cpu_offload",
+    "learner.activation_checkpointing",
+    "learner.max_tokens_per_microbatch",
+    "learner.startup_timeout_s",
+)
+
+
+def load_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, int]:
+    """The run's own config (with `overrides` of the RESUME_SETTABLE keys applied and written
+    back to its config.json) and the version to resume from."""
+    from asyncrl.config import config_from_tree, config_to_dict, load_resolved_config
 
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"--resume {run_dir}: not a run directory (no config.json)")
     config = load_resolved_config(run_dir / "config.json")
+    if overrides:
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            if key not in RESUME_SETTABLE:
+                raise ValueError(
+                    f"--resume: --set {key} would change what the run trains; a resume may set only "
+                    f"{', '.join(RESUME_SETTABLE)}"
+                )
+        config = config_from_tree(config_to_dict(config), overrides)
+        write_resolved_config(config, run_dir / "config.json")
     return config, resume_point(run_dir, config)
 
 

@@ -248,9 +248,9 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
         parent = os.getppid()  # rank 0, or torchrun's agent
         while os.getppid() == parent:
             await asyncio.sleep(0.5)  # polling the parent pid
+        # An orphan rank may sit inside a collective rank 0 will never join: exit now.
         log.warning("rank %d: the process that started it is gone; exiting", rank)
-        loop.stop()
-        stopped.set()
+        os._exit(3)
 
     receiver = asyncio.create_task(receive())
     watcher = asyncio.create_task(watch_parent())

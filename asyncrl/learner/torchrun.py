@@ -25,6 +25,7 @@ import torch.distributed as dist
 from asyncrl.runtime import JOIN_FILE
 
 JOIN_POLL_S = 0.2
+JOIN_TIMEOUT_S = 600.0  # how long ranks wait for `asyncrl launch` to write the join file
 
 
 class JoinError(SystemExit):
@@ -32,7 +33,8 @@ class JoinError(SystemExit):
 
 
 def read_join(run_dir: Path, timeout_s: float) -> dict:
-    """The launcher's join file, waiting for it to appear (torchrun may start first)."""
+    """The launcher's join file, waiting for it to appear (torchrun may start first; the
+    wait is ASYNCRL_JOIN_TIMEOUT_S, 600 s by default)."""
     path = run_dir / JOIN_FILE
     deadline = time.monotonic() + timeout_s
     while not path.is_file():
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         raise JoinError("usage: torchrun --nproc-per-node R -m asyncrl.learner.torchrun RUN_DIR")
     run_dir = Path(args[0])
+    # The launcher writes the config, then the join file: torchrun may have started first.
+    join = read_join(run_dir, float(os.environ.get("ASYNCRL_JOIN_TIMEOUT_S", JOIN_TIMEOUT_S)))
     try:
         config = load_resolved_config(run_dir / "config.json")
     except ConfigError as exc:
@@ -72,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
             f"learner.world_size = {lrn.world_size}, torchrun started {world} ranks; launch with "
             f"--set learner.start=torchrun --set learner.world_size={world}"
         )
-    join = read_join(run_dir, lrn.startup_timeout_s)
     device = parallel.resolve_device(lrn.device, local_rank=parallel.local_rank())
     dist.init_process_group(parallel.backend_for(device), timeout=group_timeout(config))
     if rank == 0:
