@@ -74,6 +74,7 @@ SECTIONS = ("environment", "process_group", "exactness", "throughput", "e2e")
 # Seconds of budget a section needs to start at all (it also stops its own loops in time).
 MIN_START_S = {"environment": 0, "process_group": 0, "exactness": 30, "throughput": 60, "e2e": 60}
 WATCHDOG_GRACE_S = 45.0  # past the budget: write the report and exit (8 minutes at the default 420)
+GROUP_TIMEOUT_S = 60.0  # a collective of one rank that takes longer is stuck
 PAD = 0  # pad token id; synthetic tokens are drawn from 1 .. vocab - 1
 
 # Dense bf16 tensor-core peaks (no sparsity), matched against the device name in this order.
@@ -193,7 +194,7 @@ def run_section(ctx: Context, name: str, fn) -> None:
     try:
         fn(ctx, record)
         record["status"] = "partial" if record.get("errors") else "ok"
-    except Exception as exc:  # the brief: record every failure and go on to the next section
+    except Exception as exc:  # one failed section must not cost the others their GPU time
         record.update(error_record(exc), status="error")
     record["seconds"] = round(time.monotonic() - begin, 2)
     gc.collect()
@@ -383,19 +384,21 @@ def section_environment(ctx: Context, rec: dict) -> None:
     from asyncrl.learner.parallel import resolve_device
 
     ctx.device = resolve_device("cuda")
-    props = torch.cuda.get_device_properties(ctx.device)
-    free, total = torch.cuda.mem_get_info(ctx.device)
-    rec.update(
-        device=torch.cuda.get_device_name(ctx.device),
-        device_count=torch.cuda.device_count(),
-        capability=".".join(map(str, torch.cuda.get_device_capability(ctx.device))),
-        multiprocessors=props.multi_processor_count,
-        bf16_supported=torch.cuda.is_bf16_supported(),
-        memory_total_bytes=total,
-        memory_free_bytes=free,
-        cudnn=torch.backends.cudnn.version(),
-        nccl=".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None,
-    )
+    rec["device"] = torch.cuda.get_device_name(ctx.device)
+    facts = {  # each on its own: one missing attribute must not lose the rest (or the device)
+        "device_count": torch.cuda.device_count,
+        "capability": lambda: ".".join(map(str, torch.cuda.get_device_capability(ctx.device))),
+        "multiprocessors": lambda: torch.cuda.get_device_properties(ctx.device).multi_processor_count,
+        "bf16_supported": torch.cuda.is_bf16_supported,
+        "memory_free_total_bytes": lambda: torch.cuda.mem_get_info(ctx.device),
+        "cudnn": torch.backends.cudnn.version,
+        "nccl": lambda: str(torch.cuda.nccl.version()),
+    }
+    for key, fact in facts.items():
+        try:
+            rec[key] = fact()
+        except Exception as exc:  # recorded in place of the value
+            rec[key] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
 
 
 def _git_head() -> str | None:
@@ -410,39 +413,36 @@ def _git_head() -> str | None:
 
 # ----------------------------------------------------------------------------- 2. process group
 def section_process_group(ctx: Context, rec: dict) -> None:
+    import datetime
+
     from asyncrl.learner.parallel import backend_for, init_single_rank_group
 
-    init_single_rank_group(ctx.device, 120.0)
     rec["learner_backend"] = backend_for(ctx.device)
     try:
+        init_single_rank_group(ctx.device, GROUP_TIMEOUT_S)
         # What the lockstep trainer reduces on the host: micro-batch counts, step sums (float64).
-        probe = torch.ones(2, dtype=torch.float64)
-        dist.all_reduce(probe)
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))
         rec["cpu_tensor_all_reduce"] = "ok"
     except Exception as exc:  # the finding itself: recorded, then a group that can do both
         rec["cpu_tensor_all_reduce"] = f"{type(exc).__name__}: {exc}"[:1000]
+        if not ctx.is_cuda:
+            raise  # on CPU the learner's group is gloo: nothing to fall back to
         ctx.finding(
-            f"the learner's {backend_for(ctx.device)!r} process group cannot all-reduce CPU tensors "
+            f"the learner's {rec['learner_backend']!r} process group cannot all-reduce CPU tensors "
             "(Trainer.microbatches, finish_step and _all_finite do); this run goes on with "
-            "'cpu:gloo,cuda:nccl' (parallel.backend_for could return that for CUDA)"
+            "'cpu:gloo,cuda:nccl' (what parallel.backend_for could return for CUDA)"
         )
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
         dist.init_process_group(
-            "cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=_timedelta(120)
+            "cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
-        probe = torch.ones(2, dtype=torch.float64)
-        dist.all_reduce(probe)
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))
     if ctx.is_cuda:
-        on_device = torch.ones(2, device=ctx.device)
-        dist.all_reduce(on_device)
+        dist.all_reduce(torch.ones(2, device=ctx.device))  # what FSDP2 does: NCCL
         ctx.sync()
     rec["backend_used"] = str(dist.get_backend())
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
 
 
 # ----------------------------------------------------------------------------- 3. exactness
@@ -554,6 +554,9 @@ def section_exactness(ctx: Context, rec: dict) -> None:
         ref = f"cpu_plain_fp32_{'batch' if name.endswith('_batch') else 'stream'}"
         if name != ref and ref in states:
             info["vs_cpu"] = {**_diff(states[ref], states[name]), **_result_diff(infos[ref], info)}
+            # Lockstep (FSDP2) trains a streamed step's groups batched, the plain rank per
+            # trajectory: different sums, so on one CPU too they differ by float rounding.
+            info["vs_cpu"]["same_summation"] = info["lockstep"] == infos[ref]["lockstep"]
         runs[name] = info
     if "cpu_plain_fp32_stream" in states:
         ref = states["cpu_plain_fp32_stream"]
@@ -775,6 +778,11 @@ def section_e2e(ctx: Context, rec: dict) -> None:
     cmd = [sys.executable, "-m", "asyncrl", "launch"]
     for s in sets:
         cmd += ["--set", s]
+    # The job's processes import this checkout's asyncrl, installed or not.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     timeout_s = max(10.0, min(ctx.args.e2e_timeout_s, ctx.left_s() - 15))
     rec.update(command=cmd, timeout_s=timeout_s)
     log_path = ctx.args.out / "e2e.log"
@@ -782,7 +790,7 @@ def section_e2e(ctx: Context, rec: dict) -> None:
     with open(log_path, "w") as log_f:
         # Its own session: on a timeout the launcher and every process it started are stopped.
         ctx.child = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=REPO, env=env, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             code = ctx.child.wait(timeout=timeout_s)
@@ -908,6 +916,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    faulthandler.enable()  # a crash in native code still leaves a Python stack on stderr
     meta = {
         "script": "bench/gpu_check.py",
         "argv": sys.argv[1:] if argv is None else argv,
@@ -931,8 +940,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watchdog.cancel()
         stop_child(ctx)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # the figures are in; a teardown failure is only noted
+            meta["teardown_error"] = f"{type(exc).__name__}: {exc}"[:1000]
     meta.update(finished=True, wall_s=round(time.monotonic() - ctx.start, 2))
     report.write()
     for line in summary_lines(report.data):

@@ -15,13 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _final_params(run_dir):
-    from safetensors.torch import load_file
-
-    files = sorted((run_dir / "final_model").glob("*.safetensors"))
-    state = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
+    return _final_params_of(run_dir / "final_model")
 
 
 # Two epochs at lr 0.1: at lr 1 the first update moves the policy so far that the clip binds almost
@@ -67,3 +61,37 @@ def test_two_learner_ranks_equal_one(run_short_job, extra, sharding):
     assert step_two["num_trajectories"] == step_one["num_trajectories"] == 32
     assert step_two["grad_norm"] == pytest.approx(step_one["grad_norm"], rel=1e-4)
     assert step_one["grad_norm"] > 0
+
+
+def test_bf16_mixed_precision_update_is_close_to_float32(run_short_job):
+    """Two FSDP2 ranks in bf16 (fp32 master weights and reduction) against one float32 rank, on
+    the same samples (generators serve float32 in both runs): the update differs by a few percent
+    (measured 2.2%, cosine 0.9998 on this case) and points the same way."""
+    from asyncrl.models.default import DEFAULT_MODEL_DIR
+
+    common = [
+        "mode=sync", "learner.steps=1", "learner.groups_per_step=8", "run.seed=3", 'model.path=""',
+        "sampling.max_new_tokens=5", "learner.optimizer=sgd", "learner.lr=1.0",
+    ]  # fmt: skip
+    _, fp32 = run_short_job(*common, name="fp32")
+    _, bf16 = run_short_job(
+        *common, "learner.world_size=2", "learner.sharding=fsdp", "learner.mixed_precision=bf16",
+        "learner.serving_dtype=float32", name="bf16", timeout=240,
+    )  # fmt: skip
+    a, b, start = _final_params(fp32), _final_params(bf16), _final_params_of(DEFAULT_MODEL_DIR)
+    assert all(t.dtype == torch.float32 for t in b.values())  # the final model keeps fp32 masters
+    d32 = torch.cat([(a[k] - start[k]).flatten() for k in start])
+    d16 = torch.cat([(b[k] - start[k]).flatten() for k in start])
+    rel = float((d16 - d32).norm() / d32.norm())
+    cos = float(torch.nn.functional.cosine_similarity(d16, d32, dim=0))
+    print(f"bf16 vs fp32 update: relative difference {rel:.4f}, cosine {cos:.5f}")
+    assert 0 < rel < 0.1 and cos > 0.99
+
+
+def _final_params_of(model_dir):
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    return state
