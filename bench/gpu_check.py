@@ -556,7 +556,9 @@ def section_exactness(ctx: Context, rec: dict) -> None:
             info["vs_cpu"] = {**_diff(states[ref], states[name]), **_result_diff(infos[ref], info)}
             # Lockstep (FSDP2) trains a streamed step's groups batched, the plain rank per
             # trajectory: different sums, so on one CPU too they differ by float rounding.
-            info["vs_cpu"]["same_summation"] = info["lockstep"] == infos[ref]["lockstep"]
+            # Whole batches are summed alike.
+            same = info["whole_batch"] or info["lockstep"] == infos[ref]["lockstep"]
+            info["vs_cpu"]["same_summation"] = same
         runs[name] = info
     if "cpu_plain_fp32_stream" in states:
         ref = states["cpu_plain_fp32_stream"]
@@ -567,9 +569,14 @@ def section_exactness(ctx: Context, rec: dict) -> None:
     device_runs = {k: v for k, v in runs.items() if k.startswith("device_")}
     rec["runs"] = runs
     fp32_runs = {k: v["vs_cpu"] for k, v in device_runs.items() if "vs_cpu" in v and "bf16" not in k}
+    same = {k: v for k, v in fp32_runs.items() if v["same_summation"]}
     rec["device_vs_cpu_bitwise"] = {k: v["bitwise_equal"] for k, v in fp32_runs.items()}
     rec["device_vs_cpu_max_abs_param_diff"] = max(
         (v["max_abs_param_diff"] for v in fp32_runs.values()), default=None
+    )
+    rec["device_vs_cpu_same_summation_bitwise"] = {k: v["bitwise_equal"] for k, v in same.items()}
+    rec["device_vs_cpu_same_summation_max_abs_param_diff"] = max(
+        (v["max_abs_param_diff"] for v in same.values()), default=None
     )
     rec["repeat_bitwise"] = {k: v["repeat"]["bitwise_equal"] for k, v in runs.items() if "repeat" in v}
 
@@ -611,6 +618,7 @@ def section_throughput(ctx: Context, rec: dict) -> None:
         max_tokens_per_microbatch=a.max_tokens_per_microbatch,
         logprob_chunk_size=a.chunk_size,
         build_s=round(time.monotonic() - t0, 2),
+        memory_after_build_bytes=torch.cuda.memory_allocated(ctx.device) if ctx.is_cuda else None,
     )
     samples = synthetic_groups(
         num_groups=a.groups, group_size=a.group_size, prompt_len=a.prompt_len,
@@ -849,7 +857,9 @@ def summary_lines(report: dict) -> list[str]:
         "environment": f"{env.get('device')}, torch {env.get('torch')}, CUDA {env.get('torch_cuda')}",
         "process_group": f"backend {pg.get('backend_used')}; CPU all-reduce on the learner's group: "
         f"{pg.get('cpu_tensor_all_reduce')}",
-        "exactness": f"device vs CPU bitwise {_all(ex.get('device_vs_cpu_bitwise'))}, max |dparam| "
+        "exactness": "device vs CPU, same summation: bitwise "
+        f"{_all(ex.get('device_vs_cpu_same_summation_bitwise'))}, max |dparam| "
+        f"{_g(ex.get('device_vs_cpu_same_summation_max_abs_param_diff'))}; every path: max |dparam| "
         f"{_g(ex.get('device_vs_cpu_max_abs_param_diff'))} (an update: {_g(ex.get('update_max_abs'))}); "
         f"repeats bitwise {_all(ex.get('repeat_bitwise'))}; bf16 vs fp32 max |dparam| "
         f"{_g(ex.get('bf16_vs_fp32', {}).get('max_abs_param_diff'))}",

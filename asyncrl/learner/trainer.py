@@ -1,28 +1,34 @@
 """The learner's optimizer-step engine (no sockets): streamed or whole-batch gradients, one update.
 
-Place in the data flow: the learner service (`service.py`, and every data-parallel rank in
-`ranks.py`) hands each received trajectory of the current step to `Trainer.offer`, calls
-`Trainer.work` while there is work, and `Trainer.finish_step` once every trajectory of the step
-is in. The model, optimizer and the staleness policy's extra inputs (EWMA parameters, snapshots
-of recent versions) live here; what RL and on-policy distillation do differently inside a step
-lives in the recipe the trainer picks once, from its objective (`recipes.py`).
+Place in the data flow: the learner service (`service.py`, and every other rank in `ranks.py`)
+hands each received trajectory of the current step to `Trainer.offer`, calls `Trainer.work` while
+there is work, and `Trainer.finish_step` once every trajectory of the step is in. The model,
+optimizer and the staleness policy's extra inputs (EWMA parameters, snapshots of recent versions)
+live here; what RL and on-policy distillation do differently inside a step lives in the recipe
+the trainer picks once, from its objective (`recipes.py`).
 
-Streaming (ALGORITHMS.md 5; `objective.py` says when it applies). A step holds three kinds of
-trajectory: streamed (one forward and backward on arrival, folded into the group's S0/S1 sums of
-`StreamingAccumulator`), waiting (not yet processed) and deferred (its gradient depends on
-sign(A): it waits for its group). `work` does one unit, preferring groups whose rewards are all
-in: their waiting members train in one batched backward with known advantages, and their streamed
-members fold. Otherwise it streams one waiting trajectory of an open group. So the last reward of
-a step costs about one trajectory's (or one group's) backward before the optimizer steps.
+Streaming (ALGORITHMS.md 5; `objective.py` says when it applies), on one plain rank. A step holds
+three kinds of trajectory: streamed (one forward and backward on arrival, folded into the group's
+S0/S1 sums of `StreamingAccumulator`), waiting (not yet processed) and deferred (its gradient
+depends on sign(A): it waits for its group). `work` does one unit, preferring groups whose
+rewards are all in: their waiting members train in one batched backward with known advantages,
+and their streamed members fold. Otherwise it streams one waiting trajectory of an open group. So
+the last reward of a step costs about one trajectory's (or one group's) backward.
+
+Lockstep (several ranks, or an FSDP2-wrapped model: `parallel.py`, docs/learner.md). Every rank
+sees every trajectory in the same order; `work` trains this rank's share of the next chunk of
+complete groups, chosen from that order alone, so every rank runs the same forwards and backwards
+and FSDP2's collectives pair up; the backward reduces the gradient over the ranks.
 
 Whole-batch fallback: `batch_backward` trains the complete step at once (batch-global
-corrections need every trajectory). Both paths produce the *sum* of per-trajectory loss
-gradients; `finish_step` all-reduces it with the unit count (one collective per step), divides by
-the global Z, clips, scales the learning rate (VCPO) and steps the optimizer. With
-`learner.epochs` E > 1 (whole batches only) it then re-runs the batch E - 1 times under the
-updated model (`epoch_plans`, filled by the recipe), each time with the same anchor log-probs
-(the policy at the step's start), corrections and advantages, and steps again: one gradient
-all-reduce per update.
+corrections need every trajectory; lockstep ranks each train their share). Every path produces
+the *sum* of per-trajectory loss gradients; `finish_step` all-reduces the step's scalar sums
+(lockstep), divides by the global Z, clips, scales the learning rate (VCPO) and steps the
+optimizer, unless the loss or the gradient norm is not finite (the step is skipped and counted;
+`learner.max_nonfinite_steps` in a row raise `NonFiniteError`). With `learner.epochs` E > 1
+(whole batches only) it then re-runs the batch E - 1 times under the updated model
+(`epoch_plans`, filled by the recipe), each time with the same anchor log-probs (the policy at the
+step's start), corrections and advantages, and steps again.
 """
 
 from __future__ import annotations
@@ -76,7 +82,6 @@ class Trainer:
         micro_batch_size: int,
         max_open_groups: int,
         max_staleness: int,
-        process_group: dist.ProcessGroup | None = None,
         max_tokens_per_microbatch: int = 0,
         chunk_groups: int = 1,
         max_nonfinite_steps: int = 3,
@@ -110,7 +115,6 @@ class Trainer:
         self.micro_batch_size = micro_batch_size
         self.max_open_groups = max_open_groups
         self.max_staleness = max_staleness
-        self.process_group = process_group
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
         else:
@@ -281,8 +285,8 @@ class Trainer:
             samples, max_seqs=self.micro_batch_size, max_tokens=self.max_tokens_per_microbatch
         )
         if self.lockstep:
-            count = torch.tensor([len(parts)], dtype=torch.int64)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            count = torch.tensor([len(parts)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # (a device tensor: NCCL has no CPU ones)
             parts = parts + [None] * (int(count) - len(parts))
         return parts
 
@@ -341,14 +345,10 @@ class Trainer:
             [units_local, t.loss, t.clipped_tokens, t.tokens, t.reward, t.seqs, t.staleness_sum],
             dtype=torch.float64,
         )
-        if self.process_group is not None and not self.lockstep:
-            grad_P = flatten_grads(self.params, dtype=self.dtype)
-            flat = torch.cat([grad_P.to(torch.float64), summed])
-            dist.all_reduce(flat, group=self.process_group)  # the step's one collective
-            grad_P, summed = flat[: grad_P.numel()].to(self.dtype), flat[grad_P.numel() :]
-            write_flat_grad(self.params, grad_P)
-        elif self.lockstep:
-            dist.all_reduce(summed)  # the gradient was reduced by each backward
+        if self.lockstep:  # the gradient was reduced by each backward; the sums meet here
+            summed = summed.to(self.device)  # NCCL reduces device tensors only
+            dist.all_reduce(summed)
+            summed = summed.cpu()
         units, loss, clipped, tokens, reward, seqs, stale_sum = summed.tolist()
         denominator = self.objective.denominator(units)
         scale = 1.0 / denominator if denominator > 0 else 0.0
@@ -356,10 +356,6 @@ class Trainer:
         for _ in range(1, self.epochs if applied else 1):  # the same Z: the masks do not change
             for rerun in self.epoch_plans:
                 rerun()
-            if self.process_group is not None and not self.lockstep:
-                grad_P = flatten_grads(self.params, dtype=self.dtype)
-                dist.all_reduce(grad_P, group=self.process_group)
-                write_flat_grad(self.params, grad_P)
             grad_norm, applied = self._apply_gradient(scale, t.lr_scale, loss)
             if not applied:
                 break
@@ -435,7 +431,9 @@ def _local(t: torch.Tensor) -> float:
 def _all_finite(params: Sequence[torch.Tensor]) -> bool:
     """Every parameter finite, on every rank (this rank's shards, then an all-reduce)."""
     bad = torch.tensor(
-        [sum(int(not bool(torch.isfinite(_shard(p)).all())) for p in params)], dtype=torch.int64
+        [sum(int(not bool(torch.isfinite(_shard(p)).all())) for p in params)],
+        dtype=torch.int64,
+        device=params[0].device,
     )
     if dist.is_initialized() and any(isinstance(p, DTensor) for p in params):
         dist.all_reduce(bad)
