@@ -6,12 +6,47 @@ steps, whole-batch steps, and two epochs per batch."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
-from conftest import read_records
+from conftest import read_records, short_job_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+COMMON = [
+    "mode=sync",
+    "learner.steps=1",
+    "learner.groups_per_step=8",
+    "run.seed=3",
+    'model.path=""',  # the shipped model (the tiny untrained one earns no reward: zero gradient)
+    "sampling.max_new_tokens=5",
+    # Plain SGD with lr 1: the final weights are the initial ones minus the clipped gradient, so
+    # comparing them compares gradients. (AdamW's first step is about lr * sign(g), which flips
+    # on entries where g is float noise around zero and the two summation orders disagree.)
+    "learner.optimizer=sgd",
+    "learner.lr=1.0",
+]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, tmp_path_factory):
+    """`one_rank(*extra)`: the run dir of one plain float32 rank on COMMON + extra (run once each)."""
+    runs: dict[tuple[str, ...], object] = {}
+    out = tmp_path_factory.mktemp("one-rank")
+
+    def get(*extra: str):
+        if extra not in runs:
+            name = f"one{len(runs)}"
+            proc = subprocess.run(
+                short_job_args(tiny_model_dir, out, *COMMON, *extra, name=name),
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            runs[extra] = out / name
+        return runs[extra]
+
+    return get
 
 
 def _final_params(run_dir):
@@ -30,25 +65,10 @@ def _final_params(run_dir):
     ],
     ids=["stream-replicated", "stream-fsdp", "batch-fsdp", "two_epochs-fsdp"],
 )
-def test_two_learner_ranks_equal_one(run_short_job, extra, sharding):
-    # The shipped model (the tiny untrained one earns no reward, so its gradient would be zero).
-    common = [
-        "mode=sync",
-        "learner.steps=1",
-        "learner.groups_per_step=8",
-        "run.seed=3",
-        'model.path=""',
-        "sampling.max_new_tokens=5",
-        # Plain SGD with lr 1: the final weights are the initial ones minus the clipped gradient, so
-        # comparing them compares gradients. (AdamW's first step is about lr * sign(g), which flips
-        # on entries where g is float noise around zero and the two summation orders disagree.)
-        "learner.optimizer=sgd",
-        "learner.lr=1.0",
-        *extra,  # two epochs: a second all-reduce and update after the first, on both ranks alike
-    ]
-    _, one = run_short_job(*common, name="one")
+def test_two_learner_ranks_equal_one(run_short_job, one_rank, extra, sharding):
+    one = one_rank(*extra)  # two epochs: a second update after the first, on both ranks alike
     proc, two = run_short_job(
-        *common, "learner.world_size=2", f"learner.sharding={sharding}", name="two", timeout=240
+        *COMMON, *extra, "learner.world_size=2", f"learner.sharding={sharding}", name="two", timeout=240
     )
     summary = json.loads((two / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["trajectories_lost"] == 0
@@ -63,19 +83,15 @@ def test_two_learner_ranks_equal_one(run_short_job, extra, sharding):
     assert step_one["grad_norm"] > 0
 
 
-def test_bf16_mixed_precision_update_is_close_to_float32(run_short_job):
+def test_bf16_mixed_precision_update_is_close_to_float32(run_short_job, one_rank):
     """Two FSDP2 ranks in bf16 (fp32 master weights and reduction) against one float32 rank, on
     the same samples (generators serve float32 in both runs): the update differs by a few percent
     (measured 2.2%, cosine 0.9998 on this case) and points the same way."""
     from asyncrl.models.default import DEFAULT_MODEL_DIR
 
-    common = [
-        "mode=sync", "learner.steps=1", "learner.groups_per_step=8", "run.seed=3", 'model.path=""',
-        "sampling.max_new_tokens=5", "learner.optimizer=sgd", "learner.lr=1.0",
-    ]  # fmt: skip
-    _, fp32 = run_short_job(*common, name="fp32")
+    fp32 = one_rank()
     _, bf16 = run_short_job(
-        *common, "learner.world_size=2", "learner.sharding=fsdp", "learner.mixed_precision=bf16",
+        *COMMON, "learner.world_size=2", "learner.sharding=fsdp", "learner.mixed_precision=bf16",
         "learner.serving_dtype=float32", name="bf16", timeout=240,
     )  # fmt: skip
     a, b, start = _final_params(fp32), _final_params(bf16), _final_params_of(DEFAULT_MODEL_DIR)
