@@ -54,6 +54,9 @@ class RecordingLearner(LearnerService):
     def __init__(self, ctx: ChildContext) -> None:
         check_recordable(ctx.config)
         super().__init__(ctx)
+
+    def setup(self) -> None:
+        super().setup()
         self.loop.sink = self.record_window  # the step loop trains each whole window with this
 
     def record_window(self, step: int, samples: list[TrainSample]) -> StepResult:

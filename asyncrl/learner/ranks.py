@@ -70,26 +70,29 @@ def checkpoint_due(config, version: int) -> bool:
     return version == config.learner.steps or bool(every and version % every == 0)
 
 
-def after_step(trainer, config, run_dir: Path, version: int, *, publish_to=None, final_to=None, held=()) -> None:
-    """What every rank does after reaching `version`, in this order (each a collective on a
-    sharded model): gather the weights in the serving dtype (rank 0 hands them to `publish_to`),
-    gather them in float32 on the last step (rank 0: `final_to`), checkpoint when due."""
+def gather_serving(trainer, lrn) -> dict[str, torch.Tensor]:
+    """The weights generators load, gathered on every rank (a collective on a sharded model:
+    every rank calls it at the same point); rank 0 publishes them, the others drop them."""
+    return dict(serving_items(trainer.model, lrn))
+
+
+def finish_version(trainer, config, run_dir: Path, version: int, *, final_to=None, held=()) -> None:
+    """After the publish of `version`, on every rank: gather the float32 weights on the last step
+    (rank 0 hands them to `final_to`), and checkpoint when due (each a collective when sharded)."""
     lrn = config.learner
-    state = serving_items(trainer.model, lrn)
-    if publish_to is not None:
-        publish_to(dict(state))
-    else:
-        for _ in state:
-            pass
     if version == lrn.steps:
-        final = serving_items(trainer.model, lrn, dtype=None, adapter=False)
+        final = dict(serving_items(trainer.model, lrn, dtype=None, adapter=False))
         if final_to is not None:
-            final_to(dict(final))
-        else:
-            for _ in final:
-                pass
+            final_to(final)
     if checkpoint_due(config, version):
         save_learner_checkpoint(run_dir, version, trainer, held)
+
+
+def after_step(trainer, config, run_dir: Path, version: int) -> None:
+    """What a worker rank does after reaching `version`: rank 0's gathers and checkpoint, in
+    rank 0's order (`service.close_step`: gather, publish, then `finish_version`)."""
+    gather_serving(trainer, config.learner)
+    finish_version(trainer, config, run_dir, version)
 
 
 def keep_before_fault(run_dir: Path, version: int, trainer, loop) -> None:
@@ -227,7 +230,7 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
     if resume_version:
         await asyncio.to_thread(load_learner_checkpoint, run_dir, resume_version, trainer)
         # Rank 0 republishes the resumed version first: take part in its gather.
-        await asyncio.to_thread(lambda: [None for _ in serving_items(trainer.model, config.learner)])
+        await asyncio.to_thread(gather_serving, trainer, config.learner)
     zctx = zmq.Context()
     feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{rank}", accept=(Trajectory, Shutdown))
     feed.connect(address)

@@ -34,7 +34,13 @@ from asyncrl.learner.loop import StepLoop, build_trainer, gradient_mode, load_po
 from asyncrl.learner import lora
 from asyncrl.learner.parallel import is_wrapped
 from asyncrl.learner.pool import PoolLoop
-from asyncrl.learner.ranks import RankGroup, after_step, checkpoint_due, keep_before_fault, serving_items
+from asyncrl.learner.ranks import (
+    RankGroup,
+    checkpoint_due,
+    finish_version,
+    gather_serving,
+    keep_before_fault,
+)
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
 from asyncrl.messages import GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
@@ -239,22 +245,23 @@ class LearnerService:
         """Publish version step + 1, checkpoint it when due, and report StepDone and the metrics."""
         loop = self.loop
         version = step + 1
-        # Every rank gathers the weights (and checkpoints) in the same order (`ranks.after_step`).
-        # The checkpoint comes before StepDone: the launcher writes its half on receiving it; the
-        # final model (the last step) too: the launcher ends the run on the last StepDone.
-        gathered: dict[str, dict] = {}
+        # Every rank gathers the weights and checkpoints in this order (`ranks.after_step`). The
+        # generators get the new version first; the checkpoint and, on the last step, the final
+        # model come before StepDone: the launcher writes its half of the checkpoint on receiving
+        # it, and ends the run on the last one.
+        state = await asyncio.to_thread(gather_serving, self.trainer, self.cfg)
+        published = await self.publisher.publish(state, version, self.ctx.ctrl.send)
+        del state
         held = loop.held(after_step=step) if checkpoint else ()  # on the loop thread, before more arrive
         await asyncio.to_thread(
-            after_step,
+            finish_version,
             self.trainer,
             self.ctx.config,
             self.ctx.run_dir,
             version,
-            publish_to=lambda state: gathered.__setitem__("serving", state),
             final_to=self.save_final,
             held=held,
         )
-        published = await self.publisher.publish(gathered.pop("serving"), version, self.ctx.ctrl.send)
         held, windows = loop.depth()
         await self.ctx.ctrl.send(result.step_done(step_s=step_s, idle_s=idle_s, **loop.step_report()))
         await self.send_left()
@@ -314,7 +321,7 @@ class LearnerService:
             await self.ctx.hello(endpoint=self.data.address)
             if self.start_version > 0:
                 # Resumed: generators start from the base model, so hand them this version first.
-                state = await asyncio.to_thread(lambda: dict(serving_items(self.model, self.cfg)))
+                state = await asyncio.to_thread(gather_serving, self.trainer, self.cfg)
                 await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
                 await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:

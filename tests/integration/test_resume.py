@@ -136,7 +136,7 @@ def test_async_resume_trains_the_checkpointed_buffer_and_loses_nothing(tiny_mode
     from asyncrl.job import resume_point
 
     v = resume_point(run_dir, load_resolved_config(run_dir / "config.json"))
-    held = torch.load(run_dir / "checkpoints" / f"learner-{v:08d}.pt", weights_only=True)["held"]
+    held = torch.load(run_dir / "checkpoints" / f"learner-{v:08d}" / "extras.pt", weights_only=True)["held"]
 
     summary = _resume(run_dir)
     assert summary["resumed_from"] == v

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
@@ -115,7 +116,14 @@ def test_evaluation_on_cuda_without_cuda_is_a_clear_error():
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.tasks.base import make_task
 
-    config = load_config(overrides=["task.eval_device=cuda", "task.num_eval=4"])
+    from asyncrl.config import ConfigError
+
+    # At load time, naming the key and the fix ...
+    with pytest.raises(ConfigError, match=r"config error at task\.eval_device: 'cuda'.*task\.eval_device=cpu"):
+        load_config(overrides=["task.eval_device=cuda", "task.num_eval=4"])
+    # ... and where it is used, for a config that skipped that check (a resolved config.json).
+    config = load_config(overrides=["task.num_eval=4"])
+    config = msgspec.structs.replace(config, task=msgspec.structs.replace(config.task, eval_device="cuda"))
     with pytest.raises(ValueError, match=r"task\.eval_device = 'cuda'.*task\.eval_device=cpu"):
         evaluate(config, DEFAULT_MODEL_DIR, make_task(config.task))
 

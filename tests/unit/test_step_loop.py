@@ -15,11 +15,13 @@ class _WholeWindow:
     """A trainer that takes each window at once (a fallback objective) and logs its calls."""
 
     fallback = "whole window"
+    group_size = 1
+    lockstep = False
 
     def __init__(self, events: list[str]) -> None:
         self.events = events
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, window_groups: int | None = None) -> None:
         self.events.append(f"begin {step}")
 
     def batch_backward(self, samples) -> None:
@@ -68,13 +70,15 @@ class _Streaming:
     whole chunk, or one at a time as for a group still open) and logs how many."""
 
     fallback = ""
+    group_size = 1
+    lockstep = False
 
     def __init__(self, per_call: int) -> None:
         self.per_call = per_call
         self.waiting: list[str] = []
         self.trained: list[int] = []
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, window_groups: int | None = None) -> None:
         pass
 
     def offer(self, sample: str) -> None:
