@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.learner.step import TrainSample
-from asyncrl.models.policy import PolicyLM
 from asyncrl.learner.trainer import StepResult, Trainer
+from asyncrl.models.policy import PolicyLM
 
 
 def window_size(config) -> int:

@@ -37,7 +37,7 @@ COMPUTE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
-    """"cpu", "cuda" (this rank's GPU) or "auto" (cuda when one is visible)."""
+    """The learner's device: "cpu", "cuda" (this rank's GPU) or "auto" (cuda when one is visible)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
@@ -105,7 +105,9 @@ def parallelize(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if dist.get_world_size() != world_size:
-        raise RuntimeError(f"process group has {dist.get_world_size()} ranks, learner.world_size = {world_size}")
+        raise RuntimeError(
+            f"process group has {dist.get_world_size()} ranks, learner.world_size = {world_size}"
+        )
     if activation_checkpointing:
         lm = policy.lm
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

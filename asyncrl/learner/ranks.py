@@ -42,7 +42,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from asyncrl.learner.checkpoint import learner_checkpoint_path, load_learner_checkpoint, save_learner_checkpoint
+from asyncrl.learner.checkpoint import (
+    learner_checkpoint_path,
+    load_learner_checkpoint,
+    save_learner_checkpoint,
+)
 from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, window_size
 from asyncrl.learner.parallel import backend_for, iter_full_state, resolve_device, serving_dtype
 from asyncrl.learner.step import sample_from_message
@@ -61,7 +65,9 @@ def feed_key(rank: int) -> str:
 
 
 def group_timeout(config) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(config.monitor.heartbeat_timeout_s, config.learner.startup_timeout_s))
+    return datetime.timedelta(
+        seconds=max(config.monitor.heartbeat_timeout_s, config.learner.startup_timeout_s)
+    )
 
 
 def checkpoint_due(config, version: int) -> bool:
@@ -101,7 +107,6 @@ def keep_before_fault(run_dir: Path, version: int, trainer, loop) -> None:
     if version > 0 and not learner_checkpoint_path(run_dir, version).exists():
         held = loop.held(after_step=version - 1) if loop is not None else ()
         save_learner_checkpoint(run_dir, version, trainer, held)
-
 
 
 def serving_items(lm, lrn, *, dtype: torch.dtype | None | str = "serving", adapter: bool | None = None):
@@ -292,7 +297,9 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s learner-rank{args.rank} %(levelname)s %(name)s: %(message)s",
     )
     config = load_resolved_config(Path(args.run_dir) / "config.json")
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.world, is_master=False, timeout=group_timeout(config))
+    store = dist.TCPStore(
+        "127.0.0.1", args.store_port, args.world, is_master=False, timeout=group_timeout(config)
+    )
     device = resolve_device(config.learner.device, local_rank=int(os.environ.get("LOCAL_RANK", args.rank)))
     dist.init_process_group(
         backend_for(device), store=store, rank=args.rank, world_size=args.world, timeout=group_timeout(config)

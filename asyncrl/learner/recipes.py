@@ -288,9 +288,12 @@ class RLRecipe:
             with torch.no_grad():
                 logp_now_BL = _by_parts(lambda x: t.logp(t.actor, x), ids, parts, t)
         if logp_ref_BL is not None:
-            rewards_B = rewards_B + self.objective.kl_reward_penalty(
-                logp_now_BL, logp_ref_BL, batch.completion_mask_BL.to(t.device)
-            ).cpu()
+            rewards_B = (
+                rewards_B
+                + self.objective.kl_reward_penalty(
+                    logp_now_BL, logp_ref_BL, batch.completion_mask_BL.to(t.device)
+                ).cpu()
+            )
         rewards_GN = group_rewards(
             rewards_B, whole.group_B, whole.slot_B, num_groups=whole.num_groups, group_size=whole.group_size
         )
@@ -351,7 +354,10 @@ class RLRecipe:
             loss, stats = self.objective.policy_loss(logp_mb, part_corr, adv_BL[sl, :width], mask[sl, :width])
             if logp_ref_BL is not None:
                 kl, kl_value = self.objective.kl_term(
-                    logp_mb, logp_ref_BL[sl, :width], mask[sl, :width], part_corr.weight_BT * part_corr.mask_BT
+                    logp_mb,
+                    logp_ref_BL[sl, :width],
+                    mask[sl, :width],
+                    part_corr.weight_BT * part_corr.mask_BT,
                 )
                 loss = loss + kl
                 kl_values.append(kl_value)

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 import zmq
 
+from asyncrl.learner import lora
 from asyncrl.learner.checkpoint import (
     learner_checkpoint_path,
     load_learner_checkpoint,
     save_learner_checkpoint,
 )
 from asyncrl.learner.loop import StepLoop, build_trainer, gradient_mode, load_policy_model, window_size
-from asyncrl.learner import lora
 from asyncrl.learner.parallel import is_wrapped
 from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import (

@@ -57,7 +57,9 @@ class PackedBatch(NamedTuple):
 
     def to(self, device: torch.device) -> PackedBatch:
         """The same batch with its tensors on `device` (no copy when they are there already)."""
-        return self._replace(**{k: v.to(device) for k, v in self._asdict().items() if isinstance(v, torch.Tensor)})
+        return self._replace(
+            **{k: v.to(device) for k, v in self._asdict().items() if isinstance(v, torch.Tensor)}
+        )
 
 
 class StepStats(NamedTuple):

@@ -56,7 +56,6 @@ from asyncrl.staleness.ewma import EwmaParams
 from asyncrl.staleness.exact import assemble_old_train_logp, versions_needed
 from asyncrl.staleness.freshness import freshness_score
 
-
 log = logging.getLogger(__name__)
 
 

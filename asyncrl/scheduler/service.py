@@ -183,7 +183,9 @@ class Launcher:
             for child in list(self.children.values()):
                 if child.stopping or self.finished.is_set():
                     continue
-                startup_s = self.cfg.learner.startup_timeout_s if child.role == "learner" else STARTUP_TIMEOUT_S
+                startup_s = (
+                    self.cfg.learner.startup_timeout_s if child.role == "learner" else STARTUP_TIMEOUT_S
+                )
                 reason = health(child, heartbeat_timeout_s=timeout_s, startup_timeout_s=startup_s)
                 if reason is None:
                     continue

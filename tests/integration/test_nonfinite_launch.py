@@ -35,7 +35,9 @@ def test_one_bad_step_is_skipped_counted_and_the_run_goes_on(tiny_model_dir, tmp
 
 
 def test_every_step_bad_ends_the_run_with_a_checkpoint_from_before(tiny_model_dir, tmp_path):
-    out = _launch(tiny_model_dir, tmp_path, "all", "learner.steps=6", "learner.max_nonfinite_steps=2", name="all")
+    out = _launch(
+        tiny_model_dir, tmp_path, "all", "learner.steps=6", "learner.max_nonfinite_steps=2", name="all"
+    )
     assert out.returncode == 1
     text = out.stdout + out.stderr
     assert "2 steps in a row had a non-finite loss or gradient" in text, text

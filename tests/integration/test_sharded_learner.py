@@ -118,12 +118,12 @@ def _checkpoint_params(run_dir, version):
 
 
 def _check_loads_on_one_rank(run_dir, version):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     from asyncrl.config import load_resolved_config
     from asyncrl.learner.checkpoint import load_learner_checkpoint
     from asyncrl.learner.loop import build_trainer, load_policy_model
     from asyncrl.models.default import DEFAULT_MODEL_DIR
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     saved_path = run_dir / f"full-{version}.pt"
     dcp_to_torch_save(run_dir / "checkpoints" / f"learner-{version:08d}", saved_path)
@@ -190,7 +190,9 @@ def test_torchrun_with_the_wrong_number_of_ranks_says_so(tiny_model_dir, tmp_pat
     run_dir.mkdir()
     config = load_config(None, ["learner.world_size=2", "learner.start=torchrun"])
     write_resolved_config(config, run_dir / "config.json")
-    (run_dir / "learner_join.json").write_text(json.dumps({"ctrl": "tcp://127.0.0.1:1", "peer_id": "learner", "extra": {}}))
+    (run_dir / "learner_join.json").write_text(
+        json.dumps({"ctrl": "tcp://127.0.0.1:1", "peer_id": "learner", "extra": {}})
+    )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.learner.torchrun", str(run_dir)],

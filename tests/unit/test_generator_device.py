@@ -111,15 +111,15 @@ def test_generator_on_cuda_without_cuda_is_a_clear_error(tiny_model_dir):
 
 @NO_CUDA
 def test_evaluation_on_cuda_without_cuda_is_a_clear_error():
-    from asyncrl.config import load_config
+    from asyncrl.config import ConfigError, load_config
     from asyncrl.job import evaluate
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.tasks.base import make_task
 
-    from asyncrl.config import ConfigError
-
     # At load time, naming the key and the fix ...
-    with pytest.raises(ConfigError, match=r"config error at task\.eval_device: 'cuda'.*task\.eval_device=cpu"):
+    with pytest.raises(
+        ConfigError, match=r"config error at task\.eval_device: 'cuda'.*task\.eval_device=cpu"
+    ):
         load_config(overrides=["task.eval_device=cuda", "task.num_eval=4"])
     # ... and where it is used, for a config that skipped that check (a resolved config.json).
     config = load_config(overrides=["task.num_eval=4"])
