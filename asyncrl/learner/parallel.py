@@ -7,7 +7,7 @@ backwards on it and never asks how it is split; only three things differ:
 
 * the step's gradient is already reduced over the ranks when the backward returns (FSDP2's
   reduce-scatter or all-reduce), so the trainer all-reduces only its scalar sums;
-* `full_state` gathers full tensors (a collective: every rank calls it, in the same order);
+* `iter_full_state` gathers full tensors (a collective: every rank calls it, in the same order);
 * checkpoints are written by every rank (`checkpoint.py`, torch.distributed.checkpoint).
 
 One code path for every layout. `fully_shard` runs over a device mesh whose shape says it:
@@ -154,11 +154,6 @@ def iter_full_state(lm: torch.nn.Module, dtype: torch.dtype | None = None):
             full = full.to(dtype)
         done[id(t)] = full = full.cpu()
         yield name, full
-
-
-def full_state(lm: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """`iter_full_state` as a dict (on an unsharded CPU model in its own dtype: the live tensors)."""
-    return dict(iter_full_state(lm, dtype))
 
 
 def local_rank() -> int:
