@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ from asyncrl.learner.parallel import backend_for, iter_full_state, resolve_devic
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError
 from asyncrl.messages import Shutdown, Trajectory
+from asyncrl.transport.shards import StreamedState
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,24 @@ def checkpoint_due(config, version: int) -> bool:
 
 def gather_serving(trainer, lrn) -> dict[str, torch.Tensor]:
     """The weights generators load, gathered on every rank (a collective on a sharded model:
-    every rank calls it at the same point); rank 0 publishes them, the others drop them."""
+    every rank calls it at the same point, in state-dict order); rank 0 publishes them (or
+    `publish_state`'s stream of the same gathers), the others drop them."""
     return dict(serving_items(trainer.model, lrn))
+
+
+def publish_state(trainer, lrn, *, streams: bool) -> Mapping[str, torch.Tensor]:
+    """What rank 0 hands the publisher, while the other ranks run `gather_serving`: with FSDP2
+    sharding and a publisher that `streams` (shards), a `StreamedState` whose tensors are gathered
+    as the publisher writes each shard (rank 0 holds one shard of full tensors, not the model);
+    otherwise the gathered weights (a replicated or single rank has them in memory anyway)."""
+    if not (streams and lrn.sharding == "fsdp" and not lrn.lora.rank):
+        return gather_serving(trainer, lrn)
+    dtype = serving_dtype(lrn)
+    metas = {
+        name: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+        for name, t in trainer.model.state_dict(keep_vars=True).items()
+    }
+    return StreamedState(metas, lambda: iter_full_state(trainer.model, dtype))
 
 
 def finish_version(trainer, config, run_dir: Path, version: int, *, final_to=None, held=()) -> None:

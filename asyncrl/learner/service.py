@@ -38,8 +38,8 @@ from asyncrl.learner.ranks import (
     RankGroup,
     checkpoint_due,
     finish_version,
-    gather_serving,
     keep_before_fault,
+    publish_state,
 )
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
@@ -249,9 +249,7 @@ class LearnerService:
         # generators get the new version first; the checkpoint and, on the last step, the final
         # model come before StepDone: the launcher writes its half of the checkpoint on receiving
         # it, and ends the run on the last one.
-        state = await asyncio.to_thread(gather_serving, self.trainer, self.cfg)
-        published = await self.publisher.publish(state, version, self.ctx.ctrl.send)
-        del state
+        published = await self.publisher.publish(await self.serving_state(), version, self.ctx.ctrl.send)
         held = loop.held(after_step=step) if checkpoint else ()  # on the loop thread, before more arrive
         await asyncio.to_thread(
             finish_version,
@@ -298,6 +296,12 @@ class LearnerService:
             )
         )
 
+    async def serving_state(self):
+        """The weights to publish (`ranks.publish_state`); a stream is gathered in the
+        publisher's thread as it writes, the rest here, off the loop."""
+        streams = getattr(self.publisher, "streams_state", False)
+        return await asyncio.to_thread(publish_state, self.trainer, self.cfg, streams=streams)
+
     async def send_left(self) -> None:
         left = self.loop.take_left()
         if left is not None:
@@ -321,8 +325,7 @@ class LearnerService:
             await self.ctx.hello(endpoint=self.data.address)
             if self.start_version > 0:
                 # Resumed: generators start from the base model, so hand them this version first.
-                state = await asyncio.to_thread(gather_serving, self.trainer, self.cfg)
-                await self.publisher.publish(state, self.version, self.ctx.ctrl.send)
+                await self.publisher.publish(await self.serving_state(), self.version, self.ctx.ctrl.send)
                 await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self.data_loop(), name="learner-data")]

@@ -38,7 +38,7 @@ import torch
 from asyncrl.messages import WeightsPublished
 from asyncrl.plugins import available, load_plugin
 from asyncrl.transport.retention import VersionRetention, prune
-from asyncrl.transport.shards import write_shards
+from asyncrl.transport.shards import StreamedState, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class ShardPublisher:
 
     transport = "safetensors"
     single_file: str | None = None  # write_shards(single_file=...): one named file, no index
+    # Takes a `shards.StreamedState`: the tensors are produced shard by shard while written.
+    streams_state = True
     adapter = False  # announced as WeightsPublished.adapter
 
     def __init__(
@@ -249,6 +251,8 @@ class GroupPublisher(abc.ABC):
             assert self.catchup is not None
             return await self.catchup.publish(state, version, announce)
         start = time.perf_counter()
+        if isinstance(state, StreamedState):  # sent, then written as catch-up shards: needed twice
+            state = state.materialize()
         items = [(name, t.detach()) for name, t in state.items()]
         backend = "nccl" if items and items[0][1].is_cuda else "gloo"
         if self._store is None:

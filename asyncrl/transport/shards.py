@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,6 +91,67 @@ def collect_config_files(model_dir: Path) -> dict[str, bytes]:
 
 
 # ---------------------------------------------------------------------------------------------- write
+
+
+class StreamedState(Mapping):
+    """Weights to publish that are produced once, in order, while they are written: a sharded
+    learner gathers each full tensor only when its shard is written, so the publishing rank holds
+    one shard's tensors at a time, never the whole model (docs/learner.md).
+
+    As a Mapping it holds meta tensors (name -> shape and dtype, no data), known before anything
+    is gathered; `produce()` yields (name, tensor) in the same order, exactly once. `write_shards`
+    takes it directly; a publisher that needs the tensors more than once calls `materialize()`."""
+
+    def __init__(self, metas: Mapping[str, torch.Tensor], produce: Callable[[], Iterator]) -> None:
+        if any(t.device.type != "meta" for t in metas.values()):
+            raise ValueError("StreamedState metas must be meta tensors (shape and dtype only)")
+        self.metas = dict(metas)
+        self._produce = produce
+        self._used = False
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.metas[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metas)
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def produce(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, in `metas` order; checked against their metas as they come."""
+        if self._used:
+            raise RuntimeError("a StreamedState is produced once")
+        self._used = True
+        names = iter(self.metas)
+        for name, t in self._produce():
+            expected = next(names, None)
+            meta = self.metas.get(name)
+            if name != expected or meta is None or t.shape != meta.shape or t.dtype != meta.dtype:
+                raise ValueError(
+                    f"streamed weights out of step: got {name!r} {t.dtype}{list(t.shape)}, expected "
+                    f"{expected!r}"
+                )
+            yield name, t
+        if next(names, None) is not None:
+            raise ValueError("streamed weights ended early")
+
+    def materialize(self) -> dict[str, torch.Tensor]:
+        return dict(self.produce())
+
+
+def _sequential_plan(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
+    """Contiguous runs of tensors in order, each under `max_shard_bytes` unless one tensor is
+    larger (a streamed state is produced in order, so its shards must follow that order)."""
+    plan: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not plan or (total + size > max_shard_bytes and plan[-1]):
+            plan.append([])
+            total = 0
+        plan[-1].append(i)
+        total += size
+    return plan
 
 
 def _as_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -234,8 +295,12 @@ def write_shards(
         raise FileExistsError(f"weights version {version} is already published at {final_dir}")
 
     sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
-    max_threads = pool_size(num_threads, len(names))
-    if single_file is not None:
+    streamed = isinstance(state_dict, StreamedState)
+    max_threads = 1 if streamed else pool_size(num_threads, len(names))
+    if streamed and single_file is None:
+        plan = _sequential_plan(sizes, max_shard_bytes)
+        file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    elif single_file is not None:
         check_file_name(single_file)
         if not single_file.endswith(".safetensors") or single_file in extra:
             raise ValueError(f"single_file must be a new *.safetensors file name, got {single_file!r}")
@@ -254,18 +319,32 @@ def write_shards(
         else:
             tmp_dir.mkdir()
             reused = set()
-        with ThreadPoolExecutor(min(max_threads, num_shards), thread_name_prefix="write-shard") as pool:
-            futures = {
-                s: pool.submit(
-                    _write_shard_file,
+        if streamed:  # one shard's tensors at a time, produced in order (the plan keeps it)
+            produced = state_dict.produce()
+            shard_files = tuple(
+                _write_shard_file(
                     tmp_dir / file_names[s],
-                    [(names[i], state_dict[names[i]]) for i in plan[s]],
+                    [next(produced) for _ in plan[s]],
                     fsync=fsync,
                     reuse=file_names[s] in reused,
                 )
-                for s in largest_first([sum(sizes[i] for i in idx) for idx in plan])
-            }
-            shard_files = tuple(futures[s].result() for s in range(num_shards))
+                for s in range(num_shards)
+            )
+            for _ in produced:  # the producer checks that nothing was left over
+                pass
+        else:
+            with ThreadPoolExecutor(min(max_threads, num_shards), thread_name_prefix="write-shard") as pool:
+                futures = {
+                    s: pool.submit(
+                        _write_shard_file,
+                        tmp_dir / file_names[s],
+                        [(names[i], state_dict[names[i]]) for i in plan[s]],
+                        fsync=fsync,
+                        reuse=file_names[s] in reused,
+                    )
+                    for s in largest_first([sum(sizes[i] for i in idx) for idx in plan])
+                }
+                shard_files = tuple(futures[s].result() for s in range(num_shards))
         file_of = {names[i]: file_names[s] for s, idx in enumerate(plan) for i in idx}
         total_size_bytes = sum(sizes)
         if single_file is None:

@@ -459,3 +459,51 @@ def test_transformers_loads_a_published_version(tmp_path: Path) -> None:
     got = loaded.state_dict()
     assert set(got) == set(sd)
     assert all(same_bits(got[n].to(torch.bfloat16), t) for n, t in sd.items())
+
+
+def _streamed(state: dict[str, torch.Tensor], live: list[int]):
+    """A StreamedState over copies of `state`'s tensors, recording how many produced tensors are
+    alive (not yet freed) each time one more is produced."""
+    import weakref
+
+    from asyncrl.transport.shards import StreamedState
+
+    alive: set[int] = set()
+
+    def produce():
+        for i, (name, t) in enumerate(state.items()):
+            copy = t.clone()
+            alive.add(i)
+            weakref.finalize(copy, alive.discard, i)
+            live.append(len(alive))
+            yield name, copy
+            del copy
+
+    metas = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in state.items()}
+    return StreamedState(metas, produce)
+
+
+def test_a_streamed_state_is_written_shard_by_shard_as_it_is_produced(tmp_path: Path) -> None:
+    """The sharded learner's publish: full tensors are produced one at a time while their shard is
+    written, so at most one shard's tensors exist at once; the files read back bitwise."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(64, 64, generator=g) for i in range(12)}  # 16 KiB each
+    state["head.bias"] = torch.arange(7, dtype=torch.int64)
+    live: list[int] = []
+    manifest = write_shards(_streamed(state, live), tmp_path, 3, max_shard_bytes=3 * 16384, reuse_spare=False)
+    assert len(manifest.files) == 5  # 12 tensors by 3, then the bias alone
+    assert max(live) <= 4  # one shard's three, and the first of the next
+    back = read_shards(tmp_path, 3)
+    assert list(back) == list(state)  # shards follow the production order
+    assert all(torch.equal(back[n], state[n]) for n in state)
+
+
+def test_a_streamed_state_out_of_step_is_an_error(tmp_path: Path) -> None:
+    from asyncrl.transport.shards import StreamedState
+
+    state = {"a": torch.zeros(2), "b": torch.ones(3)}
+    metas = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in state.items()}
+    swapped = StreamedState(metas, lambda: iter([("b", state["b"]), ("a", state["a"])]))
+    with pytest.raises(ValueError, match="streamed weights out of step: got 'b'"):
+        write_shards(swapped, tmp_path, 1, max_shard_bytes=1 << 20, reuse_spare=False)
+    assert not any(tmp_path.iterdir()) or not (tmp_path / "v00000001").exists()  # nothing published
