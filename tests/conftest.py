@@ -85,3 +85,26 @@ def run_short_job(tiny_model_dir, tmp_path):
         return proc, tmp_path / name
 
     return run
+
+
+def start_standin_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`python -m asyncrl.testing.sglang.server` on a free port (with `extra` flags, e.g. LoRA's):
+    (its process, its URL), once it listens. The caller stops it (by this pid only)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.testing.sglang.server",
+            "--model-path",
+            str(model_dir),
+            "--port",
+            "0",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()  # blocks until the server listens (or exits: empty line)
+    assert line.startswith("SGLANG_STANDIN_URL "), f"stand-in server did not start: {line!r}"
+    return proc, line.split()[1]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from asyncrl.messages import PromptTask, SamplingParams
-from tests.conftest import read_records, short_job_args
+from tests.conftest import read_records, short_job_args, start_standin_server
 
 pytest.importorskip("peft")
 
@@ -130,14 +129,6 @@ def servers(tiny_model_dir):
         s.stop()
 
 
-async def wait_for(condition, timeout_s: float = 30.0) -> None:
-    """Until `condition()` holds: event-loop polling with a deadline (the servers run in threads)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)
-
-
 def test_adapter_versions_load_tag_and_unload(tiny_model_dir, servers, tmp_path):
     a, b = servers(2)
     served = publish(tiny_model_dir, tmp_path / "w", [1, 2])
@@ -150,7 +141,7 @@ def test_adapter_versions_load_tag_and_unload(tiny_model_dir, servers, tmp_path)
             await gen.load_weights(2, str(tmp_path / "w"))
             second = await gen.generate([task(1, num_samples=4)])
             # v1 is unloaded in the background once nothing names it
-            await wait_for(lambda: all(len(s.engine.lora_events) == 3 for s in (a, b)))
+            await gen._unloader.settled()
             return first, second
         finally:
             await gen.close()
@@ -185,7 +176,7 @@ def test_inflight_adapter_switch(tiny_model_dir, servers, tmp_path, inflight):
     async def go():
         try:
             job = asyncio.create_task(gen.generate([task(0, num_samples=1, max_new_tokens=8)]))
-            await wait_for(lambda: a.engine.held)
+            assert await asyncio.to_thread(a.engine.held_event.wait, 30), "the request never reached the hold"
             await gen.load_weights(1, str(tmp_path / "w"))
             a.engine.release()
             return await job
@@ -230,28 +221,9 @@ def test_server_without_lora_refuses_the_adapter(tiny_model_dir, servers, tmp_pa
 
 # ---------------------------------------------------------------------- the launched job
 def start_server(model_dir) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.testing.sglang.server",
-            "--model-path",
-            str(model_dir),
-            "--port",
-            "0",
-            "--enable-lora",
-            "--max-lora-rank",
-            "8",
-            "--lora-target-modules",
-            "all",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+    return start_standin_server(
+        model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"
     )
-    line = proc.stdout.readline()  # blocks until the server listens (or exits: empty line)
-    assert line.startswith("SGLANG_STANDIN_URL "), f"stand-in server did not start: {line!r}"
-    return proc, line.split()[1]
 
 
 def server_state(url: str) -> dict:

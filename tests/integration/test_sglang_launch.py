@@ -17,29 +17,13 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import read_records, short_job_args
+from tests.conftest import read_records, short_job_args, start_standin_server
 
 pytestmark = pytest.mark.slow
 
 
 def start_server(model_dir) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.testing.sglang.server",
-            "--model-path",
-            str(model_dir),
-            "--port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line = proc.stdout.readline()  # blocks until the server listens (or exits: empty line)
-    assert line.startswith("SGLANG_STANDIN_URL "), f"stand-in server did not start: {line!r}"
-    return proc, line.split()[1]
+    return start_standin_server(model_dir)
 
 
 def get_json(url: str) -> dict:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from conftest import read_records, short_job_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS = 4
+STEPS = 5
 GROUPS = 4
 SETS = [
     'model.path=""',  # the shipped model earns rewards, so every step changes the weights
@@ -60,10 +59,12 @@ def _kill_learner_after_first_checkpoint(tiny_model_dir, tmp_path):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 200
-        while not (run_dir / "checkpoints" / "launcher-00000002.json").exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
-            time.sleep(0.05)  # polling the file system for another process's progress
+        # The launcher saves its checkpoint of version 2 before it reports step 3 (sync mode,
+        # checkpoint_every = 2): read its output until then; steps 3 and 4 are still to come.
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                break
+        assert (run_dir / "checkpoints" / "launcher-00000002.json").exists()
         learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
         os.kill(learner_pid, signal.SIGKILL)  # rank 0; its worker rank exits when it is gone
         out, _ = proc.communicate(timeout=120)
@@ -100,10 +101,11 @@ def test_two_rank_fsdp_resume_is_bitwise_and_loads_on_one_rank(tiny_model_dir, t
     assert summary["status"] == "completed" and summary["policy_versions"] == STEPS
     assert summary["resumed_from"] == 2
     trained_on = _params(one_rank_dir / "final_model")
-    # It trained on (steps 2 and 3 moved the weights) to about where two ranks got.
+    # It trained on (steps 2 to 4 moved the weights) to about where two ranks got.
     assert any(not torch.equal(trained_on[k], _checkpoint_params(one_rank_dir, 2)[k]) for k in whole)
     for k in whole:
-        torch.testing.assert_close(trained_on[k], whole[k], rtol=0, atol=1e-4)
+        # Float rounding of other reduction orders, grown by AdamW over 3 steps: close, not equal.
+        torch.testing.assert_close(trained_on[k], whole[k], rtol=0, atol=1e-3)
 
 
 def _checkpoint_params(run_dir, version):

@@ -181,6 +181,10 @@ class Unloader:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def settled(self) -> None:
+        """Until every unload started so far has finished (its outcome is logged, not raised)."""
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()

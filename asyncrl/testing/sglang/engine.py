@@ -122,6 +122,7 @@ class Engine:
         self.closed = False
         self.hold_at_tokens: int | None = None
         self.held = False
+        self.held_event = threading.Event()  # set with `held`: a test waits on it from any thread
         self.control_log: list[tuple[str, dict[str, Any]]] = []
         self.rids: list[str] = []
         self.num_generate_requests = 0
@@ -241,6 +242,7 @@ class Engine:
         with self.cond:
             self.hold_at_tokens = None
             self.held = False
+            self.held_event.clear()
             self.cond.notify_all()
 
     @contextlib.contextmanager
@@ -455,6 +457,7 @@ class Engine:
                         self._finish(req, finish)
                     elif self.hold_at_tokens is not None and len(req.output_ids) >= self.hold_at_tokens:
                         self.held = True
+                        self.held_event.set()
                 self.cond.notify_all()
 
     def _budget(self, req: EngineRequest) -> int:
