@@ -268,7 +268,7 @@ def test_inflight_update_pauses_and_tags_versions(tiny_model_dir, servers, tmp_p
     async def go():
         try:
             job = asyncio.create_task(gen.generate([task(0, num_samples=1, max_new_tokens=8)]))
-            await poll(lambda: a.engine.held)
+            assert await asyncio.to_thread(a.engine.held_event.wait, 30), "the request never reached the hold"
             await gen.load_weights(1, str(tmp_path / "w"))
             a.engine.release()
             return await job
@@ -320,7 +320,7 @@ def test_abort_mode_pause_continues_from_partial_output(tiny_model_dir, servers)
     async def go():
         try:
             job = asyncio.create_task(gen.generate([task(0, num_samples=1, max_new_tokens=6)]))
-            await poll(lambda: a.engine.held)
+            assert await asyncio.to_thread(a.engine.held_event.wait, 30), "the request never reached the hold"
             a.engine.pause("abort")
             a.engine.release()
             a.engine.resume()
