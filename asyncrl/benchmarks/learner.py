@@ -452,7 +452,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--rank-spec"]:
         result = _rank_step(json.loads(argv[1]))
         print(RESULT_PREFIX + json.dumps(result), flush=True)
-        return
+        # The figures are out. Skip interpreter teardown: a gloo/TCPStore background thread
+        # still joinable at static destruction aborts the process ("terminate called without
+        # an active exception", seen once in CI), which would throw away a finished measurement.
+        sys.stderr.flush()
+        os._exit(0)
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command()(command)
     app(args=argv)
