@@ -58,6 +58,11 @@ def launch(
             cfg = load_config(config, set_ or [])
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
+    if cfg.run.spawn == "fork":
+        from asyncrl.scheduler.spawner import prewarm
+
+        # The fork server imports the workers' modules while this process checks the task.
+        prewarm()
     from asyncrl.generators.base import resolve_generator
     from asyncrl.job import RunFailed, run_job
 

@@ -38,6 +38,10 @@ class RunConfig(_Section, frozen=True, kw_only=True):
     # stopped early; `asyncrl launch --resume RUN_DIR` continues from the newest one. 0 = only
     # on the last step and when stopped early.
     checkpoint_every: NonNegInt = 10
+    # How the launcher starts its workers: "fork" forks them from a fork server that imported
+    # torch, transformers and the worker modules while the launcher checked the config and task
+    # (faster start-up; scheduler/spawner.py); "exec" runs each as a fresh `python -m` process.
+    spawn: Literal["fork", "exec"] = "fork"
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True):
@@ -454,6 +458,25 @@ class Config(_Section, frozen=True, kw_only=True):
     def effective_max_staleness(self) -> int:
         """`sync` mode is strictly on-policy whatever the configured bound."""
         return 0 if self.mode == "sync" else self.staleness.max_staleness
+
+    @property
+    def evaluates_in_learner(self) -> bool:
+        """Whether the held-out evaluation runs in the learner, on the model it trains and where it
+        lives (before the first update, overlapped with the generators' start-up; after the last):
+        one plain float32 rank started by the launcher, evaluating on the learner's device, scored
+        by the task. Otherwise the launcher loads the checkpoint and evaluates it (docs/learner.md)."""
+        lrn = self.learner
+        return (
+            self.task.num_eval > 0
+            and not self.task.rewards
+            and lrn.world_size == 1
+            and lrn.start == "launch"
+            and lrn.sharding == "none"
+            and lrn.mixed_precision == "none"
+            and lrn.lora.rank == 0
+            and self.task.eval_device == lrn.device
+        )
+
 
 
 def _parse_value(text: str) -> Any:

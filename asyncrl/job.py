@@ -100,12 +100,11 @@ def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, f
 def load_task(config: Config, path: Path) -> tuple[Task, Any, dict[str, int]]:
     """The run's task and tokenizer, prepared (every prompt rendered and checked once) before
     any process starts: bad data fails here, with one line."""
-    from transformers import AutoTokenizer
-
+    from asyncrl.models.hf import load_tokenizer
     from asyncrl.tasks.base import make_task, prepare_task
 
     task = make_task(config.task)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     stats = prepare_task(task, tokenizer, groups_per_step=config.learner.groups_per_step)
     return task, tokenizer, stats
 
@@ -193,9 +192,6 @@ def run_job(
             (run_dir / "summary.json").rename(run_dir / f"summary-before-resume-{resume_version}.json")
         reporter.event(f"resuming at policy_version {resume_version}")
     reporter.event(f"run directory: {run_dir}")
-    from asyncrl.learner.loop import config_gradient_mode
-
-    reporter.event(config_gradient_mode(config))
     launcher = Launcher(
         config,
         run_dir,
@@ -210,8 +206,13 @@ def run_job(
     for key, value in task_stats.items():
         reporter.event(f"task: {key} = {value}")
     t0 = time.perf_counter()
-    eval_before, rewards_before = evaluate(config, path, task) if not resume_version else (float("nan"), {})
-    reporter.event(f"held-out accuracy before training: {eval_before:.3f}{_means(rewards_before)}")
+    # Evaluated in the learner when it can be (`Config.evaluates_in_learner`: no second model load,
+    # overlapped with start-up); otherwise here, before any process starts and after the last.
+    in_learner = config.evaluates_in_learner
+    eval_before, rewards_before = float("nan"), {}
+    if not resume_version and not in_learner:
+        eval_before, rewards_before = evaluate(config, path, task)
+        reporter.event(f"held-out accuracy before training: {eval_before:.3f}{_means(rewards_before)}")
     failure = None
     try:
         state = uvloop.run(launcher.run())
@@ -221,7 +222,11 @@ def run_job(
     train_wall = state.elapsed_s
     final = run_dir / "final_model"
     eval_after, rewards_after = float("nan"), {}
-    if failure is None and not launcher.interrupted and final.is_dir():
+    if in_learner:
+        eval_before, rewards_before = launcher.evaluations.get("before", (eval_before, rewards_before))
+        if failure is None and not launcher.interrupted:
+            eval_after, rewards_after = launcher.evaluations.get("after", (eval_after, rewards_after))
+    elif failure is None and not launcher.interrupted and final.is_dir():
         eval_after, rewards_after = evaluate(config, final, task)
         reporter.event(f"held-out accuracy after training: {eval_after:.3f}{_means(rewards_after)}")
     completed = failure is None and not launcher.interrupted

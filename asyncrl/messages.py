@@ -5,11 +5,12 @@ encodes these Structs with msgspec (never pickle) and carries large arrays as se
 zero-copy frames described by `TensorRef`.
 
 Data flow (see asyncrl/__init__.py for the whole picture):
-  scheduler -> generator : Hello, PromptTasks (a dispatch's PromptTask each), WeightsPublished, Shutdown
+  scheduler -> generator : Hello, DataEndpoint, PromptTasks (a dispatch's PromptTask each),
+                           WeightsPublished, Shutdown
   generator -> learner   : Trajectories (a finished batch) or Trajectory (+ tensor frames)
   generator -> scheduler : Hello, TasksDone (a finished batch's TaskDone each), WeightsLoaded,
                            Metrics, Heartbeat, Fatal
-  learner   -> scheduler : Hello, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
+  learner   -> scheduler : Hello, Evaluated, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
   scheduler -> monitor   : LauncherSnapshot (a `launcher` record of the metrics stream, JSON)
 """
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: PromptTasks and TasksDone
+PROTOCOL_VERSION = 3  # 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated
 
 Role = Literal["scheduler", "generator", "learner", "monitor"]
 
@@ -58,6 +59,7 @@ class Hello(_Msg, frozen=True, kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
     pid: int = 0
     endpoint: str = ""  # the learner's trajectory endpoint (PULL), announced at start
+    note: str = ""  # the learner: how it turns trajectories into gradients (shown as an event)
 
 
 class PromptTask(_Msg, frozen=True, kw_only=True):
@@ -190,6 +192,25 @@ class WeightsLoaded(_Msg, frozen=True, kw_only=True):
     load_s: float = 0.0
 
 
+class DataEndpoint(_Msg, frozen=True, kw_only=True):
+    """Where a generator sends its trajectories: the learner's PULL endpoint. Generators start
+    while the learner does, before it is known; the launcher passes it on once the learner said
+    Hello (a generator started later gets it on its command line)."""
+
+    endpoint: str
+
+
+class Evaluated(_Msg, frozen=True, kw_only=True):
+    """The learner's held-out evaluation of the model it trains (`Config.evaluates_in_learner`):
+    `phase` "before" the first update or "after" the last; `accuracy` the mean score, NaN when
+    nothing is held out."""
+
+    phase: Literal["before", "after"]
+    accuracy: float
+    means: dict[str, float] = {}
+    eval_s: float = 0.0
+
+
 class StepDone(_Msg, frozen=True, kw_only=True):
     """The learner finished optimizer step `step`; `version` = step + 1 is the new policy_version."""
 
@@ -295,6 +316,8 @@ Message = (
     | TasksDone
     | WeightsPublished
     | WeightsLoaded
+    | DataEndpoint
+    | Evaluated
     | StepDone
     | GroupsLeft
     | Metrics

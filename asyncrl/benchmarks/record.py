@@ -7,25 +7,23 @@ service, whose step loop hands every complete window to `record_window` instead 
 Versions still advance and weights are still published, so the generators do all their usual work;
 the learner is a stand-in for an infinitely fast one. Production code knows nothing of it.
 
-Writes `<run>/trajectories.jsonl`, one JSON object per trajectory (`sample_record`).
+The learner itself is `record_learner.py`. Writes `<run>/trajectories.jsonl`, one JSON object per trajectory (`sample_record`).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from asyncrl.learner.service import LearnerService
-from asyncrl.learner.step import TrainSample
-from asyncrl.learner.trainer import StepResult
-from asyncrl.runtime import ChildContext, run_child
+if TYPE_CHECKING:
+    from asyncrl.learner.step import TrainSample
 
 RECORDING_FILE = "trajectories.jsonl"
-LEARNER_MODULE = "asyncrl.benchmarks.record"
+# The learner the launcher runs (`python -m`): its own module, so that importing this one (the
+# CLI does, to register the command) loads no torch.
+LEARNER_MODULE = "asyncrl.benchmarks.record_learner"
 
 
 def check_recordable(config) -> None:
@@ -48,43 +46,6 @@ def sample_record(step: int, s: TrainSample) -> dict:
         "token_versions": s.token_versions.tolist(),
         "reward": s.reward,
     }
-
-
-class RecordingLearner(LearnerService):
-    def __init__(self, ctx: ChildContext) -> None:
-        check_recordable(ctx.config)
-        super().__init__(ctx)
-
-    def setup(self) -> None:
-        super().setup()
-        self.loop.sink = self.record_window  # the step loop trains each whole window with this
-
-    def record_window(self, step: int, samples: list[TrainSample]) -> StepResult:
-        """Append the window to <run>/trajectories.jsonl; the step's report says nothing trained."""
-        with open(self.ctx.run_dir / RECORDING_FILE, "a") as out:
-            for s in samples:
-                out.write(json.dumps(sample_record(step, s)) + "\n")
-        return StepResult(
-            step=step,
-            num_trajectories=len(samples),
-            num_tokens=sum(len(s.completion_ids) for s in samples),
-            loss=0.0,
-            mean_reward=sum(s.reward for s in samples) / len(samples),
-            max_staleness=0,
-            mean_staleness=0.0,
-            clip_fraction=0.0,
-            grad_norm=0.0,
-            lr_scale=1.0,
-            policy_stats={},
-            streamed=0,
-            deferred=0,
-            peak_stream_bytes=0,
-            fallback="recording (asyncrl bench record)",
-        )
-
-
-async def main(ctx: ChildContext) -> None:
-    await RecordingLearner(ctx).run()
 
 
 def command(
@@ -118,8 +79,3 @@ def command(
     typer.echo(
         f"recorded {summary['trajectories_trained']} trajectories to {Path(summary['run_dir']) / RECORDING_FILE}"
     )
-
-
-if __name__ == "__main__":
-    run_child("learner", main)
-    sys.exit(0)

@@ -39,6 +39,7 @@ import zmq
 from asyncrl.generators.base import GeneratorContext, GroupWeights, Rollout, StagedWeights, resolve_generator
 from asyncrl.generators.scoring import BatchScorer
 from asyncrl.messages import (
+    DataEndpoint,
     Metrics,
     PromptTask,
     PromptTasks,
@@ -195,7 +196,10 @@ class GeneratorService:
         self.num_opd_samples = cfg.opd.num_samples if cfg.opd.enabled else 0
         self.scorer = BatchScorer(cfg)
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
-        self.data.connect(ctx.extra["data"])
+        # The learner's endpoint: on the command line when it was known at spawn, else the
+        # launcher's DataEndpoint brings it (generators start while the learner does).
+        self.data_endpoint = ""
+        self.connect_data(ctx.extra.get("data", ""))
         self.pending: deque[PromptTask] = deque()
         self.wake = asyncio.Event()
         self.stopping = False
@@ -224,6 +228,8 @@ class GeneratorService:
             match msg:
                 case PromptTasks():
                     self.pending.extend(msg.tasks)
+                case DataEndpoint():
+                    self.connect_data(msg.endpoint)
                 case WeightsPublished():
                     self.announcements.append(msg)
                     self.announced_at.setdefault(msg.version, time.perf_counter())
@@ -238,6 +244,12 @@ class GeneratorService:
                         type(msg).__name__,
                     )
             self.wake.set()
+
+    def connect_data(self, endpoint: str) -> None:
+        """Connect the trajectory socket to the learner, once (sends wait until it is)."""
+        if endpoint and not self.data_endpoint:
+            self.data.connect(endpoint)
+            self.data_endpoint = endpoint
 
     # ------------------------------------------------------------------ weights
     def next_announcement(self) -> WeightsPublished | None:

@@ -43,7 +43,7 @@ from asyncrl.learner.ranks import (
 )
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
-from asyncrl.messages import GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
+from asyncrl.messages import Evaluated, GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.publisher import make_publisher
@@ -73,6 +73,9 @@ class LearnerService:
         self.num_regenerated = 0  # re-admitted copies of restored trajectories, dropped
         self.start_version = int(ctx.extra.get("resume_version", "0"))
         self.version = self.start_version
+        # The held-out evaluation runs here, on the model being trained (`Config.evaluates_in_learner`).
+        self.evaluates = cfg.evaluates_in_learner
+        self.eval_task = None
 
     def setup(self) -> None:
         """Load the model on its device (every rank at once when there are several: the
@@ -180,6 +183,10 @@ class LearnerService:
 
     async def train_loop(self) -> None:
         loop = self.loop
+        if self.evaluates and self.start_version == 0:
+            # While the generators start and sample the first batches (the data loop keeps
+            # receiving): the first update waits for it.
+            await self.send_evaluation("before")
         try:
             for step in range(self.start_version, self.cfg.steps):
                 begin = time.perf_counter()
@@ -260,6 +267,8 @@ class LearnerService:
             final_to=self.save_final,
             held=held,
         )
+        if last and self.evaluates:
+            await self.send_evaluation("after")  # before the last StepDone, which ends the run
         held, windows = loop.depth()
         await self.ctx.ctrl.send(result.step_done(step_s=step_s, idle_s=idle_s, **loop.step_report()))
         await self.send_left()
@@ -296,6 +305,36 @@ class LearnerService:
             )
         )
 
+    def evaluate(self) -> tuple[float, float]:
+        """(greedy held-out accuracy of the model as it is now, seconds): the launcher's
+        evaluation (`asyncrl.job.evaluate`), on the model in memory."""
+        from asyncrl.models.sft import greedy_accuracy
+        from asyncrl.tasks.base import make_task, prepare_task
+
+        cfg = self.ctx.config
+        start = time.perf_counter()
+        if self.eval_task is None:  # here, not in setup: a dataset task's prepare may take a while
+            self.eval_task = make_task(cfg.task)
+            prepare_task(self.eval_task, self.tokenizer, groups_per_step=cfg.learner.groups_per_step)
+        training = self.model.training
+        self.model.eval()
+        try:
+            accuracy = greedy_accuracy(
+                self.model,
+                self.tokenizer,
+                self.eval_task,
+                max_new_tokens=cfg.sampling.max_new_tokens,
+                batch_size=cfg.task.eval_batch_size,
+            )
+        finally:
+            self.model.train(training)
+        return accuracy, time.perf_counter() - start
+
+    async def send_evaluation(self, phase: str) -> None:
+        accuracy, eval_s = await asyncio.to_thread(self.evaluate)
+        log.info("learner: held-out accuracy %s training %.3f (%.2f s)", phase, accuracy, eval_s)
+        await self.ctx.ctrl.send(Evaluated(phase=phase, accuracy=accuracy, eval_s=eval_s))
+
     async def serving_state(self):
         """The weights to publish (`ranks.publish_state`); a stream is gathered in the
         publisher's thread as it writes, the rest here, off the loop."""
@@ -322,7 +361,7 @@ class LearnerService:
             if self.ranks is not None:
                 await self.ranks.start()
             await asyncio.to_thread(self.setup)
-            await self.ctx.hello(endpoint=self.data.address)
+            await self.ctx.hello(endpoint=self.data.address, note=gradient_mode(self.trainer.fallback))
             if self.start_version > 0:
                 # Resumed: generators start from the base model, so hand them this version first.
                 await self.publisher.publish(await self.serving_state(), self.version, self.ctx.ctrl.send)

@@ -42,6 +42,8 @@ import zmq
 from asyncrl.config import Config
 from asyncrl.messages import (
     PROTOCOL_VERSION,
+    DataEndpoint,
+    Evaluated,
     Fatal,
     GroupsLeft,
     Heartbeat,
@@ -63,7 +65,7 @@ from asyncrl.scheduler.dispatch import Dispatcher
 from asyncrl.scheduler.inbox import Inbox
 from asyncrl.scheduler.modes import make_mode
 from asyncrl.scheduler.records import Records, RecordStream, Reporter, RunState, launcher_snapshot
-from asyncrl.scheduler.spawner import JoinSpawner, LocalSpawner, Spawner
+from asyncrl.scheduler.spawner import ForkSpawner, JoinSpawner, LocalSpawner, Spawner
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
 from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.scheduler.workers import Workers
@@ -77,6 +79,7 @@ POLL_S = 0.2
 # What the launcher's control socket accepts from workers; any other type is rejected and counted.
 CONTROL_ACCEPT = (
     Hello,
+    Evaluated,
     TasksDone,
     WeightsPublished,
     WeightsLoaded,
@@ -153,6 +156,8 @@ class Launcher:
         self.ctrl_address = ""
         self.rejected_by_reason: dict[str, int] = {}
         self.learner_endpoint = ""
+        # The learner's held-out evaluations (`Config.evaluates_in_learner`): phase -> (accuracy, means).
+        self.evaluations: dict[str, tuple[float, dict[str, float]]] = {}
         self.finished = asyncio.Event()
         self.failure: str | None = None
         self.interrupted = False
@@ -163,7 +168,8 @@ class Launcher:
             snapshot_s=config.monitor.snapshot_s,
             snapshot=self.snapshot,
         )
-        spawner = spawner or LocalSpawner(run_dir)
+        if spawner is None:
+            spawner = ForkSpawner(run_dir) if config.run.spawn == "fork" else LocalSpawner(run_dir)
         if config.learner.start == "torchrun":  # the learner's ranks join; the launcher starts none
             spawner = JoinSpawner(spawner, run_dir, joined=frozenset({"learner"}))
         self.workers = Workers(spawner, role_modules, self.records)
@@ -336,7 +342,14 @@ class Launcher:
                 child.ready = True
                 if is_learner:
                     self.learner_endpoint = msg.endpoint
+                    if msg.note:
+                        self.records.event(msg.note)
+                    # Generators start with the learner, before its endpoint is known.
+                    for inc in self.pool.said_hello():
+                        await self.send_to(ctrl, inc.peer_id, DataEndpoint(endpoint=msg.endpoint))
                 else:
+                    if self.learner_endpoint:
+                        await self.send_to(ctrl, peer, DataEndpoint(endpoint=self.learner_endpoint))
                     latest = self.last_published.version if self.last_published else 0
                     self.pool.on_hello(peer, latest_version=latest)
                     if self.last_published is not None:
@@ -361,6 +374,9 @@ class Launcher:
                 # The learner knows slots, not processes: its retention pins versions per slot.
                 await self.send_to(ctrl, "learner", msgspec.structs.replace(msg, generator_id=inc.slot))
                 await self.dispatch(ctrl)
+            case Evaluated() if is_learner:
+                self.evaluations[msg.phase] = (msg.accuracy, dict(msg.means))
+                self.records.event(f"held-out accuracy {msg.phase} training: {msg.accuracy:.3f}")
             case StepDone() if is_learner:
                 self.on_step_done(msg)
             case GroupsLeft() if is_learner:
@@ -470,10 +486,10 @@ class Launcher:
 
     # ------------------------------------------------------------------ main
     async def run(self) -> RunState:
-        from transformers import AutoTokenizer
+        from asyncrl.models.hf import load_tokenizer
 
         if self.dispatcher.tokenizer is None:
-            self.dispatcher.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.dispatcher.tokenizer = load_tokenizer(self.model_path)
         if not self.task_prepared:
             self.task_stats = prepare_task(
                 self.task, self.dispatcher.tokenizer, groups_per_step=self.cfg.learner.groups_per_step
@@ -512,6 +528,10 @@ class Launcher:
                     f"-m asyncrl.learner.torchrun {self.run_dir}"
                 )
             startup_s = self.cfg.learner.startup_timeout_s
+            # The generators start with the learner (imports and model loads overlap); they get the
+            # learner's endpoint once it says Hello.
+            for g in self.generator_ids:
+                self.spawn_generator(self.pool.start(g))
             if not await inbox.wait_until(lambda: learner.ready, timeout_s=startup_s):
                 self.fail(
                     f"learner did not say Hello within {startup_s:.0f} s (learner.startup_timeout_s); "
@@ -519,8 +539,6 @@ class Launcher:
                 )
             if not self.finished.is_set():
                 self.set_phase("starting generators")
-                for g in self.generator_ids:
-                    self.spawn_generator(self.pool.start(g))
                 await inbox.wait_until(self.pool.all_serving)
             if not self.finished.is_set():
                 self.state.phase = "training"

@@ -19,9 +19,15 @@ tokens), N flattened candidate tokens.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
 
-import torch
+from asyncrl.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher validates policies without torch
+
 
 Need = Literal["prox", "old_train", "ewma"]
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
-import torch
-
+from asyncrl.lazy import lazy_module
 from asyncrl.staleness.base import (
     Correction,
     Need,
@@ -32,6 +31,11 @@ from asyncrl.staleness.base import (
     require_inputs,
     zero_masked,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher validates policies without torch
 
 PPO_EWMA_IS_CAP = 100.0  # openai/ppo-ewma `imp_samp_max`
 

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
+from asyncrl.lazy import lazy_module
 from asyncrl.staleness.base import Correction, Need, TokenBatch, finish, log_ratio, require_inputs
 from asyncrl.staleness.importance import rejection_mask, truncated_weight, veto_mask
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher validates policies without torch
 
 
 def versions_needed(versions_BT: torch.Tensor, mask_BT: torch.Tensor) -> list[int]:
@@ -36,13 +40,15 @@ def assemble_old_train_logp(
     logp_by_version: Mapping[int, torch.Tensor],
     mask_BT: torch.Tensor,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """logp_old_train_BT[b, t] = logp_by_version[versions_BT[b, t]][b, t] at valid tokens, 0 elsewhere.
 
     Each mapped tensor is a [B, T] forward of the whole batch with that version's snapshot; only its
-    positions of that version are read. Raises ValueError naming the versions with no snapshot.
+    positions of that version are read (in `dtype`, default float32). Raises ValueError naming
+    the versions with no snapshot.
     """
+    dtype = torch.float32 if dtype is None else dtype
     needed = versions_needed(versions_BT, mask_BT)
     missing = [v for v in needed if v not in logp_by_version]
     if missing:

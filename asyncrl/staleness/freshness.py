@@ -18,9 +18,9 @@ Legend: B sequences, T token positions per sequence (padded; `mask_BT` marks rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from asyncrl.lazy import lazy_module
 from asyncrl.staleness.base import (
     Correction,
     Need,
@@ -32,6 +32,11 @@ from asyncrl.staleness.base import (
     seq_mean,
     zero_masked,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher validates policies without torch
 
 # The exponent is capped so f stays strictly positive: e^-80 ~ 1.8e-35 is still a normal float32
 # (smallest ~1.2e-38), while any larger drift already means "weight ~ 0" in practice.

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-
+from asyncrl.lazy import lazy_module
 from asyncrl.staleness.base import (
     Correction,
     Need,
@@ -29,6 +28,11 @@ from asyncrl.staleness.base import (
     seq_sum,
     zero_masked,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher validates policies without torch
 
 Level = Literal["token", "sequence", "geometric"]
 LEVELS: tuple[Level, ...] = ("token", "sequence", "geometric")

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-
+from asyncrl.lazy import lazy_module
 from asyncrl.staleness.base import Correction, Need, TokenBatch, clamped_exp, finish, log_ratio, seq_sum
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher validates policies without torch
 
 VCPO_SEQ_IS_CAP = 8.0  # released scripts: rollout_is="sequence", rollout_is_threshold=8.0
 

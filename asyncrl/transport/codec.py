@@ -22,23 +22,27 @@ import math
 import typing
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from asyncrl.messages import Message, TensorRef, Trajectories, Trajectory
 
-# Tensors we put on the wire; anything else in a header is rejected.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+if TYPE_CHECKING:
+    import torch
+
+# Tensors we put on the wire (name -> bytes per element); anything else in a header is rejected.
+# By name, so that a process that only exchanges control messages (the launcher) never loads
+# torch: it is imported where a tensor is made or read.
+DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+    "bool": 1,
 }
 # A header larger than this is not one of ours (prompts are token lists; tensors travel apart).
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -51,7 +55,6 @@ _PADDING = [bytes(n) for n in range(PACK_ALIGN)]
 # array.array type codes that may travel as tensors (1-D): a sender holding Python lists skips
 # torch on its side, which costs about ten times as much per short list.
 ARRAY_DTYPES: dict[str, str] = {"q": "int64", "d": "float64", "f": "float32"}
-_ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
 
 # Received frames are read-only buffers that `_tensor_from` wraps without copying (callers treat
 # the tensors as read-only); torch warns about that on every wrap. One filter, scoped to this
@@ -92,6 +95,8 @@ def tensor_buffer(tensor: torch.Tensor | array.array) -> memoryview:
         return memoryview(b"")
     if t.ndim != 1:
         t = t.reshape(-1)
+    import torch
+
     return memoryview(t.view(torch.uint8).numpy())  # via uint8: numpy has no bfloat16
 
 
@@ -232,7 +237,7 @@ def _nbytes(ref: TensorRef) -> int:
         raise MalformedFrame(f"tensor dtype {ref.dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
     if any(d < 0 for d in ref.shape):
         raise MalformedFrame(f"negative tensor shape {ref.shape}")
-    return math.prod(ref.shape) * _ITEMSIZE[ref.dtype]
+    return math.prod(ref.shape) * DTYPES[ref.dtype]
 
 
 def _tensor_from(ref: TensorRef, buf: memoryview, nbytes: int) -> torch.Tensor:
@@ -241,7 +246,9 @@ def _tensor_from(ref: TensorRef, buf: memoryview, nbytes: int) -> torch.Tensor:
         raise MalformedFrame(
             f"tensor frame has {len(buf)} bytes, {ref.dtype}{list(ref.shape)} needs {nbytes}"
         )
-    dtype = DTYPES[ref.dtype]
+    import torch
+
+    dtype = getattr(torch, ref.dtype)
     if nbytes == 0:
         return torch.empty(ref.shape, dtype=dtype)
     flat = torch.frombuffer(buf, dtype=dtype)
