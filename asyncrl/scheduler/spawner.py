@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -183,14 +184,38 @@ class JoinSpawner:
         return JoinedProcess(self.run_dir / "logs" / f"{peer_id}.log")
 
 
+_prewarmed = False
+
+
 def prewarm() -> None:
     """Start the fork server now (it imports `asyncrl.scheduler.warm` in its own process, in
     parallel with the caller), so that `ForkSpawner` workers start with their imports done.
-    Idempotent."""
+    Idempotent.
+
+    The server keeps the descriptors it starts with for as long as it lives, a little past this
+    process's exit (it tears torch down): it gets /dev/null for stdout and stderr, so that a
+    caller reading this process's output to its end (a pipe) is not held up by it. Workers write
+    to their own logs (`_run_module`)."""
+    global _prewarmed
+    if _prewarmed:
+        return
     from multiprocessing import forkserver
 
     forkserver.set_forkserver_preload(["asyncrl.scheduler.warm"])
-    forkserver.ensure_running()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+    _prewarmed = True
 
 
 def _run_module(module: str, argv: list[str], log_path: str) -> None:
@@ -260,5 +285,13 @@ class ForkSpawner(LocalSpawner):
         proc = multiprocessing.get_context("forkserver").Process(
             target=_run_module, args=(module, argv, str(log_path)), name=peer_id
         )
-        proc.start()
+        # multiprocessing re-runs the parent's main script in the child (as __mp_main__) unless
+        # it is a package's __main__; a worker runs its own module, never the caller's script
+        # (a user's script that calls run_job unguarded would otherwise run again in each worker).
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            proc.start()
+        finally:
+            sys.modules["__main__"] = main
         return ForkedProcess(proc, log_path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -241,6 +242,64 @@ def test_bad_options_fail_at_setup(tiny_model_dir):
         make_gen(tiny_model_dir, [])
     with pytest.raises(ValueError, match="not an sglang generator option; valid: urls"):
         make_gen(tiny_model_dir, ["http://127.0.0.1:1"], max_concurency=3)
+    with pytest.raises(ValueError, match="max_connections = 65 is too small.* = 66"):
+        make_gen(tiny_model_dir, ["http://127.0.0.1:1"], max_connections=65)
+
+
+@stand_in_only
+def test_fleet_call_failures_are_server_unavailable(servers):
+    """Over the pooled session: refused, 5xx, cut and over-the-timeout calls raise ServerUnavailable
+    (the caller quarantines), a 4xx is an answer, and a closed fleet makes no more calls."""
+    from asyncrl.generators.sglang.client import Fleet, GenerateRequest, ServerUnavailable, decode_generate
+
+    (a,) = servers(1)
+    closed_port = socket.socket()  # bound, never listening: connections to it are refused
+    closed_port.bind(("127.0.0.1", 0))
+    fleet = Fleet(
+        [a.url, f"http://127.0.0.1:{closed_port.getsockname()[1]}"], health_interval_s=60, wait_timeout_s=10
+    )
+    up, down = fleet.servers
+
+    def body(rid: str) -> GenerateRequest:
+        return GenerateRequest(
+            input_ids=[1, 5, 6], sampling_params={"max_new_tokens": 2}, rid=rid, return_logprob=True
+        )
+
+    async def go():
+        try:
+            with pytest.raises(ServerUnavailable, match="/health: ClientConnectorError"):
+                await fleet.call(down, "GET", "/health", timeout_s=10)
+            a.faults.append("error500")
+            with pytest.raises(ServerUnavailable, match="/generate: HTTP 500: injected fault"):
+                await fleet.call(up, "POST", "/generate", body("r500"), timeout_s=30)
+            a.faults.append("disconnect")
+            with pytest.raises(ServerUnavailable, match="/generate: ServerDisconnectedError"):
+                await fleet.call(up, "POST", "/generate", body("rcut"), timeout_s=30)
+            a.engine.hold()
+            with pytest.raises(ServerUnavailable, match="no answer within 0.2 s"):
+                await fleet.call(up, "POST", "/generate", body("rheld"), timeout_s=0.2)
+            a.engine.release()
+            ok = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+            status, data = await fleet.call(up, "POST", "/generate", ok, timeout_s=30)
+            assert status == 200 and decode_generate(data).meta_info.finish_reason is not None
+            status, data = await fleet.call(
+                up,
+                "POST",
+                "/generate",
+                {"input_ids": [1], "sampling_params": {"max_tokens": 1}},
+                timeout_s=30,
+            )
+            assert status == 400 and b"unknown field" in data
+        finally:
+            await fleet.close()
+            await fleet.close()  # idempotent
+        with pytest.raises(ServerUnavailable, match="closed"):
+            await fleet.call(up, "GET", "/health", timeout_s=10)
+
+    try:
+        asyncio.run(go())
+    finally:
+        closed_port.close()
 
 
 def perturbed_state(model_dir) -> dict[str, torch.Tensor]:

@@ -5,13 +5,31 @@ in service, sends it one native /generate per sample and the weight-update contr
 (/pause_generation, /update_weights_from_disk, /model_info, /continue_generation). The wire shapes
 are our own msgspec types written from /work/shared/SGLANG_API.md; `sglang` is never imported.
 
-HTTP is stdlib `http.client`, one connection per call, run in a thread pool (`Fleet.call`): no
-dependency, nothing to keep alive across a paused server, and a cut connection fails exactly the
-call that used it. A server that refuses connections, cuts one, times out or answers 5xx is
-quarantined (no new samples); a background health check (`GET /health` every
-`health_interval_s`, a timer, not a sync) readmits it once it answers and its weights are current
-(`on_readmit` pushes them first). 4xx answers are the caller's mistake and raise
-`SGLangRequestError`, never quarantine.
+HTTP (`Fleet.call`) is native asyncio: one aiohttp `ClientSession` per Fleet, made on the event
+loop that first calls (aiohttp is imported then, not at import) and closed by `Fleet.close`. Its
+connector keeps connections alive and reuses them, so a sample costs one request on an open
+socket, not a connect, a thread and a teardown; a thousand samples in flight are a thousand
+sockets and coroutines on one loop, with no thread per request. Each HTTP/1.1 connection carries
+one request at a time, so the pool's size is the number of requests on the wire:
+
+- no cap by default (`generators.options.max_connections = 0`): the generator already bounds its
+  samples (`max_concurrency`), and a second, lower bound here would hold samples back from the
+  server's batch and could leave a weight update's /continue_generation queued behind samples that
+  a paused server holds, which only that call would release. A cap, when set, must leave room for
+  the control calls (`options.py` checks it);
+- idle connections are closed after `KEEPALIVE_S`, before the server's own keep-alive timeout
+  (SGLang runs uvicorn with timeout_keep_alive=5), so a request does not go out on a socket the
+  server is about to close (which would look like a cut connection and quarantine it).
+
+Failures: a server that refuses connections, cuts one, times out (`timeout_s`, the whole call) or
+answers 5xx raises `ServerUnavailable`, and the caller quarantines it (no new samples); a
+background health check (`GET /health` every `health_interval_s`, a timer, not a sync) readmits
+it once it answers and its weights are current (`on_readmit` pushes them first). 4xx answers are
+returned: they are the caller's mistake, which it raises as `SGLangRequestError`, never a reason
+to quarantine. A cut connection fails exactly the call that used it: the pool drops it.
+
+`http_call` is the blocking stdlib exchange (one connection per call) kept for code that runs
+outside the event loop: launch.py's readiness wait and `wait_until_healthy` in `setup`.
 """
 
 from __future__ import annotations
@@ -22,7 +40,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,6 +96,10 @@ _decode_generate = msgspec.json.Decoder(GenerateResponse)
 _decode_model_info = msgspec.json.Decoder(ModelInfo)
 _decode_update = msgspec.json.Decoder(UpdateResult)
 _encode = msgspec.json.Encoder()
+_JSON_HEADERS = {"Content-Type": "application/json"}
+# Idle pooled connections close after this long: under the server's keep-alive timeout (SGLang
+# runs uvicorn with timeout_keep_alive=5), so the client never reuses a socket the server is closing.
+KEEPALIVE_S = 4.0
 
 
 class ServerUnavailable(ConnectionError):
@@ -144,22 +165,38 @@ class Server:
 
 
 class Fleet:
-    """The servers of one generator: least-outstanding choice, quarantine, readmission."""
+    """The servers of one generator: least-outstanding choice, quarantine, readmission, and the
+    pooled HTTP session every call goes through (one event loop per Fleet)."""
 
     def __init__(
-        self, urls: list[str], *, max_workers: int, health_interval_s: float, wait_timeout_s: float
+        self,
+        urls: list[str],
+        *,
+        max_connections: int = 0,
+        health_interval_s: float,
+        wait_timeout_s: float,
+        max_workers: int | None = None,
     ) -> None:
+        """`max_connections`: the most requests on the wire at once over all servers (0: no cap;
+        see the module docstring). `max_workers` is its former name (it sized the thread pool
+        that carried the calls), still accepted."""
         if not urls:
             raise ValueError("the sglang generator needs at least one server: set generators.options.urls")
         self.servers = [Server(check_url(u)) for u in urls]
         if len({s.url for s in self.servers}) != len(self.servers):
             raise ValueError(f"generators.options.urls lists a server twice: {urls}")
-        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="sglang-http")
+        self.max_connections = max_workers if max_workers is not None else max_connections
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0 (0: no cap), got {self.max_connections}")
         self.health_interval_s = health_interval_s
         self.wait_timeout_s = wait_timeout_s
         self.on_readmit: Callable[[Server], Awaitable[bool]] | None = None
         self._changed: asyncio.Condition | None = None
         self._health_task: asyncio.Task | None = None
+        self._session: Any = None  # aiohttp.ClientSession, made on the loop of the first call
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._timeouts: dict[float, Any] = {}  # timeout_s -> aiohttp.ClientTimeout
+        self._closed = False
         self.num_quarantines = 0
 
     def _ensure_started(self) -> asyncio.Condition:
@@ -170,12 +207,60 @@ class Fleet:
             )
         return self._changed
 
+    def _http(self) -> Any:
+        """The session, made on first use on the running loop (its connections belong to it)."""
+        loop = asyncio.get_running_loop()
+        if self._session is not None:
+            if self._session_loop is not loop:
+                raise RuntimeError("a Fleet serves the event loop that first used it; make one per loop")
+            return self._session
+        if self._closed:
+            raise ServerUnavailable("the SGLang fleet is closed")
+        import aiohttp  # here, not at import: only a process that talks to SGLang pays for it
+
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+        )
+        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        self._session_loop = loop
+        return self._session
+
+    def _timeout(self, timeout_s: float) -> Any:
+        timeout = self._timeouts.get(timeout_s)
+        if timeout is None:
+            import aiohttp
+
+            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
+        return timeout
+
     async def call(
         self, server: Server, method: str, path: str, body: Any = None, *, timeout_s: float
     ) -> tuple[int, bytes]:
+        """One HTTP exchange on a pooled connection: (status, body) for 2xx-4xx answers;
+        ServerUnavailable when refused, cut, over `timeout_s` (connect to last byte) or 5xx."""
+        import aiohttp
+
+        session = self._http()
         data = None if body is None else _encode.encode(body)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, http_call, server.url, method, path, data, timeout_s)
+        try:
+            async with session.request(
+                method,
+                server.url + path,
+                data=data,
+                headers=_JSON_HEADERS if data is not None else None,
+                timeout=self._timeout(timeout_s),
+            ) as resp:
+                status = resp.status
+                payload = await resp.read()
+        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors, some also ClientErrors
+            raise ServerUnavailable(
+                f"{server.url}{path}: {type(exc).__name__}: no answer within {timeout_s:g} s"
+            ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ServerUnavailable(f"{server.url}{path}: {type(exc).__name__}: {exc}") from None
+        if status >= 500:
+            raise ServerUnavailable(f"{server.url}{path}: HTTP {status}: {error_message(payload)}")
+        return status, payload
 
     def in_service(self) -> list[Server]:
         return [s for s in self.servers if s.in_service]
@@ -183,18 +268,22 @@ class Fleet:
     async def acquire(self) -> Server:
         """The in-service server with the fewest outstanding requests; waits while none is."""
         changed = self._ensure_started()
-        async with changed:
-            try:
-                await asyncio.wait_for(changed.wait_for(lambda: bool(self.in_service())), self.wait_timeout_s)
-            except TimeoutError:
-                reasons = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
-                raise ServerUnavailable(
-                    f"no SGLang server has been healthy for {self.wait_timeout_s:g} s ({reasons})"
-                ) from None
-            server = min(self.in_service(), key=lambda s: (s.outstanding, s.num_requests))
-            server.outstanding += 1
-            server.num_requests += 1
-            return server
+        if not any(s.in_service for s in self.servers):  # the common case skips the lock and the timer
+            async with changed:
+                try:
+                    await asyncio.wait_for(
+                        changed.wait_for(lambda: bool(self.in_service())), self.wait_timeout_s
+                    )
+                except TimeoutError:
+                    reasons = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
+                    raise ServerUnavailable(
+                        f"no SGLang server has been healthy for {self.wait_timeout_s:g} s ({reasons})"
+                    ) from None
+        # No await since the check: the pick sees the servers in service now.
+        server = min(self.in_service(), key=lambda s: (s.outstanding, s.num_requests))
+        server.outstanding += 1
+        server.num_requests += 1
+        return server
 
     def release(self, server: Server) -> None:
         server.outstanding -= 1
@@ -236,13 +325,19 @@ class Fleet:
                     await self._readmit(server)
 
     async def close(self) -> None:
+        """Stop the health loop and close the pooled connections; idempotent. Calls after this
+        raise ServerUnavailable."""
+        self._closed = True
         if self._health_task is not None:
             self._health_task.cancel()
             try:
                 await self._health_task
             except asyncio.CancelledError:
                 pass
-        self.pool.shutdown(wait=False, cancel_futures=True)
+            self._health_task = None
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
 
 def wait_until_healthy(urls: list[str], timeout_s: float) -> None:

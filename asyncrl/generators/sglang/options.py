@@ -22,6 +22,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "gpus": (str, int),  # `--set generators.options.gpus=3` arrives as an int
     "mem_fraction_static": (int, float),
     "max_concurrency": int,
+    "max_connections": int,
     "request_timeout_s": (int, float),
     "startup_timeout_s": (int, float),
     "health_interval_s": (int, float),
@@ -38,6 +39,9 @@ LAUNCH_STARTUP_TIMEOUT_S = 600.0  # a real server loads the model and captures C
 # Flags the launcher sets itself (one value per server); launch_args must not repeat them.
 MANAGED_FLAGS = ("--model-path", "--model", "--host", "--port", "--weight-version")
 LAUNCH_ONLY = ("model_path", "launch_command", "launch_args", "gpus", "mem_fraction_static")
+# Control calls one server may have on the wire beside the samples (a weight push or readmission,
+# plus an abort or an adapter unload): the room a connection cap must leave (`_check_connections`).
+CONTROL_CONNECTIONS_PER_SERVER = 2
 
 
 def _check_types(options: dict[str, Any]) -> None:
@@ -97,6 +101,7 @@ def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
     _check_types(options)
     out: dict[str, Any] = {
         "max_concurrency": 64,
+        "max_connections": 0,
         "request_timeout_s": 600.0,
         "health_interval_s": 2.0,
         "max_retries": 2,
@@ -139,6 +144,7 @@ def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
             raise ValueError(f"generators.options.{key} must be > 0, got {out[key]}")
     if out["max_retries"] < 0:
         raise ValueError(f"generators.options.max_retries must be >= 0, got {out['max_retries']}")
+    _check_connections(out)
     try:
         extra = json.loads(out["extra_sampling_params"])
     except ValueError as exc:
@@ -149,6 +155,22 @@ def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
         )
     out["extra_sampling_params"] = extra
     return out
+
+
+def _check_connections(out: dict[str, Any]) -> None:
+    """`max_connections` is 0 (no cap: `max_concurrency` bounds the samples) or leaves every
+    server room for its control calls beside all the samples: a weight update's
+    /continue_generation queued behind samples that the paused server holds would never go out."""
+    cap = out["max_connections"]
+    need = out["max_concurrency"] + CONTROL_CONNECTIONS_PER_SERVER * servers_per_generator(out)
+    if cap < 0:
+        raise ValueError(f"generators.options.max_connections must be >= 0 (0: no cap), got {cap}")
+    if 0 < cap < need:
+        raise ValueError(
+            f"generators.options.max_connections = {cap} is too small: use 0 (no cap; max_concurrency "
+            f"already bounds the samples) or at least max_concurrency + {CONTROL_CONNECTIONS_PER_SERVER} "
+            f"per server = {need}, so weight-update calls never wait behind samples a paused server holds"
+        )
 
 
 def servers_per_generator(opts: dict[str, Any]) -> int:

@@ -22,8 +22,13 @@ the small models tests use. So `retract` and `in_place` produce the same numbers
 prompt + tokens so far under the current weights); only the flush rule tells them apart.
 
 Test hooks (in-process only, not HTTP): `hold_at_tokens` freezes stepping once any request has that
-many output tokens, until `release()`; `control_log` records control calls in order; `rids` records
-every admitted rid.
+many output tokens, and `hold()` freezes it at once, until `release()`; `wait_until_running(n)`
+waits for n admitted requests; `control_log` records control calls in order; `rids` records every
+admitted rid.
+
+A finished request sets its `done` event and calls its `on_done` callback (from whichever thread
+finished it, under the engine lock): the asyncio HTTP front wakes its handler with it, so a thousand
+waiting requests need no thread each.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +74,7 @@ class EngineRequest:
     num_retractions: int = 0
     created: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[[], None] | None = None  # called once done is set; must not block
 
 
 def version_spans(labels: list[str]) -> list[dict[str, Any]]:
@@ -189,6 +195,8 @@ class Engine:
         req.finish = finish
         req.status_code = status_code
         req.done.set()
+        if req.on_done is not None:
+            req.on_done()
         self.cond.notify_all()
 
     def _abort(self, req: EngineRequest) -> None:
@@ -237,8 +245,21 @@ class Engine:
             self.paused = None
             self.cond.notify_all()
 
+    def hold(self) -> None:
+        """Test hook: no step starts from now on (one that runs finishes) until `release()`;
+        requests are still admitted and wait, in flight."""
+        with self.cond:
+            self.held = True
+            self.held_event.set()
+            self.cond.notify_all()
+
+    def wait_until_running(self, n: int, timeout_s: float) -> bool:
+        """Test hook: block until at least `n` requests are admitted and unfinished (False on timeout)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.running) >= n, timeout_s)
+
     def release(self) -> None:
-        """Test hook: lift `hold_at_tokens`."""
+        """Test hook: lift `hold()` and `hold_at_tokens`."""
         with self.cond:
             self.hold_at_tokens = None
             self.held = False

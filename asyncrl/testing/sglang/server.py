@@ -5,8 +5,15 @@ Place in the data flow: stands where a real SGLang server stands, between the `s
 outputs are real samples with exact log-probs (`engine.py`, `params.py`), so tests of the client check
 numbers, not mocks. This module is the HTTP side: routes, status codes, injected faults and the
 process entry point; the /generate bodies are parsed and built by `generate.py`, weight update
-groups live in `groups.py`. Stdlib `http.server` with one thread per connection: no dependency, and a
-blocked /generate (paused server) does not block control calls.
+groups live in `groups.py`.
+
+Serving (`serving.py`): aiohttp on an asyncio loop in one thread, so thousands of /generate
+requests can wait at once without a thread each (the client's concurrency test holds 1,000). A
+/generate handler parses its body on the loop, hands its engine requests to the admission thread
+(`Engine.submit` blocks while the server is paused or a weight update waits, which the loop must
+not) and awaits futures that the engine's `on_done` callbacks resolve. Every other route runs its
+blocking code in a thread of its own, per call, so a blocked /generate (paused server) never
+blocks a control call.
 
 Implemented: POST|PUT /generate (input_ids or text, batches and n, return_logprob,
 logprob_start_len, top_logprobs_num, return_sampling_mask, the strict sampling_params contract and
@@ -36,26 +43,36 @@ the same code path as a real server.
 or in-process: `with StandInServer(model_dir) as server: ... server.url ...`. In-process tests
 can also inject faults (`server.faults.append("disconnect")`: the next /generate is cut after its
 first token, with no response) and mark the server unhealthy (`server.healthy = False`).
+
+Counters (not SGLang's; for tests and benchmarks): `num_generate_in_flight` (/generate requests
+received and not yet answered) and its peak `max_generate_in_flight`; in-process,
+`wait_for_generate_in_flight(n, timeout_s)` blocks until n are in flight at once; over HTTP,
+`GET /standin/in_flight` reads both and `POST /standin/in_flight` also resets the peak to the
+current count.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
+import functools
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from aiohttp import web
 
 from asyncrl.testing.sglang.engine import Engine, EngineRequest
 from asyncrl.testing.sglang.generate import generate_response, parse_generate
 from asyncrl.testing.sglang.groups import GroupError, WeightGroups
 from asyncrl.testing.sglang.lora import LoraSettings
 from asyncrl.testing.sglang.params import ContractError, RequestError
+from asyncrl.testing.sglang.serving import Admission, AppThread, in_thread, json_response, settle
 
 log = logging.getLogger(__name__)
 SERVER_VERSION = "0.5.23-standin"
@@ -79,6 +96,7 @@ IGNORED_SWITCHES = (
     "--trust-remote-code",
     "--enable-metrics",
 )
+MAX_BODY_BYTES = 1 << 30  # aiohttp's default of 1 MiB would refuse large batches; SGLang has no such cap
 
 
 class _Reply(Exception):
@@ -92,12 +110,6 @@ class _Reply(Exception):
 
 class _Disconnect(Exception):
     """Close the connection without an answer (an injected fault)."""
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    # Clients open one connection per request, up to generators.options.max_concurrency (64) at
-    # once; the stdlib's listen backlog of 5 made bursts of connects fail with resets.
-    request_queue_size = 1024
 
 
 class StandInServer:
@@ -125,25 +137,31 @@ class StandInServer:
         self.faults: collections.deque[str] = collections.deque()  # "disconnect" or "error500"
         self.healthy = True
         self.started = time.time()
-        handler = type("Handler", (_Handler,), {"server_ref": self})
-        self.httpd = _HTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        self.num_generate_in_flight = 0
+        self.max_generate_in_flight = 0
+        self.in_flight_changed = threading.Condition()
+        self.http = AppThread(host, port)  # binds now: `url` is known before `start`
+        self.admission = Admission(self.engine)
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.http.url
 
     def start(self) -> StandInServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="standin-http", daemon=True)
-        self._thread.start()
+        """Serve from now on (returns once connections are accepted)."""
+        self.admission.start()
+        try:
+            self.http.start(self._app())
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
-        self.engine.close()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Abort what runs (handlers answer it), stop serving, close the socket; idempotent."""
+        self.engine.close()  # running requests finish as aborted; waiting admissions fail
+        self.admission.stop()
+        self.http.stop()
         self.groups.close()
 
     def __enter__(self) -> StandInServer:
@@ -211,11 +229,10 @@ class StandInServer:
             raise _Reply(400, "Timed out waiting for idle state.")
         raise _Reply(200, "Cache flushed.\nPlease check backend logs for more details.")
 
-    def post(self, path: str, body: dict[str, Any], handler: _Handler) -> Any:
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        """Every POST route but /generate (`generate`, on the loop); blocking, run in a thread."""
         e = self.engine
         match path:
-            case "/generate":
-                return self.generate(body, handler)
             case "/pause_generation":
                 mode = body.get("mode", "abort")
                 if mode not in ("abort", "retract", "in_place"):
@@ -333,7 +350,8 @@ class StandInServer:
         return values[:truncate] if isinstance(values, list) and isinstance(truncate, int) else values
 
     # ------------------------------------------------------------------ /generate
-    def generate(self, body: dict[str, Any], handler: _Handler) -> Any:
+    async def generate(self, body: dict[str, Any]) -> Any:
+        """Parse, admit (the admission thread), await every item's `on_done`, answer; on the loop."""
         e = self.engine
         try:
             reqs, batched = parse_generate(e, body)
@@ -344,57 +362,70 @@ class StandInServer:
         fault = self.faults.popleft() if self.faults else None
         if fault == "error500":
             raise _Reply(500, {"detail": "injected fault"})
-        submitted: list[EngineRequest] = []
+        loop = asyncio.get_running_loop()
+        finished = []
+        for req in reqs:  # before admission: a request may finish before submit returns
+            fut = loop.create_future()
+            req.on_done = functools.partial(settle, loop, fut, None)
+            finished.append(fut)
         try:
-            for req in reqs:
-                e.submit(req)
-                submitted.append(req)
+            await self.admission.admit(reqs)
         except RequestError as exc:
-            for req in submitted:
-                e.cancel(req)
             raise _Reply(400, {"error": {"message": str(exc)}}) from None
         if fault == "disconnect":
-            with e.cond:
-                e.cond.wait_for(lambda: bool(reqs[0].output_ids) or reqs[0].done.is_set())
+            await in_thread(self._wait_first_token, reqs[0])
             for req in reqs:
                 e.cancel(req)
             raise _Disconnect
-        for req in reqs:
-            req.done.wait()
+        await asyncio.gather(*finished)
         failed = [r for r in reqs if r.status_code >= 400]
         if failed:
             raise _Reply(failed[0].status_code, {"error": {"message": failed[0].finish.get("message", "")}})
         out = [generate_response(e, r) for r in reqs]
         return out if batched else out[0]
 
+    def _wait_first_token(self, req: EngineRequest) -> None:
+        with self.engine.cond:
+            self.engine.cond.wait_for(lambda: bool(req.output_ids) or req.done.is_set())
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: clients may reuse connections
-    server_ref: StandInServer
+    # ------------------------------------------------------------------ counters (test hooks)
+    def _count_generate(self, delta: int) -> None:
+        with self.in_flight_changed:
+            self.num_generate_in_flight += delta
+            self.max_generate_in_flight = max(self.max_generate_in_flight, self.num_generate_in_flight)
+            self.in_flight_changed.notify_all()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-        log.debug("%s %s", self.address_string(), format % args)
+    def wait_for_generate_in_flight(self, n: int, timeout_s: float) -> bool:
+        """Block until at least `n` /generate requests are in flight at once (False on timeout)."""
+        with self.in_flight_changed:
+            return self.in_flight_changed.wait_for(lambda: self.num_generate_in_flight >= n, timeout_s)
 
-    def _send(self, status: int, body: Any) -> None:
-        if body is None:
-            data, ctype = b"", "application/json"
-        elif isinstance(body, str):
-            data, ctype = body.encode(), "text/plain; charset=utf-8"
-        else:
-            data, ctype = json.dumps(body).encode(), "application/json"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def in_flight(self, *, reset_peak: bool) -> dict[str, int]:
+        with self.in_flight_changed:
+            counts = {
+                "generate_in_flight": self.num_generate_in_flight,
+                "generate_in_flight_peak": self.max_generate_in_flight,
+            }
+            if reset_peak:
+                self.max_generate_in_flight = self.num_generate_in_flight
+            return counts
 
-    def _handle(self, method: str) -> None:
-        path = self.path.split("?", 1)[0]
+    # ------------------------------------------------------------------ HTTP
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        return app
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path, method = request.path, request.method
+        if method not in ("GET", "POST", "PUT"):
+            return json_response(501, {"detail": f"Unsupported method ({method})"})
+        raw = await request.read()
+        if path == "/standin/in_flight":
+            return json_response(200, self.in_flight(reset_peak=method != "GET"))
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
             if method == "GET" and path != "/get_weights_by_name":
-                result = self.server_ref.get(path)
+                result = await in_thread(self.get, path)
             else:
                 try:
                     body = json.loads(raw) if raw.strip() else {}
@@ -402,25 +433,22 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _Reply(400, {"error": {"message": f"the body is not valid JSON: {exc}"}}) from None
                 if not isinstance(body, dict):
                     raise _Reply(400, {"error": "invalid type: expected a JSON object at the top level"})
-                if path == "/flush_cache":
-                    result = self.server_ref.flush_cache()
+                if path == "/generate":
+                    self._count_generate(+1)
+                    try:
+                        result = await self.generate(body)
+                    finally:
+                        self._count_generate(-1)
                 else:
-                    result = self.server_ref.post(path, body, self)
-            self._send(200, result)
+                    result = await in_thread(self.post, path, body)
+            return json_response(200, result)
         except _Reply as reply:
-            self._send(reply.status, reply.body)
-        except _Disconnect:
-            self.close_connection = True
-            self.connection.close()
-
-    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
-        self._handle("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._handle("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._handle("POST" if self.path.split("?", 1)[0] == "/generate" else "PUT")
+            return json_response(reply.status, reply.body)
+        except _Disconnect:  # close without an answer: the client sees the connection cut
+            if request.transport is not None:
+                request.transport.close()
+            request.protocol.force_close()
+            return web.Response()
 
 
 def main(argv: list[str] | None = None) -> None:
