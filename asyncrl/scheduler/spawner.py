@@ -222,6 +222,16 @@ def _run_module(module: str, argv: list[str], log_path: str) -> None:
     """In the forked worker: output to `log_path`, then `module` as `python -m module argv` runs it."""
     import runpy
     import warnings
+    from multiprocessing import forkserver
+
+    # The fork server hands every child its client's end of the pipe by which the server knows
+    # the launcher is alive (so that a child could fork through the server too). A worker must not
+    # hold it: when the launcher dies, the server must see that end close and exit, so that the
+    # worker, now without a parent, stops too (`runtime._watch_parent`).
+    alive = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
 
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()

@@ -5,6 +5,8 @@ in the learner (`Config.evaluates_in_learner`) gives the launcher's figures."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 
@@ -77,3 +79,50 @@ def test_forked_workers_and_learner_evaluation_match_fresh_workers_and_launcher_
         assert "held-out accuracy before training:" in out
         assert "held-out accuracy after training:" in out
         assert "learner: streaming per-trajectory gradients" in out
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` (not our child) has exited within `timeout_s` (a pidfd becomes
+    readable when it does; no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("spawn", ["fork", "exec"])
+def test_workers_stop_when_the_launcher_is_killed(tmp_path, spawn):
+    """SIGKILL to the launcher (no chance to stop anything): its learner and generator notice
+    that their parent is gone and exit, whether they were forked from the fork server (which must
+    exit with the launcher, not live on with its workers) or started as fresh processes."""
+    sets = ["learner.steps=1000", "task.num_eval=0", f"run.spawn={spawn}", "run.name=k"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl", "launch", "--no-tui", *(x for s in sets for x in ("--set", s))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        for line in proc.stdout:  # training has started once the first step is reported
+            if line.startswith("step 1/"):
+                break
+        else:
+            pytest.fail(f"the launcher ended before its first step (exit {proc.wait()})")
+        spawned = [
+            r["pid"]
+            for r in map(json.loads, (tmp_path / "runs" / "k" / "metrics.jsonl").read_text().splitlines())
+            if r.get("type") == "spawn"
+        ]
+        assert len(spawned) == 2, spawned  # the learner and gen-0
+    finally:
+        proc.kill()  # the launcher this test started
+        proc.wait()
+    for pid in spawned:
+        assert _wait_gone(pid, timeout_s=60), f"worker {pid} outlived its launcher"
