@@ -39,3 +39,7 @@ bench_app.command("record")(record.command)
 from asyncrl.benchmarks import learner  # noqa: E402
 
 bench_app.command("learner")(learner.command)
+
+from asyncrl.benchmarks import baseline  # noqa: E402
+
+bench_app.command("baseline")(baseline.command)
