@@ -140,6 +140,11 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     kind: str = "torch"  # registry name (entry point `asyncrl.generators`) or `pkg.mod:obj`
     num_generators: PosInt = 1
     max_batch_groups: PosInt = 16  # groups sampled together in one batched generate call
+    # How the built-in torch generator batches samples (docs in torch_gen.py): "continuous" (a
+    # finished sample leaves the decoding batch and new samples take its slot, as inference
+    # servers do) or "batch" (up to max_batch_groups groups at a time, each run to its end).
+    # Either way every rollout is sent as soon as its reward is in.
+    batching: Literal["continuous", "batch"] = "continuous"
     threads: PosInt = 1  # torch intra-op threads per generator process
     device: Literal["auto", "cpu", "cuda"] = "auto"  # the built-in torch generator (and OPD teacher)
     # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
@@ -476,7 +481,6 @@ class Config(_Section, frozen=True, kw_only=True):
             and lrn.lora.rank == 0
             and self.task.eval_device == lrn.device
         )
-
 
 
 def _parse_value(text: str) -> Any:

@@ -2,6 +2,7 @@
 # CPU per trained sample of every thread of the async pipeline (launcher, learner, generator),
 # from /proc over a steady window: the overhead figures in bench/README.md, "Pipeline".
 #   bench/cpu_per_sample.sh [--set key=value ...]    (extra overrides for the run)
+# Workers start as fresh processes (run.spawn=exec) so that they are found by their command lines.
 # Runs the bench's default workload at generators.max_batch_groups=5 (what it calibrates to on the
 # 2-core VM) in a temporary directory.
 set -euo pipefail
@@ -11,7 +12,7 @@ asyncrl launch --no-tui --set learner.steps=100 --set learner.groups_per_step=32
   --set learner.samples_per_group=8 --set sampling.max_new_tokens=16 --set sampling.ignore_eos=true \
   --set staleness.max_staleness=2 \
   --set generators.num_generators=1 --set generators.threads=1 --set learner.threads=1 \
-  --set task.num_eval=0 --set generators.max_batch_groups=5 "$@" \
+  --set task.num_eval=0 --set generators.max_batch_groups=5 --set run.spawn=exec "$@" \
   --set run.out_dir="$OUT" --set run.name=run > "$OUT/launch.log" 2>&1 &
 LAUNCH=$!
 METRICS="$OUT/run/metrics.jsonl"

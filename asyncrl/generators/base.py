@@ -5,18 +5,29 @@ token, the behavior log-prob (under the distribution it was sampled from) and th
 that produced it, plus a reward. The generator service (`service.py`) owns the sockets and calls
 these methods; a plugin never touches ZeroMQ.
 
+Two ways to be fed: `generate(tasks)` returns whole groups, and the service calls it on batches of
+up to `generators.max_batch_groups` groups; a generator that also has `generate_stream(feed)`
+(`StreamingGenerator`) takes samples from the service's feed whenever it has room and hands each
+rollout on as soon as it is done (the built-in torch and sglang generators), so no sample waits
+for the slowest of its batch.
+
 Plugins are found by registry name (entry-point group `asyncrl.generators`) or by a
 `pkg.mod:obj` path. Lookup happens at startup, never at import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from asyncrl.messages import PromptTask, WeightsPublished
 from asyncrl.plugins import available, load_plugin
+
+if TYPE_CHECKING:
+    from asyncrl.generators.feed import SampleFeed
+
+BATCHING_MODES = ("continuous", "batch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +75,10 @@ class GeneratorContext:
     # Where to run the model (generators.device with "auto" made concrete): "cpu", "cuda" or
     # "cuda:N". Published weights arrive as CPU tensors; a generator copies them over itself.
     device: str = "cpu"
+    # generators.batching: "continuous" (a finished sample's slot takes a new one at once) or
+    # "batch" (a batch of up to max_batch_groups groups at a time), for generators that batch.
+    batching: str = "continuous"
+    max_batch_groups: int = 16  # generators.max_batch_groups: groups (x their samples) decoded at once
 
 
 @runtime_checkable
@@ -89,6 +104,33 @@ class Generator(Protocol):
         """Switch to the weights published for `version` (a safetensors directory)."""
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingGenerator(Protocol):
+    """Optional: generators that take samples one at a time and hand each rollout on when it is
+    done. The service calls `generate_stream` whenever its feed has work (and no weights load is
+    waiting for the generator to be idle); it runs until the feed gives nothing and no sample is
+    in flight. A `Draw` from `feed.take(n)` is (task, sample_index), the task's `attempt` the one
+    to draw with; every draw must come back as exactly one Rollout.
+    """
+
+    def generate_stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
+        """Yield rollouts as they finish (a list of those that finished together)."""
+
+
+def streams(gen: object) -> bool:
+    """Whether the service feeds `gen` through `generate_stream`: it has one, and `generate` (and
+    `generate_sync`) resolve to the ones of the class that defines it. A subclass that overrides
+    `generate` or `generate_sync` alone (a gate, a fault injector) asked for that code to run, so
+    it is served in batches through `generate`."""
+    if not isinstance(gen, StreamingGenerator):
+        return False
+    cls = type(gen)
+    owner = next(c for c in cls.__mro__ if "generate_stream" in vars(c))
+    return all(
+        getattr(cls, name, None) is getattr(owner, name, None) for name in ("generate", "generate_sync")
+    )
 
 
 @runtime_checkable

@@ -1,22 +1,25 @@
-"""Scoring a generated batch with the run's rewards, in the generator service.
+"""Scoring rollouts as they arrive, in the generator service, and knowing when a group is done.
 
-Place in the data flow: a backend returns a batch's Rollouts (`RolloutBuilder` left their texts
-and a NaN reward when `task.rewards` is configured); `BatchScorer.score` runs every reward over
-the batch (`asyncrl/rewards/`: cheap ones in a thread, CPU-bound ones in a worker pool with a
-per-call timeout, async and remote ones awaited with a timeout; never on the service's event
-loop), applies `scoring.on_failure` to samples whose reward failed, and returns the scored
-Rollouts with per-group counts for the launcher (`TaskDone.reward_sums`, `reward_failures`, ...).
+Place in the data flow: a backend hands over Rollouts as they finish (`RolloutBuilder` left their
+texts and a NaN reward when `task.rewards` is configured); `SampleScorer.take` checks each one,
+runs every reward over those that arrived together (`asyncrl/rewards/`: cheap ones in a thread,
+CPU-bound ones in a worker pool with a per-call timeout, async and remote ones awaited with a
+timeout; never on the service's event loop), applies `scoring.on_failure`, and says which
+rollouts to send now, which samples to draw again, and which groups are complete (their
+TaskDone, with per-group counts for the launcher: `reward_sums`, `reward_failures`, ...). No
+rollout waits for the others of its batch or group: each is sent once its own reward is in.
 
 A failed reward either scores 0 for that reward ("zero") or has the sample drawn again
-("regenerate": the backend samples the whole group again with `PromptTask.attempt` + 1, so with
-fresh seeds, and only the failed samples are replaced), up to `scoring.max_regenerations` times,
-then 0. The sample keeps its place (task, sample index, traj_id): nothing is lost or duplicated.
-Every failure is counted; whether there were too many is the launcher's call (the budget).
+("regenerate": the same sample index with `PromptTask.attempt` raised, so with fresh seeds), up to
+`scoring.max_regenerations` times, then 0. The sample keeps its place (task, sample index,
+traj_id): nothing is lost or duplicated. Every failure is counted; whether there were too many is
+the launcher's call (the budget).
 
 A sample the learner would reject (no token, or behavior log-probs that are not finite and <= 0:
 the rules of `learner/service.py: _invalid`) is drawn again the same way, counted as invalid,
 instead of being sent: a rejected trajectory would leave its step waiting forever. One still
-invalid after `scoring.max_regenerations` redraws fails the generator with the reason.
+invalid after `scoring.max_regenerations` redraws fails the generator with the reason. Every
+arriving rollout is checked, redraws included; each redraw of a sample takes the next attempt.
 
 `scoring.overlong = "mask"` takes samples cut at `sampling.max_new_tokens` out of the loss (a
 loss mask of all False: the sample still counts in its group's baseline); it applies with or
@@ -28,19 +31,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
 from asyncrl.generators.base import Rollout
+from asyncrl.generators.feed import Draw
 from asyncrl.messages import PromptTask
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.scorer import make_scorer
 
 log = logging.getLogger(__name__)
-
-Generate = Callable[[Sequence[PromptTask]], Awaitable[list[Rollout]]]
 
 
 @dataclass
@@ -59,14 +62,44 @@ class GroupCounts:
         return dataclasses.asdict(self)
 
 
-class BatchScorer:
-    """The run's rewards and failure policy for one generator process."""
+@dataclass
+class _Group:
+    """One open task: which samples are final, which are awaited, how often each was redrawn."""
+
+    task: PromptTask
+    waiting: set[int]  # sample indices drawn and not back yet
+    final: dict[int, Rollout] = field(default_factory=dict)
+    num_draws: dict[int, int] = field(default_factory=dict)  # redraws of each sample so far
+    invalid_redraws: dict[int, int] = field(default_factory=dict)
+    failed_redraws: dict[int, int] = field(default_factory=dict)
+    counts: GroupCounts = field(default_factory=GroupCounts)
+
+
+class Verdict(NamedTuple):
+    """What to do with the rollouts of one `SampleScorer.take`."""
+
+    send: list[tuple[PromptTask, Rollout]]  # final: to the learner now
+    redraw: list[Draw]  # to draw again (back to the feed)
+    done: list[tuple[PromptTask, list[Rollout], GroupCounts]]  # groups now complete (TaskDone)
+
+
+class SampleScorer:
+    """The run's rewards and failure policy for one generator process, one sample at a time."""
 
     def __init__(self, config) -> None:
         self.scoring = config.task.scoring
         self.max_new_tokens = config.sampling.max_new_tokens
         self.scorer = make_scorer(config.task)  # None: the backend scored with Task.score
         self.mask_overlong = self.scoring.overlong == "mask"
+        self.groups: dict[int, _Group] = {}
+
+    def open(self, task: PromptTask) -> None:
+        """A task the launcher sent: every sample of it is awaited."""
+        self.groups[task.task_id] = _Group(task, waiting=set(range(task.num_samples)))
+
+    def awaited(self) -> set[tuple[int, int]]:
+        """(task_id, sample_index) of every sample whose rollout has not come back yet."""
+        return {(tid, k) for tid, g in self.groups.items() for k in g.waiting}
 
     def sample(self, task: PromptTask, r: Rollout) -> RewardInput:
         if r.completion_text is None or r.prompt_text is None:
@@ -84,87 +117,81 @@ class BatchScorer:
             max_new_tokens=self.max_new_tokens,
         )
 
-    async def score(
-        self, batch: Sequence[PromptTask], by_task: dict[int, list[Rollout]], generate: Generate
-    ) -> dict[int, GroupCounts]:
-        """Scores `by_task` in place (rollouts replaced); returns the counts of each task."""
-        counts = {t.task_id: GroupCounts() for t in batch}
-        await self._redraw_invalid(batch, by_task, counts, generate)
-        if self.scorer is not None:
-            await self._score(batch, by_task, counts, generate)
-        for task in batch:
-            group, c = by_task[task.task_id], counts[task.task_id]
-            for i, r in enumerate(group):
-                if r.finish_reason != "length":
-                    continue
-                c.num_overlong += 1
+    def _redraw(self, g: _Group, k: int) -> Draw:
+        g.num_draws[k] = g.num_draws.get(k, 0) + 1
+        g.waiting.add(k)
+        g.counts.num_regenerated += 1
+        return Draw(msgspec.structs.replace(g.task, attempt=g.task.attempt + g.num_draws[k]), k)
+
+    async def take(self, rollouts: Sequence[Rollout]) -> Verdict:
+        """Check, score and place `rollouts` (each one a sample the feed handed out)."""
+        redraw: list[Draw] = []
+        ready: list[tuple[_Group, Rollout]] = []
+        invalid: list[str] = []
+        for r in rollouts:
+            g = self.groups.get(r.task_id)
+            k = r.sample_index
+            if g is None or k not in g.waiting:
+                raise ValueError(
+                    f"generator returned sample {k} of task {r.task_id}, which was not asked for "
+                    "(a duplicate, or a task not in flight here)"
+                )
+            g.waiting.discard(k)
+            if why := rollout_problem(r):
+                g.counts.num_invalid += 1
+                if g.invalid_redraws.get(k, 0) == self.scoring.max_regenerations:
+                    raise ValueError(
+                        f"sample {k} of task {r.task_id} is still invalid after "
+                        f"{self.scoring.max_regenerations} redraws ({why}); the learner cannot train on it"
+                    )
+                g.invalid_redraws[k] = g.invalid_redraws.get(k, 0) + 1
+                invalid.append(why)
+                redraw.append(self._redraw(g, k))
+                continue
+            ready.append((g, r))
+        if invalid:
+            log.warning("drawing %d invalid samples again (first: %s)", len(invalid), invalid[0])
+        if self.scorer is not None and ready:
+            ready = await self._score(ready, redraw)
+        send: list[tuple[PromptTask, Rollout]] = []
+        done = []
+        for g, r in ready:
+            if r.finish_reason == "length":
+                g.counts.num_overlong += 1
                 if self.mask_overlong:
-                    group[i] = dataclasses.replace(r, loss_mask=[False] * len(r.completion_ids))
-        return counts
+                    r = dataclasses.replace(r, loss_mask=[False] * len(r.completion_ids))
+            g.final[r.sample_index] = r
+            send.append((g.task, r))
+            if len(g.final) == g.task.num_samples:
+                del self.groups[g.task.task_id]
+                done.append((g.task, [g.final[i] for i in range(g.task.num_samples)], g.counts))
+        return Verdict(send, redraw, done)
 
-    async def _score(self, batch, by_task, counts, generate: Generate) -> None:
-        tasks = {t.task_id: t for t in batch}
-        todo = [(t.task_id, i) for t in batch for i in range(len(by_task[t.task_id]))]
-        for attempt in range(self.scoring.max_regenerations + 1):
-            samples = [self.sample(tasks[tid], by_task[tid][i]) for tid, i in todo]
-            scores = await self.scorer.score(samples)
-            redo = []
-            for (tid, i), score in zip(todo, scores, strict=True):
-                c = counts[tid]
-                c.num_scored += 1
-                if score.failed:
-                    c.num_score_failed += 1
-                    for name in score.failures:
-                        c.reward_failures[name] = c.reward_failures.get(name, 0) + 1
-                    if self.scoring.on_failure == "regenerate" and attempt < self.scoring.max_regenerations:
-                        redo.append((tid, i))
-                        continue
-                by_task[tid][i] = dataclasses.replace(by_task[tid][i], reward=float(score.reward))
-                for name, value in score.parts.items():
-                    c.reward_sums[name] = c.reward_sums.get(name, 0.0) + float(value)
-            if not redo:
-                return
-            await self._redraw(tasks, by_task, counts, redo, attempt + 1, generate)
-            todo = redo
-
-    async def _redraw_invalid(self, batch, by_task, counts, generate: Generate) -> None:
-        tasks = {t.task_id: t for t in batch}
-        for attempt in range(self.scoring.max_regenerations + 1):
-            bad = [
-                (t.task_id, i, why)
-                for t in batch
-                for i, r in enumerate(by_task[t.task_id])
-                if (why := rollout_problem(r))
-            ]
-            if not bad:
-                return
-            for tid, _, _ in bad:
-                counts[tid].num_invalid += 1
-            if attempt == self.scoring.max_regenerations:
-                tid, i, why = bad[0]
-                raise ValueError(
-                    f"sample {by_task[tid][i].sample_index} of task {tid} is still invalid after "
-                    f"{attempt} redraws ({why}); the learner cannot train on it"
-                )
-            log.warning("drawing %d invalid samples again (first: %s)", len(bad), bad[0][2])
-            await self._redraw(tasks, by_task, counts, [(tid, i) for tid, i, _ in bad], attempt + 1, generate)
-
-    async def _redraw(self, tasks, by_task, counts, redo, attempt: int, generate: Generate) -> None:
-        """Draw the groups of `redo` again with fresh seeds; replace only the failed samples."""
-        again = {
-            tid: msgspec.structs.replace(tasks[tid], attempt=tasks[tid].attempt + attempt)
-            for tid in dict.fromkeys(tid for tid, _ in redo)
-        }
-        fresh = {(r.task_id, r.sample_index): r for r in await generate(list(again.values()))}
-        for tid, i in redo:
-            old = by_task[tid][i]
-            new = fresh.get((tid, old.sample_index))
-            if new is None:
-                raise ValueError(
-                    f"generator returned no sample {old.sample_index} when drawing task {tid} again"
-                )
-            by_task[tid][i] = new
-            counts[tid].num_regenerated += 1
+    async def _score(
+        self, ready: list[tuple[_Group, Rollout]], redraw: list[Draw]
+    ) -> list[tuple[_Group, Rollout]]:
+        assert self.scorer is not None
+        scores = await self.scorer.score([self.sample(g.task, r) for g, r in ready])
+        scored = []
+        for (g, r), score in zip(ready, scores, strict=True):
+            c = g.counts
+            c.num_scored += 1
+            if score.failed:
+                c.num_score_failed += 1
+                for name in score.failures:
+                    c.reward_failures[name] = c.reward_failures.get(name, 0) + 1
+                k = r.sample_index
+                if (
+                    self.scoring.on_failure == "regenerate"
+                    and g.failed_redraws.get(k, 0) < self.scoring.max_regenerations
+                ):
+                    g.failed_redraws[k] = g.failed_redraws.get(k, 0) + 1
+                    redraw.append(self._redraw(g, k))
+                    continue
+            for name, value in score.parts.items():
+                c.reward_sums[name] = c.reward_sums.get(name, 0.0) + float(value)
+            scored.append((g, dataclasses.replace(r, reward=float(score.reward))))
+        return scored
 
     async def close(self) -> None:
         if self.scorer is not None:

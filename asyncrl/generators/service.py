@@ -1,9 +1,13 @@
 """Generator process: the sockets around one `Generator` plugin.
 
-Receives PromptTasks and WeightsPublished from the launcher (DEALER), pushes
-each finished batch of groups to the learner as one Trajectories message, a Trajectory per sample
-(PUSH, tensors as frames), and reports the batch's TasksDone, WeightsLoaded and Metrics back. A
-Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
+Receives PromptTasks and WeightsPublished from the launcher (DEALER) and puts the tasks in a
+feed (`feed.py`) that the generator takes samples from as it has room (`generate_stream`; a
+generator with only `generate(tasks)` is served batches of up to generators.max_batch_groups
+groups). Rollouts are scored as they arrive (`scoring.py`) and each one is pushed to the learner
+as soon as its own reward is in, those that arrived together in one Trajectories message, a
+Trajectory per sample (PUSH, tensors as frames); a task's TaskDone goes to the launcher once all
+its samples are sent (the TaskDones of one arrival in one TasksDone), with WeightsLoaded and
+Metrics. A Trajectory has three tensor frames (ids, behavior log-probs, versions), or six with
 `opd.enabled`: then frames 3-5 are the [T, N] teacher log-probs, cached ids and their behavior
 log-probs (docs/opd.md).
 
@@ -36,8 +40,16 @@ from collections import deque
 import torch
 import zmq
 
-from asyncrl.generators.base import GeneratorContext, GroupWeights, Rollout, StagedWeights, resolve_generator
-from asyncrl.generators.scoring import BatchScorer
+from asyncrl.generators.base import (
+    GeneratorContext,
+    GroupWeights,
+    Rollout,
+    StagedWeights,
+    resolve_generator,
+    streams,
+)
+from asyncrl.generators.feed import SampleFeed, batch_stream
+from asyncrl.generators.scoring import SampleScorer
 from asyncrl.messages import (
     DataEndpoint,
     Metrics,
@@ -184,6 +196,8 @@ class GeneratorService:
                 run_dir=str(ctx.run_dir),
                 dtype=cfg.learner.publish_dtype,
                 device=device_setting(cfg.generators.device),
+                batching=cfg.generators.batching,
+                max_batch_groups=cfg.generators.max_batch_groups,
             )
         )
         self.staged = isinstance(self.gen, StagedWeights)
@@ -194,13 +208,14 @@ class GeneratorService:
                 "which weights.transport=broadcast needs; use weights.transport=shards"
             )
         self.num_opd_samples = cfg.opd.num_samples if cfg.opd.enabled else 0
-        self.scorer = BatchScorer(cfg)
+        self.scorer = SampleScorer(cfg)
+        self.streams = streams(self.gen)  # else served batches through generate()
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
         # The learner's endpoint: on the command line when it was known at spawn, else the
         # launcher's DataEndpoint brings it (generators start while the learner does).
         self.data_endpoint = ""
         self.connect_data(ctx.extra.get("data", ""))
-        self.pending: deque[PromptTask] = deque()
+        self.feed = SampleFeed()
         self.wake = asyncio.Event()
         self.stopping = False
         self.num_samples = 0
@@ -227,7 +242,9 @@ class GeneratorService:
             _, msg, _ = await self.ctx.ctrl.recv()
             match msg:
                 case PromptTasks():
-                    self.pending.extend(msg.tasks)
+                    for task in msg.tasks:
+                        self.scorer.open(task)
+                    self.feed.put(msg.tasks)
                 case DataEndpoint():
                     self.connect_data(msg.endpoint)
                 case WeightsPublished():
@@ -236,6 +253,7 @@ class GeneratorService:
                     self.announced.set()
                 case Shutdown():
                     self.stopping = True
+                    self.feed.close()  # samples in flight finish; nothing new starts
                     self.announced.set()
                 case _:
                     log.error(
@@ -317,8 +335,14 @@ class GeneratorService:
                 self.fetched_version = msg.version
                 self.wake.set()  # an idle work loop applies it now
             else:
-                async with self.model_lock:
-                    await self.gen.load_weights(msg.version, msg.location)
+                # The generator takes no new sample meanwhile, so a running stream drains and
+                # gives the lock up (a plain plugin's load_weights never overlaps generation).
+                self.feed.hold()
+                try:
+                    async with self.model_lock:
+                        await self.gen.load_weights(msg.version, msg.location)
+                finally:
+                    self.feed.release()
                 self.fetched_version = msg.version
                 self.on_applied(msg.version)
             return True
@@ -364,62 +388,103 @@ class GeneratorService:
             await asyncio.to_thread(self.gen.apply_pending)
 
     async def work_loop(self) -> None:
-        max_groups = self.ctx.config.generators.max_batch_groups
         while not self.stopping:
             await self.wake.wait()
             self.wake.clear()
             await self.apply_between_batches()
-            while self.pending and not self.stopping:
-                batch = [self.pending.popleft() for _ in range(min(max_groups, len(self.pending)))]
+            while self.feed.has_work() and not self.stopping:
                 async with self.model_lock:
-                    await self.run_batch(batch)
+                    await self.run_stream()
                 await self.apply_between_batches()
 
-    async def run_batch(self, batch: list[PromptTask]) -> None:
+    def open_stream(self):
+        """The generator's stream over the feed: its own, or batches through `generate`."""
+        if self.streams:
+            return self.gen.generate_stream(self.feed)
+        max_groups = self.ctx.config.generators.max_batch_groups
+        return batch_stream(self.gen, self.feed, max_groups=max_groups, generator_id=self.ctx.peer_id)
+
+    async def run_stream(self) -> None:
+        """One stream, until the generator is idle: rollouts are taken as they arrive, those that
+        arrived while the last ones were scored and sent in one go; generation goes on meanwhile."""
         start = time.perf_counter()
-        rollouts = await self.gen.generate(batch)
-        elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
-        by_task: dict[int, list[Rollout]] = {t.task_id: [] for t in batch}
-        for r in rollouts:
-            if r.task_id not in by_task:
+        arrived: asyncio.Queue[list[Rollout] | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for rollouts in self.open_stream():
+                    arrived.put_nowait(rollouts)
+            finally:
+                arrived.put_nowait(None)
+
+        pumping = asyncio.create_task(pump(), name="gen-stream")
+        try:
+            ended = False
+            while not ended:
+                rollouts: list[Rollout] = []
+                item = await arrived.get()
+                while True:
+                    if item is None:
+                        ended = True
+                        break
+                    rollouts += item
+                    if arrived.empty():
+                        break
+                    item = arrived.get_nowait()
+                if rollouts:
+                    await self.take(rollouts)
+            await pumping  # raises what the generator raised
+            # The generator is idle: whatever it was handed has come back (else its task would
+            # never be done and the run would stall without a word).
+            if lost := sorted(self.scorer.awaited() - self.feed.queued()):
                 raise ValueError(
-                    f"generator returned a rollout for task {r.task_id}, which was not in the batch"
+                    f"generator {self.ctx.peer_id} ended its stream without returning "
+                    f"{len(lost)} sample(s) it took, (task, sample) {lost[:5]}: every draw must "
+                    "come back as one Rollout"
                 )
-            by_task[r.task_id].append(r)
-        for task in batch:
-            got = sorted(r.sample_index for r in by_task[task.task_id])
-            if got != list(range(task.num_samples)):
-                raise ValueError(
-                    f"generator {self.ctx.peer_id} returned samples {got} for task {task.task_id}; "
-                    f"expected 0..{task.num_samples - 1} exactly once"
+        finally:
+            if not pumping.done():
+                pumping.cancel()
+            self.busy_s += time.perf_counter() - start
+
+    async def take(self, rollouts: list[Rollout]) -> None:
+        """Score `rollouts`, send the final ones, ask for redraws, report complete groups."""
+        verdict = await self.scorer.take(rollouts)
+        if verdict.redraw:
+            self.feed.redraw(verdict.redraw)
+        now = time.perf_counter()
+        started = self.feed.started_s
+        if verdict.send:
+            frames = [
+                trajectory_frames(
+                    task,
+                    r,
+                    self.ctx.peer_id,
+                    now - started.get(task.task_id, now),
+                    num_opd_samples=self.num_opd_samples,
                 )
-        counts = await self.scorer.score(batch, by_task, self.gen.generate)
-        frames = [
-            trajectory_frames(task, r, self.ctx.peer_id, elapsed, num_opd_samples=self.num_opd_samples)
-            for task in batch
-            for r in by_task[task.task_id]
-        ]
-        for msg, tensors in batch_trajectories(frames):  # the batch in one message, or a few
-            await self.data.send(msg, tensors)
-        done = []
-        for task in batch:
-            group = by_task[task.task_id]
-            num_tokens = sum(len(r.completion_ids) for r in group)
-            self.num_samples += len(group)
-            self.num_tokens += num_tokens
-            done.append(
-                TaskDone(
-                    task_id=task.task_id,
-                    generator_id=self.ctx.peer_id,
-                    num_trajectories=len(group),
-                    num_tokens=num_tokens,
-                    generate_s=elapsed,
-                    mean_reward=sum(r.reward for r in group) / len(group),
-                    **counts[task.task_id].as_fields(),
+                for task, r in verdict.send
+            ]
+            for msg, tensors in batch_trajectories(frames):  # what arrived together, in one message
+                await self.data.send(msg, tensors)
+        if verdict.done:
+            done = []
+            for task, group, counts in verdict.done:
+                num_tokens = sum(len(r.completion_ids) for r in group)
+                self.num_samples += len(group)
+                self.num_tokens += num_tokens
+                done.append(
+                    TaskDone(
+                        task_id=task.task_id,
+                        generator_id=self.ctx.peer_id,
+                        num_trajectories=len(group),
+                        num_tokens=num_tokens,
+                        generate_s=now - started.pop(task.task_id, now),
+                        mean_reward=sum(r.reward for r in group) / len(group),
+                        **counts.as_fields(),
+                    )
                 )
-            )
-        await self.ctx.ctrl.send(TasksDone(items=done))
+            await self.ctx.ctrl.send(TasksDone(items=done))
         if time.perf_counter() - self.metrics_sent_at >= METRICS_EVERY_S:
             await self.send_metrics()
 

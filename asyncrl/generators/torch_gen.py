@@ -1,9 +1,18 @@
 """The built-in `torch` generator: an in-process Hugging Face causal LM sampling in batches.
 
-Loads the model from a local directory, samples every task's group in one batched, KV-cached
-call (off the event loop), scores completions with the task's exact verifier, and swaps in new
+Loads the model from a local directory, samples in batched, KV-cached decode steps (off the event
+loop, on a worker thread), scores completions with the task's exact verifier, and swaps in new
 weights whenever they are offered: between batches, or mid-generation between decode steps, where
 the in-flight mode (`keep`, `retract`, `abort`; see `asyncrl/models/sampling.py`) decides how the batch goes on.
+
+The service feeds it through `generate_stream` (`base.StreamingGenerator`): samples come from the
+service's feed and every finished sample is handed on at once. `generators.batching` says when
+new samples join the decoding batch: "continuous" (continuous batching, as inference servers
+do): new samples fill the free slots of its max_batch_groups x num_samples once taking them pays
+(`refill.py`: enough slots free, and the samples running will keep the batch going long enough
+for the new ones to ride along), so a finished sample's slot soon holds a new one; "batch": a batch of up to max_batch_groups
+groups at a time, run until its last sample is done. `generate(tasks)` (the plugin API) samples
+whole groups in one batch.
 
 With `opd.enabled` the generator also loads the teacher (`opd.teacher`, or the shipped
 `asyncrl/assets/teacher_model`) once, samples N - 1 extra tokens per position next to each
@@ -24,16 +33,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 from asyncrl.generators.base import GeneratorContext, Rollout
+from asyncrl.generators.feed import Draw, SampleFeed
+from asyncrl.generators.refill import RefillPolicy
 from asyncrl.generators.rollouts import OpdArrays, RolloutBuilder
 from asyncrl.messages import PromptTask
 
 log = logging.getLogger(__name__)
+
+PROMPT_TEXTS_KEPT = 4096  # decoded prompts remembered per stream (one per task)
 
 
 def load_teacher(path: str, student_tokenizer, *, device: str = "cpu", dtype: str = "float32"):
@@ -87,6 +101,8 @@ class TorchGenerator:
         self._teacher = None
         self._opd_samples = 0  # N cached ids per position; 0 = OPD off
         self.teacher_s = 0.0  # time spent in teacher forwards
+        self._refill: RefillPolicy | None = None  # continuous batching: when to take samples
+        self._refill_key: tuple | None = None
 
     def setup(self, ctx: GeneratorContext) -> None:
         import torch
@@ -126,6 +142,138 @@ class TorchGenerator:
     def tokenizer(self):
         return self._tokenizer
 
+    # ------------------------------------------------------------------ streaming
+    async def generate_stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
+        """Sample what `feed` hands out, on a worker thread; yield each decode step's finished
+        samples as Rollouts. Ends when nothing is running and the feed gives nothing."""
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Queue[list[Rollout] | None] = asyncio.Queue()
+        stop = threading.Event()
+
+        def emit(rollouts: list[Rollout]) -> None:  # on the sampling thread
+            loop.call_soon_threadsafe(arrived.put_nowait, rollouts)
+
+        worker = asyncio.ensure_future(asyncio.to_thread(self.stream_sync, feed, emit, stop))
+        # After every emit: the thread's return reaches the loop behind its emits.
+        worker.add_done_callback(lambda _: arrived.put_nowait(None))
+        try:
+            while (rollouts := await arrived.get()) is not None:
+                yield rollouts
+            await worker  # raises what the sampling thread raised
+        finally:
+            stop.set()  # the consumer went away: the thread stops at its next step
+
+    def stream_sync(
+        self, feed: SampleFeed, emit: Callable[[list[Rollout]], None], stop: threading.Event
+    ) -> None:
+        """The sampling thread of `generate_stream`: admit draws by `generators.batching`, step,
+        emit finished samples; return when idle (or when `stop` is set)."""
+        import torch
+
+        from asyncrl.models.sampling import SampleRequest, sample_seed
+
+        assert self._ctx is not None and self._tokenizer is not None, "setup() was not called"
+        continuous = self._ctx.batching == "continuous"
+        max_groups = self._ctx.max_batch_groups
+        sampler = params = None  # the Sampler and the SamplingParams it samples with
+        capacity = 0  # rows: max_batch_groups x the samples of a group
+        texts: dict[int, str] = {}
+        with torch.no_grad():
+            while not stop.is_set():
+                running = 0 if sampler is None else sampler.num_running
+                draws: list[Draw] = []
+                if running == 0:
+                    self.apply_pending()  # nothing in flight: a safe point for new weights
+                    draws = feed.take(sys.maxsize, max_groups=max_groups)
+                    if draws:
+                        capacity = max_groups * draws[0].task.num_samples
+                        if sampler is None or params != draws[0].task.sampling:
+                            params = draws[0].task.sampling
+                            sampler = self._sampler(params)
+                        self._refill_policy(params, capacity)
+                elif continuous and self._refill.should_take(running, sampler.tokens_so_far()):
+                    draws = feed.take(capacity - running, like=params)
+                if draws:
+                    assert sampler is not None
+                    sampler.add(
+                        [
+                            SampleRequest(
+                                d,
+                                d.task.prompt_ids,
+                                sample_seed(self._run_seed, d.task.group_id, d.sample_index, d.task.attempt),
+                            )
+                            for d in draws
+                        ]
+                    )
+                if sampler is None or sampler.num_running == 0:
+                    return
+                updates = sampler.num_weight_updates
+                finished = sampler.step()
+                self.num_inflight_updates += sampler.num_weight_updates - updates
+                if finished:
+                    self._refill.observe([len(f.completion_ids) for f in finished])
+                    if len(texts) > PROMPT_TEXTS_KEPT:
+                        texts.clear()
+                    emit(self._finished_rollouts(finished, texts))
+
+    def _refill_policy(self, params, capacity: int) -> None:
+        """The continuous batching policy of these params and slots, kept across streams (it
+        learns the lengths the model samples)."""
+        key = (params, capacity)
+        if self._refill_key != key:
+            self._refill_key = key
+            self._refill = RefillPolicy(max_new_tokens=params.max_new_tokens, capacity=capacity)
+
+    def _sampler(self, params):
+        from asyncrl.models.sampling import Sampler
+
+        tok = self._tokenizer
+        return Sampler(
+            self._model,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            current_version=lambda: self._version,
+            poll_update=self.apply_pending,
+            inflight=self._inflight,
+            num_extra_samples=max(0, self._opd_samples - 1),
+            ignore_eos=params.ignore_eos,
+        )
+
+    def _finished_rollouts(self, finished, texts: dict[int, str]) -> list[Rollout]:
+        """Rollouts of a step's finished samples (`Sampler.step`, keys are `Draw`s), scored by
+        the task and, with OPD, by the teacher in one forward."""
+        draws: list[Draw] = [f.key for f in finished]
+        opd = None
+        if self._teacher is not None:
+            opd = self._score_with_teacher(
+                [d.task.prompt_ids for d in draws],
+                [f.completion_ids for f in finished],
+                [f.logprobs for f in finished],
+                [f.extra_ids for f in finished],
+                [f.extra_logprobs for f in finished],
+            )
+        out = []
+        for j, (d, f) in enumerate(zip(draws, finished, strict=True)):
+            if d.task.task_id not in texts:
+                texts[d.task.task_id] = self._rollouts.prompt_text(d.task)
+            out.append(
+                self._rollouts.build(
+                    d.task,
+                    d.sample_index,
+                    completion_ids=f.completion_ids,
+                    behavior_logprobs=f.logprobs,
+                    token_versions=f.versions,
+                    finish_reason=f.finish_reason,
+                    prompt_text=texts[d.task.task_id],
+                    opd=None if opd is None else opd[j],
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ batches
     def generate_sync(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
         from asyncrl.models.sampling import generate, sample_seed
 
@@ -153,7 +301,16 @@ class TorchGenerator:
             ignore_eos=s.ignore_eos,
         )
         self.num_inflight_updates += out.num_weight_updates
-        opd = self._score_with_teacher(prompts, out) if self._teacher is not None else None
+        opd = None
+        if self._teacher is not None:
+            num = len(prompts)
+            opd = self._score_with_teacher(
+                prompts,
+                out.completion_ids,
+                out.logprobs,
+                out.extra_ids or [None] * num,
+                out.extra_logprobs or [None] * num,
+            )
         prompt_texts = {t.task_id: self._rollouts.prompt_text(t) for t in tasks}
         return [
             self._rollouts.build(
@@ -171,20 +328,12 @@ class TorchGenerator:
             )
         ]
 
-    def _score_with_teacher(self, prompts, out) -> list[OpdArrays]:
-        """The [T][N] arrays of on-policy distillation, per sample."""
+    def _score_with_teacher(self, prompts, ids, logps, extra_ids, extra_logps) -> list[OpdArrays]:
+        """The [T][N] arrays of on-policy distillation, per sample (one teacher forward)."""
         from asyncrl.generators.opd import cache_arrays, teacher_logprobs
 
         start = time.perf_counter()
-        caches = [
-            cache_arrays(
-                ids,
-                logps,
-                None if out.extra_ids is None else out.extra_ids[j],
-                None if out.extra_logprobs is None else out.extra_logprobs[j],
-            )
-            for j, (ids, logps) in enumerate(zip(out.completion_ids, out.logprobs, strict=True))
-        ]
+        caches = [cache_arrays(*sample) for sample in zip(ids, logps, extra_ids, extra_logps, strict=True)]
         scores = teacher_logprobs(
             self._teacher,
             prompts,

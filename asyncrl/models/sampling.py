@@ -5,9 +5,20 @@ The log-prob recorded for each sampled token is taken from exactly the distribut
 sampled from: softmax(logits / temperature), renormalised over the top-p nucleus when top_p < 1.
 Greedy decoding (temperature 0) records log_softmax(logits).
 
-Randomness is per sample: row i draws one uniform per sampled token from its own generator, seeded
-by `sample_seed(run_seed, group_id, sample_index)`, and picks the token by inverse CDF, so a sample's
-completion does not depend on which other samples share its batch.
+Randomness is per sample: a sample's j-th sampled token takes the j-th uniform of its own stream,
+seeded by `sample_seed(run_seed, group_id, sample_index)`, and is picked by inverse CDF, so which
+other samples share its batch changes none of its draws. The stream is drawn up front, one
+`torch.rand` call per sample (a generator seeded once gives the same numbers in one call as one
+at a time), since a sample draws at most `max_new_tokens` (more only after an `abort` restart).
+
+Continuous batching (`Sampler`): samples join a running batch between decode steps (prefilled
+on their own, their KV cache aligned to the batch's: `kv_batch.py`) and leave it as soon as they
+finish, so none waits for the slowest of its batch. A sample's tokens and log-probs depend only
+on its seed and the weights; which rows share its batch changes the shapes of the matmuls and
+the padding its attention skips, hence its log-probs by float rounding only (ids are equal
+unless a uniform falls within rounding of a CDF boundary). `generate` is the batch-at-a-time
+case: every sample starts together and finished ones stay in the batch, fed pad tokens, as
+before.
 
 In-flight weight updates: `poll_update` is called between decode steps (after a token is sampled,
 before the forward that reads it); when it swaps the model's weights and returns True, the batch
@@ -27,25 +38,29 @@ same with or without extras. Under greedy decoding (temperature 0) extras are dr
 log_softmax(logits), the distribution whose log-probs greedy decoding records.
 
 Devices: the model may live anywhere (`resolve_device` turns a config setting into one). Token
-ids, masks and positions go to the model's device; the per-sample generators stay CPU
-`torch.Generator`s and their float64 uniforms are moved to the logits, so a sample draws the same
-uniforms on every device. What comes back (ids, log-probs, versions) is plain Python, copied off
-the device once per decode step.
+ids, masks and positions go to the model's device; the uniforms come from CPU `torch.Generator`s
+(float64) and are moved to the logits, so a sample draws the same uniforms on every device. The
+per-sample record (tokens, log-probs, versions so far) is kept in CPU tensors, filled from one
+copy off the device per decode step; what comes back is plain Python.
 
-Legend: B sequences, K extra samples per position, L prompt length (left-padded), V vocab.
+Legend: B sequences, K extra samples per position, T tokens per sample (max_new_tokens), V vocab,
+W uniforms drawn per sample.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import struct
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from asyncrl.kernels.logprobs import nucleus_keep
+from asyncrl.models.kv_batch import DecodeBatch, forward_parameters
+from asyncrl.models.kv_batch import _cache_keyword as _cache_keyword  # re-exported for tests
+from asyncrl.models.kv_batch import _cache_of as _cache_of
+from asyncrl.models.kv_batch import left_pad as left_pad
 
 InflightMode = Literal["keep", "retract", "abort"]
 INFLIGHT_MODES: tuple[str, ...] = ("keep", "retract", "abort")
@@ -127,18 +142,6 @@ def inverse_cdf_sample(logp_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor
     return inverse_cdf_sample_many(logp_BV, u_B[:, None]).squeeze(1)
 
 
-def left_pad(prompt_ids: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. <bos>)")
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attn[i, width - len(p) :] = 1
-    return ids, attn
-
-
 def _nucleus_logprobs(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     """Log-probs renormalised over the smallest set whose mass reaches top_p (others -inf); the
     learner renormalises its own log-probs over the same rule (`nucleus_keep`)."""
@@ -157,63 +160,272 @@ def next_token_logprobs(logits_BV: torch.Tensor, *, temperature: float, top_p: f
     return logp_BV
 
 
-def _cache_keyword(model) -> str:
-    """transformers >= 5.x names the KV cache argument `cache`; 4.x calls it `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+class SampleRequest(NamedTuple):
+    """One sample to draw: `key` is the caller's handle, returned with the finished sample."""
+
+    key: Any
+    prompt_ids: Sequence[int]
+    seed: int  # see `sample_seed`
 
 
-def _last_logits_only(model, device: torch.device) -> dict:
-    """The prefill needs the logits of the last position only; off the CPU, where [B, L, V] logits
-    of a long prompt batch would not fit, ask for those alone (`logits_to_keep`, transformers >=
-    4.50). On the CPU every position's are kept: a [B, D] @ [D, V] product can differ in the last
-    bit from the last rows of a [B * L, D] one, and CPU runs stay bit-for-bit what they were."""
-    if device.type == "cpu" or "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return {}
-    return {"logits_to_keep": 1}
+class FinishedSample(NamedTuple):
+    key: Any
+    completion_ids: list[int]  # sampled tokens, ending with eos when one was emitted
+    logprobs: list[float]  # behavior log-prob of each completion token
+    versions: list[int]  # policy_version that produced each completion token
+    finish_reason: str  # "stop" (eos) or "length"
+    extra_ids: list[list[int]] | None = None  # [T][K] with num_extra_samples = K > 0
+    extra_logprobs: list[list[float]] | None = None
 
 
-def _cache_of(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+class Sampler:
+    """A decoding batch that samples can join and leave between decode steps.
 
+    `add` prefills new samples and merges them into the batch; `step` samples one token for
+    every running sample, returns the ones that finished (eos or `max_new_tokens`), lets
+    `poll_update` swap the weights (handled by `inflight`, as the module docstring says), and
+    runs the decode forward that gives the next logits. With `compact` (continuous batching) a
+    finished sample leaves the batch and its KV cache at once; without it, it stays in the batch
+    fed pad tokens until every sample is done and `add` is refused meanwhile (the shapes
+    `generate` has always fed the model, with any cache the model returns).
 
-class _Decode:
-    """The KV-cached state of a batch: cache, attention mask, next positions, last logits. The
-    tensors it feeds the model live on `device`, the model's."""
+    Per-row state lives in CPU tensors, one row per sample, selected and stacked with the cache:
+    tokens, log-probs and versions so far ([B, T], T = max_new_tokens), the sample's uniforms
+    (drawn up front, one `torch.rand` per sample: [B, W], W >= T) and the column of the next one.
+    """
 
-    def __init__(self, model, seqs: Sequence[Sequence[int]], pad_token_id: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        eos_token_id: int,
+        pad_token_id: int,
+        top_p: float = 1.0,
+        current_version: Callable[[], int] = lambda: 0,
+        poll_update: Callable[[], bool] | None = None,
+        inflight: InflightMode = "keep",
+        num_extra_samples: int = 0,
+        ignore_eos: bool = False,
+        compact: bool = True,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if inflight not in INFLIGHT_MODES:
+            raise ValueError(f"inflight must be one of {', '.join(INFLIGHT_MODES)}, got {inflight!r}")
+        if num_extra_samples < 0:
+            raise ValueError(f"num_extra_samples must be >= 0, got {num_extra_samples}")
         self.model = model
+        self.device = model_device(model)
+        self._forward_params = forward_parameters(model)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        self.device = device
-        self.cache_kw = _cache_keyword(model)
-        ids_BL, attn_BL = left_pad(seqs, pad_token_id)
-        ids_BL, self.attn_BL = ids_BL.to(device), attn_BL.to(device)
-        pos_BL = (self.attn_BL.cumsum(dim=1) - 1).clamp(min=0)
-        out = model(
-            input_ids=ids_BL,
-            attention_mask=self.attn_BL,
-            position_ids=pos_BL,
-            use_cache=True,
-            **_last_logits_only(model, device),
-        )
-        self.cache = _cache_of(out)
-        self.logits_BV = out.logits[:, -1]
-        self.next_pos_B = pos_BL[:, -1] + 1
+        self.current_version = current_version
+        self.poll_update = poll_update
+        self.inflight = inflight
+        self.num_extra = num_extra_samples
+        self.ignore_eos = ignore_eos
+        self.compact = compact
+        self.num_steps = 0  # decode steps taken (tokens sampled per running sample)
+        self.num_weight_updates = 0
+        self.num_running = 0  # samples not finished yet
+        self._width = max_new_tokens  # uniforms drawn per sample (grows when `abort` restarts)
+        self._batch: DecodeBatch | None = None
+        self._keys: list[Any] = []
+        self._prompts: list[list[int]] = []
+        self._seeds: list[int] = []
+        self._rows: dict[str, torch.Tensor] = {}
+        self._live_B = torch.zeros(0, dtype=torch.bool)  # False: finished, kept only without compact
 
-    def step(self, tok_B: torch.Tensor) -> None:
-        tok_B = tok_B.to(self.device)
-        ones_B1 = torch.ones((tok_B.shape[0], 1), dtype=self.attn_BL.dtype, device=self.device)
-        self.attn_BL = torch.cat([self.attn_BL, ones_B1], dim=1)
-        out = self.model(
-            input_ids=tok_B[:, None],
-            attention_mask=self.attn_BL,
-            position_ids=self.next_pos_B[:, None],
-            use_cache=True,
-            **{self.cache_kw: self.cache},
-        )
-        self.cache = _cache_of(out)
-        self.logits_BV = out.logits[:, -1]
-        self.next_pos_B = self.next_pos_B + 1
+    def tokens_so_far(self) -> torch.Tensor:
+        """[running] int64: how many tokens each running sample has (CPU)."""
+        if self._batch is None:
+            return torch.zeros(0, dtype=torch.long)
+        return self._rows["n"][self._live_B]
+
+    # ------------------------------------------------------------------ rows
+    def _uniforms(self, seeds: Sequence[int], width: int) -> dict[str, torch.Tensor]:
+        """The first `width` uniforms of every sample's stream (and K x width of its extra
+        stream): seeding one generator per sample and drawing them in one call gives the same
+        numbers as drawing them one at a time, so how many are drawn up front changes nothing."""
+        gen = torch.Generator()
+        out = {}
+        if self.temperature > 0:
+            u_BW = torch.empty((len(seeds), width), dtype=torch.float64)
+            for i, seed in enumerate(seeds):
+                torch.rand(width, generator=gen.manual_seed(seed), dtype=torch.float64, out=u_BW[i])
+            out["u"] = u_BW
+        if self.num_extra:
+            xu_BWK = torch.empty((len(seeds), width, self.num_extra), dtype=torch.float64)
+            for i, seed in enumerate(seeds):
+                gen.manual_seed(extra_sample_seed(seed))
+                torch.rand((width, self.num_extra), generator=gen, dtype=torch.float64, out=xu_BWK[i])
+            out["xu"] = xu_BWK
+        return out
+
+    def _new_rows(self, seeds: Sequence[int], version: int) -> dict[str, torch.Tensor]:
+        num, t, k = len(seeds), self.max_new_tokens, self.num_extra
+        rows = {
+            "n": torch.zeros(num, dtype=torch.long),  # tokens so far
+            "col": torch.zeros(num, dtype=torch.long),  # the next uniform (counts aborted tokens too)
+            "lv": torch.full((num,), version, dtype=torch.long),  # version of the current logits
+            "ids": torch.zeros((num, t), dtype=torch.long),
+            "logp": torch.zeros((num, t), dtype=torch.float32),
+            "ver": torch.zeros((num, t), dtype=torch.long),
+            **self._uniforms(seeds, self._width),
+        }
+        if k:
+            rows["xids"] = torch.zeros((num, t, k), dtype=torch.long)
+            rows["xlogp"] = torch.zeros((num, t, k), dtype=torch.float32)
+        return rows
+
+    @torch.no_grad()
+    def add(self, requests: Sequence[SampleRequest]) -> None:
+        """Prefill `requests` with the weights held now and add them to the batch."""
+        if not requests:
+            return
+        if not self.compact and self._batch is not None:
+            raise ValueError("a Sampler without compact takes new samples only once the batch is done")
+        prompts = [list(r.prompt_ids) for r in requests]
+        seeds = [int(r.seed) for r in requests]
+        batch = DecodeBatch(self.model, prompts, self.pad_token_id, self.device, self._forward_params)
+        rows = self._new_rows(seeds, self.current_version())
+        if self._batch is None:
+            self._batch, self._rows = batch, rows
+            self._live_B = torch.ones(len(requests), dtype=torch.bool)
+        else:
+            self._batch.merge(batch)
+            self._rows = {name: torch.cat([t, rows[name]]) for name, t in self._rows.items()}
+            self._live_B = torch.cat([self._live_B, torch.ones(len(requests), dtype=torch.bool)])
+        self._keys += [r.key for r in requests]
+        self._prompts += prompts
+        self._seeds += seeds
+        self.num_running += len(requests)
+
+    def _keep(self, keep_B: torch.Tensor) -> None:
+        """Only rows `keep_B` (bool) stay, cache included."""
+        if not bool(keep_B.any()):
+            self._batch, self._rows, self._keys, self._prompts, self._seeds = None, {}, [], [], []
+            self._live_B = torch.zeros(0, dtype=torch.bool)
+            return
+        idx_B = keep_B.nonzero()[:, 0]
+        assert self._batch is not None
+        self._batch.select(idx_B)
+        self._rows = {name: t.index_select(0, idx_B) for name, t in self._rows.items()}
+        self._live_B = self._live_B.index_select(0, idx_B)
+        idx = idx_B.tolist()
+        self._keys = [self._keys[i] for i in idx]
+        self._prompts = [self._prompts[i] for i in idx]
+        self._seeds = [self._seeds[i] for i in idx]
+
+    def _finished(self, done_B: torch.Tensor) -> list[FinishedSample]:
+        idx_B = done_B.nonzero()[:, 0]
+        r = self._rows
+        lengths = r["n"][idx_B].tolist()
+        ids, logps, versions = (r[name][idx_B].tolist() for name in ("ids", "logp", "ver"))
+        extra_ids = r["xids"][idx_B].tolist() if self.num_extra else None
+        extra_logps = r["xlogp"][idx_B].tolist() if self.num_extra else None
+        out = []
+        for j, (i, n) in enumerate(zip(idx_B.tolist(), lengths, strict=True)):
+            tokens = ids[j][:n]
+            stop = tokens[-1] == self.eos_token_id and not self.ignore_eos
+            out.append(
+                FinishedSample(
+                    self._keys[i],
+                    tokens,
+                    logps[j][:n],
+                    versions[j][:n],
+                    "stop" if stop else "length",
+                    None if extra_ids is None else extra_ids[j][:n],
+                    None if extra_logps is None else extra_logps[j][:n],
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def step(self) -> list[FinishedSample]:
+        """One token for every running sample; the samples that finished with it."""
+        if self.num_running == 0:
+            return []
+        assert self._batch is not None
+        self.num_steps += 1
+        r = self._rows
+        logp_BV = next_token_logprobs(self._batch.logits_BV, temperature=self.temperature, top_p=self.top_p)
+        rows_B = torch.arange(logp_BV.shape[0])
+        if self.temperature > 0:
+            # Each sample's next uniform (a finished row, still in the batch without compact,
+            # may have used all of its own: it reads the last, and what it draws is dropped).
+            u_B = r["u"][rows_B, r["col"].clamp(max=self._width - 1)]
+            tok_B = inverse_cdf_sample(logp_BV, u_B.to(logp_BV.device))
+        else:
+            tok_B = logp_BV.argmax(dim=-1)
+        tok_logp_B = logp_BV.gather(1, tok_B[:, None]).squeeze(1)
+        live_B = self._live_B
+        all_live = self.num_running == len(live_B)
+        live_idx = rows_B if all_live else live_B.nonzero()[:, 0]
+        pos_B = r["n"][live_idx]
+        tok_cpu_B = tok_B.cpu()  # the one copy off the device per step
+        r["ids"][live_idx, pos_B] = tok_cpu_B[live_idx]
+        r["logp"][live_idx, pos_B] = tok_logp_B.cpu()[live_idx]
+        r["ver"][live_idx, pos_B] = r["lv"][live_idx]
+        if self.num_extra:
+            xu_BK = r["xu"][rows_B, r["col"].clamp(max=self._width - 1)]
+            extra_BK = inverse_cdf_sample_many(logp_BV, xu_BK.to(logp_BV.device))
+            r["xids"][live_idx, pos_B] = extra_BK.cpu()[live_idx]
+            r["xlogp"][live_idx, pos_B] = logp_BV.gather(1, extra_BK).cpu()[live_idx]
+        r["n"][live_idx] += 1
+        r["col"][live_idx] += 1
+        done_B = r["n"] >= self.max_new_tokens
+        if not self.ignore_eos:
+            done_B |= tok_cpu_B == self.eos_token_id
+        done_B &= live_B
+        finished: list[FinishedSample] = []
+        if bool(done_B.any()):
+            finished = self._finished(done_B)
+            self.num_running -= len(finished)
+            if self.num_running == 0:
+                self._keep(torch.zeros_like(done_B))
+                return finished
+            if self.compact:
+                self._keep(~done_B)
+                tok_B = tok_B[(~done_B).to(tok_B.device)]
+            else:
+                self._live_B = live_B & ~done_B
+        if self.poll_update is not None and self.poll_update():
+            self.num_weight_updates += 1
+            if self.inflight != "keep":
+                self._recompute()
+                return finished
+        if not self.compact:  # finished rows are fed pad tokens
+            live_dev_B = self._live_B.to(tok_B.device)
+            tok_B = torch.where(live_dev_B, tok_B, torch.full_like(tok_B, self.pad_token_id))
+        version = self.current_version()
+        self._batch.step(tok_B)
+        r = self._rows
+        r["lv"].fill_(version)
+        return finished
+
+    @torch.no_grad()
+    def _recompute(self) -> None:
+        """`retract`: the cache of prompt + tokens so far again, under the weights just loaded;
+        `abort`: unfinished samples restart from their prompts (their uniforms go on)."""
+        r = self._rows
+        if self.inflight == "abort":
+            r["n"][self._live_B] = 0
+            need = int(r["col"].max()) + self.max_new_tokens
+            if need > self._width:  # restarted samples may draw past the uniforms drawn so far
+                self._width = max(need, 2 * self._width)
+                r.update(self._uniforms(self._seeds, self._width))
+        lengths = r["n"].tolist()
+        ids = r["ids"].tolist()
+        seqs = [p + row[:n] for p, row, n in zip(self._prompts, ids, lengths, strict=True)]
+        self._batch = DecodeBatch(self.model, seqs, self.pad_token_id, self.device, self._forward_params)
+        r["lv"].fill_(self.current_version())
 
 
 @torch.no_grad()
@@ -234,11 +446,12 @@ def generate(
     num_extra_samples: int = 0,
     ignore_eos: bool = False,
 ) -> SampleOutput:
-    """Sample up to `max_new_tokens` per prompt. The eos token, when emitted, is part of the
-    completion's log-probs (it was sampled too) but not of `completion_ids`' text; its position is
-    the last entry of `logprobs[i]` and `versions[i]`, and `completion_ids[i]` then ends with it.
-    With `ignore_eos` every completion is `max_new_tokens` long: sampling goes on past an eos
-    (SGLang's `ignore_eos`; `answer_ids` is the part a verifier reads).
+    """Sample up to `max_new_tokens` per prompt, all in one batch (a `Sampler` without compact).
+    The eos token, when emitted, is part of the completion's log-probs (it was sampled too) but
+    not of `completion_ids`' text; its position is the last entry of `logprobs[i]` and
+    `versions[i]`, and `completion_ids[i]` then ends with it. With `ignore_eos` every completion
+    is `max_new_tokens` long: sampling goes on past an eos (SGLang's `ignore_eos`; `answer_ids`
+    is the part a verifier reads).
 
     `seeds[i]` seeds row i's generator (see `sample_seed`); without `seeds`, row seeds are drawn
     from `rng` (or torch's global generator). `current_version` names the weights the model holds
@@ -246,90 +459,43 @@ def generate(
     `inflight` as the module docstring says. `num_extra_samples` extra tokens per position are
     drawn and returned as the module docstring says.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if inflight not in INFLIGHT_MODES:
-        raise ValueError(f"inflight must be one of {', '.join(INFLIGHT_MODES)}, got {inflight!r}")
-    if num_extra_samples < 0:
-        raise ValueError(f"num_extra_samples must be >= 0, got {num_extra_samples}")
+    sampler = Sampler(
+        model,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        top_p=top_p,
+        current_version=current_version,
+        poll_update=poll_update,
+        inflight=inflight,
+        num_extra_samples=num_extra_samples,
+        ignore_eos=ignore_eos,
+        compact=False,
+    )
     num_seqs = len(prompt_ids)
     if seeds is None:
         seeds = torch.randint(0, 1 << 62, (num_seqs,), generator=rng).tolist()
     if len(seeds) != num_seqs:
         raise ValueError(f"got {len(seeds)} seeds for {num_seqs} prompts; pass one per prompt")
-    rngs = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    num_extra = num_extra_samples
-    extra_rngs = (
-        [torch.Generator().manual_seed(extra_sample_seed(int(s))) for s in seeds] if num_extra else []
+    sampler.add([SampleRequest(i, p, s) for i, (p, s) in enumerate(zip(prompt_ids, seeds, strict=True))])
+    done: list[FinishedSample | None] = [None] * num_seqs
+    while sampler.num_running:
+        for sample in sampler.step():
+            done[sample.key] = sample
+    out = [s for s in done if s is not None]
+    assert len(out) == num_seqs, "every sample finishes"
+    fields = (
+        [s.completion_ids for s in out],
+        [s.logprobs for s in out],
+        [s.versions for s in out],
+        [s.finish_reason for s in out],
+        sampler.num_steps,
+        sampler.num_weight_updates,
     )
-    extra_ids: list[list[list[int]]] = [[] for _ in range(num_seqs)]
-    extra_logprobs: list[list[list[float]]] = [[] for _ in range(num_seqs)]
-    completions: list[list[int]] = [[] for _ in range(num_seqs)]
-    logprobs: list[list[float]] = [[] for _ in range(num_seqs)]
-    versions: list[list[int]] = [[] for _ in range(num_seqs)]
-    done = [False] * num_seqs
-    logits_version = current_version()
-    device = model_device(model)
-    state = _Decode(model, prompt_ids, pad_token_id, device)
-    steps = 0
-    num_updates = 0
-    while True:
-        steps += 1
-        active = [i for i in range(num_seqs) if not done[i]]
-        logp_BV = next_token_logprobs(state.logits_BV, temperature=temperature, top_p=top_p)
-        if temperature > 0:
-            u_B = torch.zeros(num_seqs, dtype=torch.float64)
-            for i in active:  # one draw per sampled token, from the sample's own generator
-                u_B[i] = torch.rand((), generator=rngs[i], dtype=torch.float64)
-            tok_B = inverse_cdf_sample(logp_BV, u_B.to(logp_BV.device))
-        else:
-            tok_B = logp_BV.argmax(dim=-1)
-        tok_logp_B = logp_BV.gather(1, tok_B[:, None]).squeeze(1)
-        if num_extra:
-            u_BK = torch.zeros((num_seqs, num_extra), dtype=torch.float64)
-            for i in active:
-                u_BK[i] = torch.rand((num_extra,), generator=extra_rngs[i], dtype=torch.float64)
-            extra_BK = inverse_cdf_sample_many(logp_BV, u_BK.to(logp_BV.device))
-            extra_ids_BK = extra_BK.tolist()  # one copy off the device per step, not one per row
-            extra_logp_BK = logp_BV.gather(1, extra_BK).tolist()
-            for i in active:
-                extra_ids[i].append(extra_ids_BK[i])
-                extra_logprobs[i].append(extra_logp_BK[i])
-        tok_list, tok_logp_list = tok_B.tolist(), tok_logp_B.tolist()
-        for i in active:
-            tok = tok_list[i]
-            completions[i].append(tok)
-            logprobs[i].append(tok_logp_list[i])
-            versions[i].append(logits_version)
-            done[i] = (tok == eos_token_id and not ignore_eos) or len(completions[i]) >= max_new_tokens
-        if all(done):
-            break
-        if poll_update is not None and poll_update():
-            num_updates += 1
-            logits_version = current_version()
-            if inflight != "keep":
-                if inflight == "abort":
-                    for i in range(num_seqs):
-                        if not done[i]:
-                            completions[i].clear()
-                            logprobs[i].clear()
-                            versions[i].clear()
-                            extra_ids[i].clear()
-                            extra_logprobs[i].clear()
-                seqs = [list(p) + c for p, c in zip(prompt_ids, completions, strict=True)]
-                state = _Decode(model, seqs, pad_token_id, device)
-                continue
-        done_B = torch.tensor(done, device=tok_B.device)
-        tok_B = torch.where(done_B, torch.full_like(tok_B, pad_token_id), tok_B)
-        logits_version = current_version()
-        state.step(tok_B)
-
-    finish = ["stop" if c and c[-1] == eos_token_id and not ignore_eos else "length" for c in completions]
-    if not num_extra:
-        return SampleOutput(completions, logprobs, versions, finish, steps, num_updates)
-    return SampleOutput(
-        completions, logprobs, versions, finish, steps, num_updates, extra_ids, extra_logprobs
-    )
+    if not num_extra_samples:
+        return SampleOutput(*fields)
+    return SampleOutput(*fields, [s.extra_ids for s in out], [s.extra_logprobs for s in out])
 
 
 def strip_eos(ids: Sequence[int], eos_token_id: int) -> list[int]:

@@ -73,12 +73,15 @@ def live_generators(run_dir: Path) -> list[dict]:
     return [r for r in records(run_dir, "spawn") if r["role"] == "generator" and r["peer_id"] not in dead]
 
 
-def is_that_generator(pid: int, peer_id: str) -> bool:
+def is_that_generator(pid: int, peer_id: str, run_dir: Path) -> bool:
+    """Whether `pid` is still that generator of this test's run: its output goes to the run's log
+    of `peer_id` (true of workers started fresh and of those forked from the fork server, whose
+    command line is the server's)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        out = os.readlink(f"/proc/{pid}/fd/1")
     except OSError:
         return False
-    return b"asyncrl.generators.service" in cmdline and peer_id.encode() in cmdline
+    return Path(out) == (run_dir / "logs" / f"{peer_id}.log").resolve()
 
 
 @pytest.mark.timeout(600)
@@ -118,7 +121,7 @@ def test_generators_sigkilled_at_random_points_lose_nothing(tiny_model_dir, tmp_
         for threshold in thresholds:
             wait_for(lambda t=threshold: len(records(run_dir, "task")) >= t, proc, f"{threshold} tasks done")
             victim = rng.choice(live_generators(run_dir))
-            assert is_that_generator(victim["pid"], victim["peer_id"]), (seed, victim)
+            assert is_that_generator(victim["pid"], victim["peer_id"], run_dir), (seed, victim)
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim)
             wait_for(

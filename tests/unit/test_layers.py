@@ -3,7 +3,7 @@
   app     cli, job, benchmarks, testing, __main__   may import anything; nothing imports them
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
-  leaves  messages, config, plugins, tasks, rewards, leaves only
+  leaves  messages, config, plugins, lazy, tasks, rewards, leaves only
           kernels, staleness, buffer, models
 
 So roles meet only through messages (and the shared leaves): a capability that needs two roles
@@ -28,7 +28,7 @@ APP = frozenset({"cli", "job", "benchmarks", "testing", "__main__"})
 ROLES = frozenset({"scheduler", "learner", "generators", "monitor"})
 INFRA = frozenset({"transport", "runtime"})
 LEAVES = frozenset(
-    {"messages", "config", "plugins", "tasks", "rewards", "kernels", "staleness", "buffer", "models"}
+    {"messages", "config", "plugins", "lazy", "tasks", "rewards", "kernels", "staleness", "buffer", "models"}
 )
 
 

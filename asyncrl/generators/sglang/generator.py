@@ -1,9 +1,11 @@
 """The built-in `sglang` generator: a token-in/token-out client for one or more SGLang servers.
 
-Place in the data flow: the generator service hands it PromptTasks; it sends one native /generate
-per sample (`input_ids`, `return_logprob`) to the least-loaded healthy server, reads the sampled
-ids, behavior log-probs and per-token weight versions (`meta_info.weight_versions` spans) from
-the answer, and returns Rollouts scored by the task (`generators/rollouts.py`). It attaches to
+Place in the data flow: the generator service feeds it samples (`generate_stream`: up to
+`max_concurrency` in flight, a new one as soon as one is done) or PromptTasks (`generate`); it
+sends one native /generate per sample (`input_ids`, `return_logprob`) to the least-loaded healthy
+server, reads the sampled ids, behavior log-probs and per-token weight versions
+(`meta_info.weight_versions` spans) from the answer, and hands each Rollout, scored by the task
+(`generators/rollouts.py`), back as soon as its own answer is in. It attaches to
 running servers (`urls`) or starts them itself (`launch`, `launch.py`; stopped on close).
 Weights: safetensors shards go pause -> /update_weights_from_disk -> /model_info check ->
 continue on every server (SGLANG_API.md section 6); with weights.transport=broadcast the servers
@@ -53,9 +55,9 @@ import asyncio
 import hashlib
 import logging
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.generators.base import GeneratorContext, Rollout
 from asyncrl.generators.rollouts import RolloutBuilder
@@ -80,6 +82,9 @@ from asyncrl.generators.sglang.client import (
 )
 from asyncrl.generators.sglang.options import OPTIONS, PAUSE_MODES, check_config, parse_options
 from asyncrl.messages import PromptTask, WeightsPublished
+
+if TYPE_CHECKING:
+    from asyncrl.generators.feed import SampleFeed
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +143,7 @@ class SGLangGenerator:
             urls = self._launch(ctx) if self.opts["launch"] else self.opts["urls"]
             self.fleet = Fleet(
                 urls,
-                max_workers=self.opts["max_concurrency"] + 2 * len(urls),
+                max_connections=self.opts["max_connections"],
                 health_interval_s=float(self.opts["health_interval_s"]),
                 wait_timeout_s=float(self.opts["request_timeout_s"]),
             )
@@ -359,6 +364,39 @@ class SGLangGenerator:
             self._slots = asyncio.Semaphore(int(self.opts["max_concurrency"]))
         jobs = [self._sample(task, k) for task in tasks for k in range(task.num_samples)]
         return list(await asyncio.gather(*jobs))
+
+    async def generate_stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
+        """Keep up to `max_concurrency` samples of `feed` in flight and yield each one's Rollout
+        as soon as its answer is in (those done together in one list); ends when nothing is in
+        flight and the feed gives nothing. A sample that fails for good ends the stream with its
+        error, and the others in flight are cancelled."""
+        await self._servers_ready()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(int(self.opts["max_concurrency"]))
+        limit = int(self.opts["max_concurrency"])
+        running: set[asyncio.Task[Rollout]] = set()
+        try:
+            while True:
+                feed.changed.clear()  # before taking: work put after this wakes the wait below
+                for draw in feed.take(limit - len(running)):
+                    running.add(
+                        asyncio.create_task(
+                            self._sample(draw.task, draw.sample_index),
+                            name=f"sample-t{draw.task.task_id}-s{draw.sample_index}",
+                        )
+                    )
+                if not running:
+                    return
+                changed = asyncio.create_task(feed.changed.wait())
+                done, _ = await asyncio.wait({*running, changed}, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                finished = [t for t in running if t in done]
+                running.difference_update(finished)
+                if finished:
+                    yield [t.result() for t in finished]
+        finally:
+            for t in running:
+                t.cancel()
 
     # ------------------------------------------------------------------ weights
     async def _control(self, server: Server, path: str, body: dict[str, Any]) -> None:
