@@ -26,6 +26,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -168,6 +169,7 @@ class StepLoop:
         self.stopping = False
         self.idle_s = 0.0
         self.busy_s = 0.0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-compute")
 
     def add(self, step: int, sample: TrainSample) -> None:
         """Loop thread: a validated, deduplicated trajectory of `step` arrived."""
@@ -223,9 +225,16 @@ class StepLoop:
 
     async def _busy(self, fn, *args):
         start = time.perf_counter()
-        out = await asyncio.to_thread(fn, *args)
+        out = await self.compute(fn, *args)
         self.busy_s += time.perf_counter() - start
         return out
+
+    def compute(self, fn, *args) -> Awaitable:
+        """Run `fn(*args)` on the learner's one compute thread. One thread, not the event loop's
+        pool: torch's intra-op thread team belongs to the thread that calls it, and training that
+        hops between pool threads runs several teams on the same cores (learner.threads = 2
+        then trained slower than 1; bench/README.md, "Baseline")."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     async def run_step(self, step: int) -> StepResult | None:
         """Train step `step` and apply its update; None when stopping first."""
@@ -242,7 +251,7 @@ class StepLoop:
                     samples = self.inbox.pop(step, [])
                     self.taken.extend(samples)
                     if self.sink is not None:
-                        return await asyncio.to_thread(self.sink, step, samples)
+                        return await self.compute(self.sink, step, samples)
                     await self._busy(trainer.batch_backward, samples)
                     break
             else:

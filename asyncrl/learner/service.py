@@ -331,7 +331,7 @@ class LearnerService:
         return accuracy, time.perf_counter() - start
 
     async def send_evaluation(self, phase: str) -> None:
-        accuracy, eval_s = await asyncio.to_thread(self.evaluate)
+        accuracy, eval_s = await self.loop.compute(self.evaluate)  # the training thread: the model's
         log.info("learner: held-out accuracy %s training %.3f (%.2f s)", phase, accuracy, eval_s)
         await self.ctx.ctrl.send(Evaluated(phase=phase, accuracy=accuracy, eval_s=eval_s))
 
