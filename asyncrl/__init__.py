@@ -6,7 +6,7 @@ Data flow (one machine by default; every socket on loopback):
       | owns prompts, admission,       --WeightsPublished (forwarded)-->    | samples with the torch model,
       | supervision, metrics.jsonl   <--TasksDone, WeightsLoaded--------    | scores with the task's verifier
       |                                                                     |
-      |  <--Hello(endpoint), StepDone, WeightsPublished--+                  | Trajectories: a finished batch,
+      |  <--Hello(endpoint), StepDone, WeightsPublished--+                  | Trajectories: samples finished together,
       |  --WeightsLoaded (forwarded), Shutdown---------> |                  v  a Trajectory per sample (+ tensor
       |                                          learner (learner/service.py)    frames: ids, log-probs, versions;
       |                                                                          OPD caches; loss mask)
@@ -22,7 +22,7 @@ Data flow (one machine by default; every socket on loopback):
 | loop | consumes | produces | waits for | unblocked by |
 |---|---|---|---|---|
 | launcher dispatch | WeightsLoaded, Hello | PromptTasks, one per generator (re-queued tasks first) | a free admission credit | every serving generator loading a newer version (a dead one, or a replacement still loading, does not count) |
-| generator work | PromptTasks, WeightsPublished | Trajectories and TasksDone (one each per batch), WeightsLoaded | a pending task | PromptTasks |
+| generator work | PromptTasks, WeightsPublished, DataEndpoint | Trajectories (the samples that finished together) and TasksDone (the tasks they completed), WeightsLoaded | a pending task | PromptTasks |
 | learner train | Trajectories (or a lone Trajectory) | StepDone, WeightsPublished (while the next step trains) | a trajectory of the current step (the whole window when the objective cannot stream) | the next Trajectory |
 | learner ctrl | WeightsLoaded, Shutdown | deletions of unused versions | a control message | the launcher |
 

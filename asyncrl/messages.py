@@ -7,8 +7,8 @@ zero-copy frames described by `TensorRef`.
 Data flow (see asyncrl/__init__.py for the whole picture):
   scheduler -> generator : Hello, DataEndpoint, PromptTasks (a dispatch's PromptTask each),
                            WeightsPublished, Shutdown
-  generator -> learner   : Trajectories (a finished batch) or Trajectory (+ tensor frames)
-  generator -> scheduler : Hello, TasksDone (a finished batch's TaskDone each), WeightsLoaded,
+  generator -> learner   : Trajectories (samples that finished together) or Trajectory (+ tensor frames)
+  generator -> scheduler : Hello, TasksDone (a TaskDone per task whose last sample was sent), WeightsLoaded,
                            Metrics, Heartbeat, Fatal
   learner   -> scheduler : Hello, Evaluated, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
@@ -119,7 +119,7 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
 
 
 class Trajectories(_Msg, frozen=True, kw_only=True):
-    """Several trajectories in one message (a generator sends each finished batch this way).
+    """Several trajectories in one message (a generator sends the samples that finished together this way).
 
     Each item's TensorRefs number its own frames from 0, as in a lone Trajectory; the message's
     frames are the items' frames in item order (`asyncrl.transport.codec.split_trajectories`
@@ -151,7 +151,7 @@ class TaskDone(_Msg, frozen=True, kw_only=True):
 
 
 class TasksDone(_Msg, frozen=True, kw_only=True):
-    """The TaskDones of one finished batch, in order (one message per batch, as PromptTasks)."""
+    """The TaskDones of the tasks one send completed, in order (one message, as PromptTasks)."""
 
     items: list[TaskDone]
 
