@@ -108,3 +108,24 @@ def start_standin_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen
     line = proc.stdout.readline()  # blocks until the server listens (or exits: empty line)
     assert line.startswith("SGLANG_STANDIN_URL "), f"stand-in server did not start: {line!r}"
     return proc, line.split()[1]
+
+
+def set_up_generator(cls, model_dir, **fields):
+    """A generator of class `cls` set up on `model_dir` as a generator process would be: id
+    "g0", the default sampling and task sections, seed 0; `fields` sets any other
+    `GeneratorContext` field (run_seed, inflight, options, opd, batching, ...)."""
+    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.generators.base import GeneratorContext
+
+    gen = cls()
+    gen.setup(
+        GeneratorContext(
+            generator_id="g0",
+            model_path=str(model_dir),
+            sampling=SamplingConfig(),
+            task=TaskConfig(),
+            seed=0,
+            **fields,
+        )
+    )
+    return gen

@@ -90,15 +90,15 @@ class LocalProcess:
         return self._proc.poll()
 
     def terminate(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
+        if self.exit_code() is None:
+            os.kill(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()  # SIGKILL, to this pid only
+        if self.exit_code() is None:
+            os.kill(self.pid, signal.SIGKILL)  # to this pid only
 
     async def wait(self) -> int:
-        while (code := self._proc.poll()) is None:
+        while (code := self.exit_code()) is None:
             await asyncio.sleep(REAP_POLL_S)  # waiting for an exit code; there is no message to wait for
         return code
 
@@ -248,36 +248,12 @@ def _run_module(module: str, argv: list[str], log_path: str) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-class ForkedProcess:
-    """A `WorkerHandle` for a worker forked by the fork server (`ForkSpawner`)."""
-
-    def __init__(self, proc, log_path: Path) -> None:
-        self._proc = proc  # multiprocessing.Process
-        self._log_path = log_path
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self._log_path
+class ForkedProcess(LocalProcess):
+    """A `WorkerHandle` for a worker forked by the fork server (`ForkSpawner`); `proc` is its
+    `multiprocessing.Process`, whose exit code the server reports."""
 
     def exit_code(self) -> int | None:
         return self._proc.exitcode  # like Popen's: -N for a signal
-
-    def terminate(self) -> None:
-        if self._proc.exitcode is None:
-            os.kill(self._proc.pid, signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self._proc.exitcode is None:
-            os.kill(self._proc.pid, signal.SIGKILL)  # to this pid only
-
-    async def wait(self) -> int:
-        while (code := self._proc.exitcode) is None:
-            await asyncio.sleep(REAP_POLL_S)  # waiting for an exit code; there is no message to wait for
-        return code
 
 
 class ForkSpawner(LocalSpawner):

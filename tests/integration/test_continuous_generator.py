@@ -14,6 +14,7 @@ import torch
 
 from asyncrl.generators.feed import SampleFeed
 from asyncrl.messages import PromptTask, SamplingParams
+from tests.conftest import set_up_generator
 
 LOGPROB_ABS = 1e-5
 DEADLINE_S = 60.0
@@ -37,22 +38,14 @@ def tasks(num: int, *, n: int = 4, max_new_tokens: int = 8, temperature: float =
 
 
 def torch_gen(model_dir, batching: str):
-    from asyncrl.config import SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.torch_gen import TorchGenerator
 
-    gen = TorchGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=3,
-            batching=batching,
-            max_batch_groups=2,
-        )
+    gen = set_up_generator(
+        TorchGenerator,
+        model_dir,
+        run_seed=3,
+        batching=batching,
+        max_batch_groups=2,
     )
     return gen
 
@@ -140,24 +133,16 @@ def test_torch_stream_applies_weights_offered_mid_stream(tiny_model_dir):
 
 
 def test_sglang_stream_hands_back_a_sample_while_another_server_holds_the_rest(tiny_model_dir):
-    from asyncrl.config import SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.sglang import SGLangGenerator
     from asyncrl.testing.sglang.server import StandInServer
 
     servers = [StandInServer(str(tiny_model_dir)).start() for _ in range(2)]
     held = servers[0]
-    gen = SGLangGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(tiny_model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=7,
-            options={"urls": ",".join(s.url for s in servers), "health_interval_s": 0.05},
-        )
+    gen = set_up_generator(
+        SGLangGenerator,
+        tiny_model_dir,
+        run_seed=7,
+        options={"urls": ",".join(s.url for s in servers), "health_interval_s": 0.05},
     )
     work = tasks(1, n=4, max_new_tokens=4, temperature=1.0)
 
@@ -190,25 +175,18 @@ def test_torch_stream_ships_the_same_opd_cache_as_batches(tiny_model_dir, tmp_pa
     """On-policy distillation under continuous batching: each streamed sample carries the same
     [T, N] ids, behavior log-probs and teacher log-probs as the same sample drawn in a batch (the
     teacher scores each decode step's finished samples in one forward)."""
-    from asyncrl.config import OpdConfig, SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
+    from asyncrl.config import OpdConfig
     from asyncrl.generators.torch_gen import TorchGenerator
     from asyncrl.models.tiny import create_base
 
     teacher_dir = create_base(tmp_path / "teacher", hidden_size=32, num_layers=1, num_heads=2, seed=1)
-    gen = TorchGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(tiny_model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=5,
-            opd=OpdConfig(enabled=True, teacher=str(teacher_dir), num_samples=3),
-            batching="continuous",
-            max_batch_groups=1,
-        )
+    gen = set_up_generator(
+        TorchGenerator,
+        tiny_model_dir,
+        run_seed=5,
+        opd=OpdConfig(enabled=True, teacher=str(teacher_dir), num_samples=3),
+        batching="continuous",
+        max_batch_groups=1,
     )
     work = tasks(4, n=3, max_new_tokens=8, temperature=2.0)
     feed = SampleFeed()

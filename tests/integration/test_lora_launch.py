@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from asyncrl.messages import PromptTask, SamplingParams
-from tests.conftest import read_records, short_job_args, start_standin_server
+from tests.conftest import read_records, set_up_generator, short_job_args, start_standin_server
 
 pytest.importorskip("peft")
 
@@ -78,22 +78,14 @@ def reference_logprobs(model_dir, state, ids: list[int]) -> list[float]:
 
 
 def make_gen(model_dir, urls: list[str], *, inflight: str = "keep", **options):
-    from asyncrl.config import SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.sglang import SGLangGenerator
 
-    gen = SGLangGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=7,
-            inflight=inflight,
-            options={"urls": ",".join(urls), "health_interval_s": 0.05, "ignore_eos": True, **options},
-        )
+    gen = set_up_generator(
+        SGLangGenerator,
+        model_dir,
+        run_seed=7,
+        inflight=inflight,
+        options={"urls": ",".join(urls), "health_interval_s": 0.05, "ignore_eos": True, **options},
     )
     return gen
 

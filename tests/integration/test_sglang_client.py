@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from asyncrl.messages import PromptTask, SamplingParams
+from tests.conftest import set_up_generator
 
 pytest.importorskip("transformers")
 
@@ -73,22 +74,14 @@ def servers(tiny_model_dir):
 
 
 def make_gen(model_dir: Path, urls: list[str], *, inflight: str = "retract", **options):
-    from asyncrl.config import SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.sglang import SGLangGenerator
 
-    gen = SGLangGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=7,
-            inflight=inflight,
-            options={"urls": ",".join(urls), "health_interval_s": 0.05, **options},
-        )
+    gen = set_up_generator(
+        SGLangGenerator,
+        model_dir,
+        run_seed=7,
+        inflight=inflight,
+        options={"urls": ",".join(urls), "health_interval_s": 0.05, **options},
     )
     return gen
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from asyncrl.messages import PromptTask, SamplingParams
+from tests.conftest import set_up_generator
 
 pytest.importorskip("transformers")
 
@@ -72,23 +73,15 @@ def tasks() -> list[PromptTask]:
 
 
 def make_gen(model_dir, url: str):
-    from asyncrl.config import SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.sglang import SGLangGenerator
 
-    gen = SGLangGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=RUN_SEED,
-            inflight="retract",
-            # every sample to its budget: the expected tokens below are exactly MAX_NEW_TOKENS
-            options={"urls": url, "max_concurrency": NUM_SAMPLES, "ignore_eos": True},
-        )
+    # every sample to its budget: the expected tokens below are exactly MAX_NEW_TOKENS
+    gen = set_up_generator(
+        SGLangGenerator,
+        model_dir,
+        run_seed=RUN_SEED,
+        inflight="retract",
+        options={"urls": url, "max_concurrency": NUM_SAMPLES, "ignore_eos": True},
     )
     return gen
 

@@ -11,6 +11,7 @@ import torch
 
 from asyncrl.generators.opd import cache_arrays, teacher_logprobs
 from asyncrl.models.sampling import generate, next_token_logprobs, sample_seed
+from tests.conftest import set_up_generator
 
 PROMPTS = [[1, 5, 6, 14, 7], [1, 9, 14, 11, 17], [1, 4, 17], [1, 8]]  # different lengths: left padding
 SEEDS = [sample_seed(3, 7, k) for k in range(len(PROMPTS))]
@@ -178,21 +179,14 @@ def test_teacher_scores_completions_of_different_lengths(teacher):
 
 # ----------------------------------------------------------------------------- the torch generator
 def make_generator(model_dir, teacher_path, *, num_samples: int, enabled: bool = True):
-    from asyncrl.config import OpdConfig, SamplingConfig, TaskConfig
-    from asyncrl.generators.base import GeneratorContext
+    from asyncrl.config import OpdConfig
     from asyncrl.generators.torch_gen import TorchGenerator
 
-    gen = TorchGenerator()
-    gen.setup(
-        GeneratorContext(
-            generator_id="g0",
-            model_path=str(model_dir),
-            sampling=SamplingConfig(),
-            task=TaskConfig(),
-            seed=0,
-            run_seed=5,
-            opd=OpdConfig(enabled=enabled, teacher=str(teacher_path), num_samples=num_samples),
-        )
+    gen = set_up_generator(
+        TorchGenerator,
+        model_dir,
+        run_seed=5,
+        opd=OpdConfig(enabled=enabled, teacher=str(teacher_path), num_samples=num_samples),
     )
     return gen
 
