@@ -176,15 +176,30 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return read_records(run_dir, kind) if (run_dir / "metrics.jsonl").is_file() else []
 
 
-def generator_args(pid: int) -> dict[str, str]:
-    """The launcher's and learner's addresses, from a generator's command line."""
-    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-    extra = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--extra")
-    return {"ctrl": argv[argv.index("--ctrl") + 1], "data": extra["data"]}
+def worker_addresses(launcher_pid: int, learner_pid: int, run_dir: Path) -> dict[str, str]:
+    """The launcher's control address (the port it listens on besides the monitor's, named in
+    monitor.json) and the learner's trajectory address (the one port it listens on), found from
+    the sockets themselves: workers forked from the fork server carry no addresses on their
+    command lines, and generators learn the learner's only after it has started."""
+    monitor = json.loads((run_dir / "monitor.json").read_text())["endpoint"]
+    ctrl = [p for p in listening_ports(launcher_pid) if f"tcp://127.0.0.1:{p}" != monitor]
+    (data,) = listening_ports(learner_pid)
+    assert len(ctrl) == 1, ctrl
+    return {"ctrl": f"tcp://127.0.0.1:{ctrl[0]}", "data": f"tcp://127.0.0.1:{data}"}
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process `pid` listens on."""
+    return [int(hex_port, 16) for _, hex_port in (a.split(":") for a in _listening([pid]))]
 
 
 def listening_addresses(pids: list[int]) -> list[str]:
     """Local addresses (hex, as /proc/net/tcp* prints them) of TCP sockets the pids listen on."""
+    return [a.split(":")[0] for a in _listening(pids)]
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """`address:port` (hex) of the TCP sockets the pids listen on."""
     inodes = set()
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -199,7 +214,7 @@ def listening_addresses(pids: list[int]) -> list[str]:
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
-                found.append(fields[1].split(":")[0])
+                found.append(fields[1])
     return found
 
 
@@ -232,7 +247,7 @@ def test_malformed_messages_on_every_socket_are_rejected_and_counted(tiny_model_
     try:
         wait_for(lambda: records(run_dir, "step"), proc, "the first step")
         spawned = {r["peer_id"]: r["pid"] for r in records(run_dir, "spawn")}
-        addresses = generator_args(spawned["gen-0"])
+        addresses = worker_addresses(proc.pid, spawned["learner"], run_dir)
         pids = [proc.pid, *spawned.values()]
         listening = listening_addresses(pids)
         assert len(listening) >= 2 and set(listening) <= LOOPBACK_HEX, listening
