@@ -39,8 +39,14 @@ default job). On real forwards a step also costs per row, which favours fewer, l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from asyncrl.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher resolves the generator without torch
 
 MIN_FREE_FRACTION = 0.375  # a take fills at least this much of the batch (fewer, larger prefills)
 RIDE_FRACTION = 0.5  # new samples ride along if the loop will run half a mean sample longer

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 from asyncrl.generators.base import Rollout
 from asyncrl.messages import PromptTask
-from asyncrl.models.sampling import answer_ids
 from asyncrl.tasks.base import Task, make_task
 
 
@@ -47,6 +46,8 @@ class RolloutBuilder:
     def completion_text(self, completion_ids: Sequence[int]) -> str:
         """The completion as the rewards read it: decoded up to its first eos."""
         tok = self.tokenizer
+        from asyncrl.models.sampling import answer_ids  # here: the launcher imports this module, not torch
+
         return tok.decode(answer_ids(completion_ids, tok.eos_token_id), skip_special_tokens=True)
 
     def prompt_text(self, task: PromptTask) -> str:

@@ -22,7 +22,11 @@ from asyncrl.messages import Hello, StepDone
 from asyncrl.monitor.live import PlainReporter
 from asyncrl.scheduler.service import Launcher
 from asyncrl.transport.codec import decode, encode
+from asyncrl.generators.base import resolve_generator
+from asyncrl.monitor.sinks import check_sinks
 cfg = load_config(None, [])
+resolve_generator(cfg.generators.kind)
+check_sinks(cfg.monitor.sinks)
 task, tokenizer, stats = load_task(cfg, model_path(cfg))
 msg, tensors = decode(encode(Hello(role="learner", peer_id="learner")))
 assert isinstance(msg, Hello) and tensors == []
@@ -31,8 +35,9 @@ print("torch" in sys.modules)
 
 
 def test_the_launcher_checks_config_and_task_without_torch():
-    """What runs before the workers start never imports torch (about 1 s of a 2-core start-up):
-    the staleness policies validate by name and parameters, the tokenizer loads by its class."""
+    """What runs before the workers start never imports torch (about 1 s of a 2-core start-up,
+    taken from the fork server importing it meanwhile): the staleness policies validate by name
+    and parameters, the generator class resolves, the tokenizer loads by its class."""
     out = subprocess.run([sys.executable, "-c", LAUNCHER_PATH], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
