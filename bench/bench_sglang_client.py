@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -58,6 +57,7 @@ from asyncrl.generators.sglang.client import (
     decode_generate,
     http_call,
 )
+from asyncrl.testing.sglang.process import start_standin_process
 
 PATHS = ("threads", "pooled")
 _encode = msgspec.json.Encoder().encode
@@ -71,30 +71,6 @@ def build_model(root: Path) -> Path:
 
     quiet_offline()
     return create_base(root / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0)
-
-
-def start_server(model_dir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.testing.sglang.server",
-            "--model-path",
-            str(model_dir),
-            "--port",
-            "0",
-            "--skip-tokenizer-init",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()  # the server prints its URL once it listens
-    if not line.startswith("SGLANG_STANDIN_URL "):
-        proc.kill()
-        raise SystemExit(f"the stand-in server did not start: {line!r}")
-    return proc, line.split()[1]
 
 
 def in_flight_peak(url: str, *, reset: bool) -> int | None:
@@ -252,7 +228,7 @@ def main() -> int:
         url = args.url.rstrip("/")
         if not url:
             model_dir = Path(args.model_path) if args.model_path else build_model(Path(tmp))
-            proc, url = start_server(model_dir)
+            proc, url = start_standin_process(model_dir, "--skip-tokenizer-init", "--log-level", "warning")
         try:
             if not args.json:
                 print(HEADER, flush=True)

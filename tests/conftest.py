@@ -88,26 +88,10 @@ def run_short_job(tiny_model_dir, tmp_path):
 
 
 def start_standin_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`python -m asyncrl.testing.sglang.server` on a free port (with `extra` flags, e.g. LoRA's):
-    (its process, its URL), once it listens. The caller stops it (by this pid only)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.testing.sglang.server",
-            "--model-path",
-            str(model_dir),
-            "--port",
-            "0",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line = proc.stdout.readline()  # blocks until the server listens (or exits: empty line)
-    assert line.startswith("SGLANG_STANDIN_URL "), f"stand-in server did not start: {line!r}"
-    return proc, line.split()[1]
+    """The stand-in SGLang server as a process, once it listens (`start_standin_process`)."""
+    from asyncrl.testing.sglang.process import start_standin_process
+
+    return start_standin_process(model_dir, *extra)
 
 
 def set_up_generator(cls, model_dir, **fields):
