@@ -250,7 +250,12 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # trajectory. Larger chunks cost less per trajectory (bench/README.md, "min_chunk"), and a
     # learner that keeps up leaves its CPU free. 1 = train every arrival at once.
     min_chunk: PosInt = 64
-    threads: PosInt = 1
+    # CPU threads the learner trains on. On one plain CPU rank they are data-parallel: each trains
+    # pieces of a micro-batch on one torch thread (`Trainer.backward_pieces`); elsewhere they are
+    # torch's intra-op threads. "auto": every CPU the learner may use (learner.cpus, else its
+    # affinity; shared by its ranks), revisited after each step from the learner's idle time, so
+    # a learner that outpaces its generators gives cores back (docs/learner.md, "Cores").
+    threads: PosInt | Literal["auto"] = "auto"
     cpus: list[NonNegInt] = []  # CPUs the learner's processes may run on; [] = any (see generators.cpus)
 
     @property

@@ -56,13 +56,14 @@ def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, f
     when nothing is held out (`task.num_eval = 0`)."""
     if not task.eval_problems:
         return float("nan"), {}
+    from asyncrl.learner.cores import resolve_threads
     from asyncrl.models.sampling import resolve_device
     from asyncrl.models.sft import checkpoint_accuracy, checkpoint_completions
 
     max_new = config.sampling.max_new_tokens
     decode = dict(
         max_new_tokens=max_new,
-        threads=max(1, config.learner.threads),
+        threads=resolve_threads(config.learner.threads, cpus=config.learner.cpus),
         device=str(resolve_device(config.task.eval_device, field="task.eval_device")),
         batch_size=config.task.eval_batch_size,
     )

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """A learner step against a plain forward/backward of the same batch, at 1 and 2 threads.
 
+At 2 threads the learner trains each micro-batch in pieces on 2 data-parallel threads of one
+torch thread each (`learner.threads = 2`, what "auto" picks on 2 CPUs); the plain step runs
+torch's 2 intra-op threads.
+
 The learner's step is what `asyncrl launch` runs per optimizer step on the default job: the
 Trainer built from the default config (`learner.loop.build_trainer`), offered a step's 32 groups
 x 8 samples as they arrive together, trained (complete groups close at once), then
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 BATCHES = 12
 WARMUP = 2
@@ -92,7 +97,18 @@ def run_threads(threads: int, repeats: int) -> dict:
     groups, size = lrn.groups_per_step, lrn.samples_per_group
     step = 0
 
+    # As in the learner process: its steps run on one compute thread, which (with data-parallel
+    # threads, learner.threads > 1) drives pieces on threads of one torch thread each; the plain
+    # step runs in the main thread with `threads` torch threads.
+    compute = ThreadPoolExecutor(
+        1, initializer=torch.set_num_threads, initargs=(1 if trainer.threads > 1 else threads,)
+    )
+    torch.set_num_threads(threads)
+
     def learner_step(samples) -> float:
+        return compute.submit(_learner_step, samples).result()
+
+    def _learner_step(samples) -> float:
         nonlocal step
         start = time.perf_counter()
         trainer.begin_step(step, window_groups=groups)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.learner.cores import resolve_threads
 from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import StepResult, Trainer
 from asyncrl.models.policy import PolicyLM
@@ -50,7 +51,7 @@ def load_policy_model(path: Path, config) -> tuple[PolicyLM, object]:
     from asyncrl.learner import parallel
 
     lrn = config.learner
-    torch.set_num_threads(lrn.threads)
+    torch.set_num_threads(resolve_threads(lrn.threads, cpus=lrn.cpus, world_size=lrn.world_size))
     torch.manual_seed(config.run.seed)
     tokenizer = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -118,6 +119,8 @@ def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
         max_staleness=config.effective_max_staleness,
         max_tokens_per_microbatch=lrn.max_tokens_per_microbatch,
         chunk_groups=-(-lrn.min_chunk // lrn.samples_per_group),
+        threads=resolve_threads(lrn.threads, cpus=lrn.cpus, world_size=lrn.world_size),
+        adaptive_threads=lrn.threads == "auto",
         max_nonfinite_steps=lrn.max_nonfinite_steps,
     )
 

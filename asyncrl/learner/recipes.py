@@ -25,6 +25,7 @@ import copy
 import functools
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -219,11 +220,8 @@ class RLRecipe:
             if part is None:
                 t.dummy_backward()
                 continue
-            chosen = [samples[i] for i in part]
-            self._backward_chunk(
-                chosen,
-                torch.tensor([adv_of[s.traj_id] for s in chosen], dtype=t.dtype),
-                torch.tensor([keep_of[s.traj_id] for s in chosen]),
+            t.backward_pieces(
+                [samples[i] for i in part], functools.partial(self._chunk_loss, adv_of, keep_of)
             )
 
     def _close_groups(self, gids: list[int]) -> None:
@@ -242,27 +240,29 @@ class RLRecipe:
                 num_tokens=sum(trained_tokens(s) for s in known),
             )
 
-    def _backward_chunk(
-        self, samples: Sequence[TrainSample], adv_B: torch.Tensor, keep_B: torch.Tensor
-    ) -> None:
-        """Loss over complete-group members with known advantages (local policies only):
-        gradients accumulate into `.grad`."""
+    def _chunk_loss(self, adv_of: dict, keep_of: dict, samples: Sequence[TrainSample]):
+        """Loss over complete-group members with known advantages (local policies only), and
+        what accounts for it once its gradient is in (`Trainer.backward_pieces`)."""
         t = self.trainer
         batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
-        adv_B, keep_B = adv_B.to(t.device), keep_B.to(t.device)
+        adv_B = torch.tensor([adv_of[s.traj_id] for s in samples], dtype=t.dtype, device=t.device)
+        keep_B = torch.tensor([keep_of[s.traj_id] for s in samples], device=t.device)
         mask = batch.completion_mask_BL & keep_B[:, None]
         logp_BL = t.logp(t.actor, batch.input_ids_BL)
         corr = t.correct(batch, logp_BL.detach(), adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
         loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
-        loss.backward()
-        t.totals.loss += float(loss.detach())
-        if self.acc is None:  # lockstep: no accumulator counts Z for these members
-            t.totals.units += self.objective.units(mask)
-        tokens = float(stats.num_tokens)
-        t.account(
-            batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
-        )
+
+        def account() -> None:
+            t.totals.loss += float(loss.detach())
+            if self.acc is None:  # lockstep: no accumulator counts Z for these members
+                t.totals.units += self.objective.units(mask)
+            tokens = float(stats.num_tokens)
+            t.account(
+                batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
+            )
+
+        return loss, account
 
     # ------------------------------------------------------------------ whole batch
     def batch_backward(self, samples: Sequence[TrainSample]) -> None:
@@ -276,7 +276,8 @@ class RLRecipe:
         batch = pack(mine, pad_token_id=t.pad_token_id, require_complete=False) if mine else None
         ids = batch.input_ids_BL.to(t.device) if batch is not None else None
         single = len(parts) == 1 and parts[0] is not None and len(parts[0]) == len(mine)
-        single = single and self.reference is None and not t.lockstep
+        # (With data-parallel threads the rows train in pieces: an anchor forward, then each piece.)
+        single = single and self.reference is None and not t.lockstep and t.threads == 1
         with torch.no_grad():
             logp_ref_BL = None
             if self.reference is not None:
@@ -335,36 +336,59 @@ class RLRecipe:
         re-runs it with the same anchors, corrections and advantages (PPO epochs)."""
         t = self.trainer
         ids, corr, adv_BL, mask, logp_ref_BL, parts = plan
-        kl_values: list[float] = []
-        loss_sum = clipped = 0.0
+        sums = _PolicySums()
         for part in parts:
             if part is None:
                 t.dummy_backward()
-                continue
-            if logp_BL is not None:  # the whole batch in one part, in row order
-                sl, width = torch.arange(ids.shape[0], device=ids.device), ids.shape[1]
+            elif logp_BL is not None:  # the whole batch in one part, in row order
+                rows = torch.arange(ids.shape[0], device=ids.device)
+                loss, account = self._rows_loss(plan, sums, rows, ids.shape[1], logp_BL)
+                loss.backward()
+                account()
             else:
-                sl, width = _rows(part, mask)
-            logp_mb = logp_BL if logp_BL is not None else t.logp(t.actor, ids[sl, :width])
-            part_corr = corr._replace(
-                logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
-                weight_BT=corr.weight_BT[sl, :width],
-                mask_BT=corr.mask_BT[sl, :width],
+                t.backward_pieces(part, functools.partial(self._piece_loss, plan, sums))
+        return sums.loss, sums.clipped, sums.kl_values
+
+    def _piece_loss(self, plan: _EpochPlan, sums: _PolicySums, part: Sequence[int]):
+        return self._rows_loss(plan, sums, *_rows(part, plan.mask_BL))
+
+    def _rows_loss(self, plan: _EpochPlan, sums: _PolicySums, sl: torch.Tensor, width: int, logp_BL=None):
+        """The loss of rows `sl` of a packed batch (cut at `width`), and what adds its figures."""
+        t = self.trainer
+        ids, corr, adv_BL, mask, logp_ref_BL, _ = plan
+        logp_mb = logp_BL if logp_BL is not None else t.logp(t.actor, ids[sl, :width])
+        part_corr = corr._replace(
+            logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
+            weight_BT=corr.weight_BT[sl, :width],
+            mask_BT=corr.mask_BT[sl, :width],
+        )
+        loss, stats = self.objective.policy_loss(logp_mb, part_corr, adv_BL[sl, :width], mask[sl, :width])
+        kl_value = None
+        if logp_ref_BL is not None:
+            kl, kl_value = self.objective.kl_term(
+                logp_mb,
+                logp_ref_BL[sl, :width],
+                mask[sl, :width],
+                part_corr.weight_BT * part_corr.mask_BT,
             )
-            loss, stats = self.objective.policy_loss(logp_mb, part_corr, adv_BL[sl, :width], mask[sl, :width])
-            if logp_ref_BL is not None:
-                kl, kl_value = self.objective.kl_term(
-                    logp_mb,
-                    logp_ref_BL[sl, :width],
-                    mask[sl, :width],
-                    part_corr.weight_BT * part_corr.mask_BT,
-                )
-                loss = loss + kl
-                kl_values.append(kl_value)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            clipped += float(stats.clip_fraction) * float(stats.num_tokens)
-        return loss_sum, clipped, kl_values
+            loss = loss + kl
+
+        def account() -> None:
+            sums.loss += float(loss.detach())
+            sums.clipped += float(stats.clip_fraction) * float(stats.num_tokens)
+            if kl_value is not None:
+                sums.kl_values.append(kl_value)
+
+        return loss, account
+
+
+@dataclass
+class _PolicySums:
+    """What `_policy_backward` adds up over its micro-batches (and their pieces)."""
+
+    loss: float = 0.0
+    clipped: float = 0.0
+    kl_values: list[float] = field(default_factory=list)
 
 
 def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -455,10 +479,10 @@ class DistillationRecipe:
             if part is None:
                 t.dummy_backward()
             else:
-                self._backward([samples[i] for i in part], account=account)
+                t.backward_pieces([samples[i] for i in part], functools.partial(self._loss, account=account))
 
-    def _backward(self, samples: Sequence[TrainSample], *, account: bool = True) -> None:
-        """OPD loss of these trajectories; gradients accumulate into `.grad`."""
+    def _loss(self, samples: Sequence[TrainSample], *, account: bool = True):
+        """OPD loss of these trajectories and what accounts for it (`Trainer.backward_pieces`)."""
         t = self.trainer
         if any(s.teacher_logprobs is None for s in samples):
             raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
@@ -470,13 +494,16 @@ class DistillationRecipe:
         mask = batch.completion_mask_BL
         logp_BLN = t.actor(batch.input_ids_BL, temperature=t.temperature, candidates_BLN=ids)
         loss, kl = self.objective.loss(logp_BLN[..., 0], logp_BLN, teacher, behav, ids, mask)
-        loss.backward()
-        if not account:
-            return
-        tokens = float(mask.sum())
-        t.totals.loss += float(loss.detach())
-        t.totals.units += self.objective.units(mask)
-        t.account(batch, samples, {"opd_kl": kl}, tokens=tokens, clipped=0.0)
+
+        def accounted() -> None:
+            if not account:
+                return
+            tokens = float(mask.sum())
+            t.totals.loss += float(loss.detach())
+            t.totals.units += self.objective.units(mask)
+            t.account(batch, samples, {"opd_kl": kl}, tokens=tokens, clipped=0.0)
+
+        return loss, accounted
 
 
 class _EpochPlan(NamedTuple):

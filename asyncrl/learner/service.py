@@ -200,6 +200,8 @@ class LearnerService:
                 if result is None:
                     break
                 end = time.perf_counter()
+                idle_s = loop.idle_s - idle_before
+                self.trainer.observe_idle(idle_s, end - begin - idle_s)
                 self.version = step + 1
                 last = step == self.cfg.steps - 1
                 checkpoint = checkpoint_due(self.ctx.config, self.version)
@@ -207,8 +209,8 @@ class LearnerService:
                 closing = self.close_step(
                     step,
                     result,
-                    step_s=end - begin - (loop.idle_s - idle_before),
-                    idle_s=loop.idle_s - idle_before,
+                    step_s=end - begin - idle_s,
+                    idle_s=idle_s,
                     tail_s=loop.tail_s(step, begin, end),
                     checkpoint=checkpoint,
                     last=last,
@@ -281,6 +283,7 @@ class LearnerService:
                     "learner/busy_s": loop.busy_s,
                     "learner/idle_s": loop.idle_s,
                     "learner/tail_s": tail_s,
+                    "learner/threads": float(self.trainer.active_threads),
                     "learner/streaming": 0.0 if result.fallback else 1.0,
                     "learner/streamed": float(result.streamed),
                     "learner/deferred": float(result.deferred),
@@ -318,6 +321,9 @@ class LearnerService:
             prepare_task(self.eval_task, self.tokenizer, groups_per_step=cfg.learner.groups_per_step)
         training = self.model.training
         self.model.eval()
+        threads = torch.get_num_threads()
+        # The trainer's data-parallel threads run one torch thread each; decoding is one batch.
+        torch.set_num_threads(max(threads, self.trainer.threads))
         try:
             accuracy = greedy_accuracy(
                 self.model,
@@ -327,6 +333,7 @@ class LearnerService:
                 batch_size=cfg.task.eval_batch_size,
             )
         finally:
+            torch.set_num_threads(threads)
             self.model.train(training)
         return accuracy, time.perf_counter() - start
 

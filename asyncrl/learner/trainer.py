@@ -34,16 +34,20 @@ step's start), corrections and advantages, and steps again.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from asyncrl.learner.cores import CoreShare
 from asyncrl.learner.microbatch import split_microbatches
 from asyncrl.learner.objective import Objective
 from asyncrl.learner.parallel import is_sharded
@@ -84,6 +88,8 @@ class Trainer:
         max_tokens_per_microbatch: int = 0,
         chunk_groups: int = 1,
         max_nonfinite_steps: int = 3,
+        threads: int = 1,
+        adaptive_threads: bool = False,
     ) -> None:
         if not isinstance(actor, PolicyLM):
             actor = PolicyLM(actor)  # a bare Hugging Face model (tests, plugins)
@@ -98,6 +104,17 @@ class Trainer:
         self.rank = dist.get_rank() if self.lockstep else 0
         self.world_size = dist.get_world_size() if self.lockstep else 1
         self.chunk_groups = chunk_groups
+        # Data-parallel threads (one plain CPU rank): a micro-batch's pieces train concurrently,
+        # each on one torch thread (`backward_pieces`). Elsewhere torch's own threads do the work.
+        self.threads = threads if not self.lockstep and self.device.type == "cpu" else 1
+        # With "auto" threads, how many the next step trains on (revisited by `observe_idle`).
+        self.core_share = CoreShare(self.threads) if adaptive_threads else None
+        self._pieces = None
+        if self.threads > 1:
+            torch.set_num_threads(1)  # every thread of the process that trains: one torch thread
+            self._pieces = ThreadPoolExecutor(
+                self.threads, "learner-piece", initializer=torch.set_num_threads, initargs=(1,)
+            )
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.max_nonfinite_steps = max_nonfinite_steps
         self.nonfinite_in_a_row = 0
@@ -128,6 +145,7 @@ class Trainer:
         self.ewma = None
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.scratch = None
+        self._scratch_lock = threading.Lock()
         if "ewma" in policy.needs or "old_train" in policy.needs:
             self.scratch = copy.deepcopy(actor).eval().requires_grad_(False)
         if "ewma" in policy.needs:
@@ -191,9 +209,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ shared pieces
     def _scratch_logp(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor) -> torch.Tensor:
-        self.scratch.lm.load_state_dict(state, strict=True)
         mb = self.micro_batch_size
-        with torch.no_grad():
+        with self._scratch_lock, torch.no_grad():  # one scratch model: pieces take turns
+            self.scratch.lm.load_state_dict(state, strict=True)
             return torch.cat(
                 [self.logp(self.scratch, ids_BL[i : i + mb]) for i in range(0, ids_BL.shape[0], mb)]
             )
@@ -298,6 +316,65 @@ class Trainer:
     def share(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
         """This rank's part of `samples` (every rank sees all of them, in the same order)."""
         return list(samples[self.rank :: self.world_size])
+
+    def backward_pieces(self, samples: Sequence, loss_of: Callable[[Sequence], tuple]) -> None:
+        """The summed loss gradient of `samples` (trajectories, or rows of a packed batch) into
+        `.grad`. `loss_of(piece)` returns a piece's loss (a sum over its rows) and a callable that
+        accounts for it.
+
+        With `threads` > 1 the samples are cut into contiguous pieces trained concurrently, each
+        on one torch thread (data parallelism inside the process: no collective, and a thread
+        slowed by a busy core only takes fewer pieces, where an intra-op team waits at every op
+        for its slowest thread). Each piece's gradient comes back as its own tensors and is
+        added to `.grad` in piece order, then accounted for, so the result does not depend on
+        which thread finished first. The pieces of a micro-batch hold at most its activations."""
+        pieces = self._cut(samples)
+        if len(pieces) == 1:
+            loss, account = loss_of(samples)
+            loss.backward()
+            account()
+            return
+        futures = [self._pieces.submit(self._piece_grads, loss_of, piece) for piece in pieces]
+        wait(futures)
+        for future in futures:
+            grads, account = future.result()
+            for p, g in zip(self.params, grads, strict=True):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+            account()
+
+    @property
+    def active_threads(self) -> int:
+        """The data-parallel threads the next micro-batches train on."""
+        return self.core_share.threads if self.core_share is not None else self.threads
+
+    def observe_idle(self, idle_s: float, busy_s: float) -> None:
+        """A step's waiting and working time ("auto" threads: revisits the core share)."""
+        if self.core_share is not None:
+            self.core_share.observe(idle_s, busy_s)
+
+    def _cut(self, samples: Sequence) -> list[Sequence]:
+        """Contiguous pieces: two per active thread (so a slowed thread takes fewer), at least
+        `MIN_PIECE` trajectories each."""
+        threads = self.active_threads
+        count = min(2 * threads, len(samples) // MIN_PIECE) if threads > 1 else 1
+        if count <= 1:
+            return [samples]
+        bounds = [round(i * len(samples) / count) for i in range(count + 1)]
+        return [samples[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def _piece_grads(self, loss_of, piece):
+        loss, account = loss_of(piece)
+        return torch.autograd.grad(loss, self.params, allow_unused=True), account
+
+    def close(self) -> None:
+        """Stop the piece threads (idle between steps; the process may also just exit)."""
+        if self._pieces is not None:
+            self._pieces.shutdown(wait=False)
 
     def _apply_gradient(self, scale: float, lr_scale: float, loss: float) -> tuple[float, bool]:
         """Scale the reduced gradient in `.grad`, clip, step; returns (the norm before clipping,
@@ -408,6 +485,8 @@ class NonFiniteError(RuntimeError):
 
 
 FAULT_ENV = "ASYNCRL_FAULT_NONFINITE"
+# Fewest trajectories in one data-parallel piece: below it the per-forward overhead dominates.
+MIN_PIECE = 16
 
 
 def _fault_steps(text: str) -> set[int] | _Every:

@@ -74,7 +74,7 @@ def _samples(model, *, num_groups=4, group_size=4, seed=0, stale=0.0, degenerate
     return out
 
 
-def _trainer(model, *sets, micro=256, group_size=4):
+def _trainer(model, *sets, micro=256, group_size=4, threads=1):
     cfg = load_config(
         overrides=[f"learner.samples_per_group={group_size}", "staleness.max_staleness=2", *sets]
     )
@@ -92,19 +92,20 @@ def _trainer(model, *sets, micro=256, group_size=4):
         micro_batch_size=micro,
         max_open_groups=max_open_groups(cfg.learner, PolicyLM(model), objective),
         max_staleness=2,
+        threads=threads,
     )
 
 
-def _batch_step(model, samples, *sets, micro=256, group_size=4):
-    t = _trainer(model, "learner.streaming=off", *sets, micro=micro, group_size=group_size)
+def _batch_step(model, samples, *sets, micro=256, group_size=4, threads=1):
+    t = _trainer(model, "learner.streaming=off", *sets, micro=micro, group_size=group_size, threads=threads)
     t.begin_step(STEP)
     t.batch_backward(samples)
     return t.finish_step()
 
 
-def _stream_step(model, samples, *sets, seed=0, group_size=4):
+def _stream_step(model, samples, *sets, seed=0, group_size=4, threads=1):
     """Arrivals in a random order, with a random amount of work between arrivals."""
-    t = _trainer(model, *sets, group_size=group_size)
+    t = _trainer(model, *sets, group_size=group_size, threads=threads)
     rng = random.Random(seed)
     order = list(samples)
     rng.shuffle(order)
@@ -545,3 +546,78 @@ def test_a_new_batch_global_policy_trains_whole_batches_without_any_list_edit(ti
     result = trainer.finish_step()
     assert result.fallback == trainer.fallback and result.num_trajectories == len(samples)
     assert not torch.equal(_params(model), _params(base))
+
+
+THREADED = {
+    "grpo stream": ([], _stream_step),
+    "grpo batch": ([], _batch_step),
+    "m2po batch": (["staleness.policy=m2po"], _batch_step),
+    "kl batch": (["learner.kl_coef=0.1"], _batch_step),
+    "ewma stream": (["staleness.policy=ewma"], _stream_step),
+    "opd batch": (["opd.enabled=true", "opd.num_samples=3"], _batch_step),
+}
+
+
+@pytest.mark.parametrize("name", sorted(THREADED))
+def test_data_parallel_threads_give_the_one_thread_update(tiny_model_dir, tmp_path, monkeypatch, name):
+    """learner.threads > 1 on one CPU rank: a micro-batch's pieces train on several threads and
+    their gradients are added in piece order. The update equals one thread's (float64: up to
+    summation order) and does not depend on which thread finished first (bitwise across runs)."""
+    from asyncrl.learner import trainer as trainer_mod
+    from asyncrl.models.tiny import create_base
+
+    monkeypatch.setattr(trainer_mod, "MIN_PIECE", 2)  # the test's groups are small
+    sets, step = THREADED[name]
+    base = _model(tiny_model_dir)
+    samples = _samples(base, num_groups=6, stale=0.5)
+    if "opd.enabled=true" in sets:
+        teacher = create_base(tmp_path / "teacher", hidden_size=32, num_layers=1, num_heads=2, seed=7)
+        samples = _with_opd(base, _model(teacher), samples)
+    pieces = []
+    real = trainer_mod.Trainer._piece_grads
+    monkeypatch.setattr(
+        trainer_mod.Trainer,
+        "_piece_grads",
+        lambda self, f, piece: pieces.append(len(piece)) or real(self, f, piece),
+    )
+
+    def update(threads):
+        model = copy.deepcopy(base)
+        out = step(model, samples, *sets, threads=threads)
+        result = out[1] if isinstance(out, tuple) else out
+        return _params(model), result
+
+    one, one_result = update(1)
+    assert pieces == []
+    runs = [update(3) for _ in range(2)]
+    assert len(pieces) > 2  # pieces did run (a streamed trajectory trains alone, not in a piece)
+    if step is _batch_step:
+        assert sum(pieces) == 2 * len(samples)  # every row in one piece, in each of the 2 runs
+    (three, three_result), (again, _) = runs
+    torch.testing.assert_close(three, one, rtol=1e-9, atol=1e-12)
+    assert torch.equal(three, again)
+    assert three_result.loss == pytest.approx(one_result.loss, rel=1e-9, abs=1e-12)
+    assert three_result.num_tokens == one_result.num_tokens
+    assert three_result.num_trajectories == one_result.num_trajectories == len(samples)
+    assert not torch.equal(one, _params(base))
+
+
+def test_core_share_gives_back_a_thread_when_idle_and_takes_it_back_when_bound():
+    from asyncrl.learner.cores import GROW_IDLE, SHRINK_IDLE, CoreShare, resolve_threads
+
+    share = CoreShare(3)
+    assert share.observe(0.0, 1.0) == 3  # bound: already at the most
+    # Idle half the time: smoothed 0.3 * 0.5 + 0.7 * 0 = 0.15 > SHRINK_IDLE -> one back.
+    assert share.observe(0.5, 0.5) == 2
+    assert share.idle_ratio == pytest.approx((SHRINK_IDLE + GROW_IDLE) / 2)
+    # 0.3 * 0.2 + 0.7 * 0.06 = 0.102 > 0.10 -> another back; never below one.
+    assert share.observe(0.2, 0.8) == 1
+    assert share.observe(1.0, 0.0) == 1  # smoothed 0.3 + 0.7 * 0.06 = 0.342
+    # Never idle: 0.342 * 0.7^k drops below GROW_IDLE at k = 8 (0.0282 at k = 7, 0.0197 at 8).
+    assert [share.observe(0.0, 1.0) for _ in range(8)] == [1] * 7 + [2]
+    assert share.observe(0.0, 0.0) == 2  # nothing measured: unchanged
+    with pytest.raises(ValueError, match="at least one thread"):
+        CoreShare(0)
+    assert resolve_threads(3) == 3
+    assert resolve_threads("auto", cpus=[0, 1, 2, 3], world_size=2) == 2
+    assert resolve_threads("auto", cpus=[5], world_size=4) == 1
