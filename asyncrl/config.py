@@ -338,6 +338,17 @@ class WeightsConfig(_Section, frozen=True, kw_only=True):
     # A generator that cannot load a version retries (and takes any newer one); after this long
     # without a loadable version it fails the run with the reason instead of stalling admission.
     load_retry_timeout_s: PosFloat = 300.0
+    # Per-file integrity hash, computed while the shards are written and checked while they are
+    # read: "xxh3" (XXH3-128, ~22 GB/s per core, guards against corruption), "blake3" (~4.3 GB/s,
+    # cryptographic) or "sha256" (~1.8 GB/s, cryptographic). Figures and choice: docs/weights.md.
+    checksum: Literal["xxh3", "blake3", "sha256"] = "xxh3"
+    # shards (and catch-up shards): also publish each version as zstd(XOR with the previous
+    # version); generators holding that version apply it, everyone else reads the full shards.
+    delta: bool = False
+    # Every update's deadline: a generator whose fetch of a version takes longer gives it up (keeps
+    # serving the version it has, reports, retries), and the learner logs which generators have not
+    # acknowledged a version this long after publishing it.
+    update_deadline_s: PosFloat = 120.0
 
     @property
     def kind(self) -> str:

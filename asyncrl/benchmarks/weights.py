@@ -1,8 +1,8 @@
 """`asyncrl bench weights`: time from publish to every generator holding the new weights, for
 safetensors shards and the broadcast group, with 1 and 2 generators, against the memcpy bandwidth
-measured in the same run, and next to what bounds each transport on this machine (sha256 per
-core, file writes and reads, one loopback TCP stream, all measured in the same run).
-bench/README.md explains each figure.
+measured in the same run, and next to what bounds each transport on this machine (each checksum
+kind per core, zstd, file writes and reads, one loopback TCP stream, all measured in the same run);
+beside them sha256 shards, float32 shards and delta updates. bench/README.md explains each figure.
 
 Importing this module is cheap: torch and the transports load when the command runs
 (`asyncrl.benchmarks.weights_run`).
@@ -34,6 +34,20 @@ def command(
     shard_root: Annotated[
         Path | None, typer.Option(help="where shards are written (default: /dev/shm)")
     ] = None,
+    checksum: Annotated[
+        str, typer.Option(help="shards' checksum kind: xxh3, blake3 or sha256 (as weights.checksum)")
+    ] = "xxh3",
+    extra_rows: Annotated[
+        bool, typer.Option(help="also sha256 shards, float32 shards and delta updates (1st count)")
+    ] = True,
+    delta_lr: Annotated[float, typer.Option(help="learning rate of the delta row's Adam-like steps")] = 1e-6,
+    trained_delta_steps: Annotated[
+        int,
+        typer.Option(
+            help="instead of the timed rows: train a Llama-shaped model of --num-params this many AdamW "
+            "steps at --delta-lr and report the bytes of each delta update (bf16 and fp32)"
+        ),
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
 ) -> None:
     """Weight sync: shards and broadcast against memcpy, 1 and 2 generators."""
@@ -42,6 +56,11 @@ def command(
     generators = generators or [1, 2]
     if repeats < 1 or min(generators) < 1:
         raise typer.BadParameter("--repeats and every --generators value must be >= 1")
+    if checksum not in ("xxh3", "blake3", "sha256"):
+        raise typer.BadParameter(f"--checksum must be xxh3, blake3 or sha256, got {checksum!r}")
+    if trained_delta_steps > 0:
+        _trained_deltas(num_params, trained_delta_steps, delta_lr, as_json=as_json)
+        return
     from asyncrl.benchmarks.weights_run import run_weights_bench
 
     result = run_weights_bench(
@@ -51,6 +70,9 @@ def command(
         max_shard_bytes=max_shard_bytes,
         bucket_bytes=bucket_bytes,
         shard_root=shard_root,
+        checksum=checksum,
+        extra_rows=extra_rows,
+        delta_lr=delta_lr,
     )
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -67,34 +89,47 @@ def command(
         f"(one thread); medians of {result['repeats']} rounds"
     )
     typer.echo(
-        f"bounds, one core each: sha256 {b['sha256_gbps_per_core']:.2f} GB/s; file write "
+        f"bounds, one core each: xxh3 {b['xxh3_gbps_per_core']:.1f} GB/s, blake3 {b['blake3_gbps_per_core']:.2f}, "
+        f"sha256 {b['sha256_gbps_per_core']:.2f}; zstd {b['zstd_compress_gbps']:.1f} / "
+        f"{b['zstd_decompress_gbps']:.1f} GB/s; file write "
         f"{b['file_write_new_gbps']:.2f} GB/s new, {b['file_write_recycled_gbps']:.2f} recycled; file read "
         f"{b['file_read_gbps']:.2f} GB/s; loopback TCP stream {b['loopback_tcp_gbps']:.2f} GB/s "
         f"({b['loopback_tcp_cpu_s_per_gb']:.2f} CPU-s/GB)"
     )
+    rows = [("shards", "shards   "), ("shards_sha256", "sha256   "), ("shards_fp32", "fp32     ")]
+    for key, label in rows:
+        for n, r in result["detail"].get(key, {}).items():
+            gb = r["bytes"] / _GB
+            bound = r["bound"]
+            typer.echo(
+                f"{label} x{n}: {vs(r['gbps'])}, {r['bytes'] / 1e6:.0f} MB ({r['checksum']}); publish "
+                f"{r['publish_gbps']:.2f} GB/s (new files: {r['publish_fresh_gbps']:.2f}), load "
+                f"{r['load_gbps']:.2f} GB/s; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, "
+                f"{r['cpu_s'] / cores / r['total_s']:.0%} of {cores} cores: {r['cpu_bound_gbps']:.2f} GB/s "
+                f"with the cores to itself)"
+            )
+            typer.echo(
+                f"  as a generator takes it (fresh tensors, then copied into its parameters): "
+                f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
+            )
+            typer.echo(
+                f"  bound: {1 + int(n)} {bound['checksum']} passes ({bound['hash_cpu_s']:.2f} CPU-s) + copies "
+                f"({bound['copy_cpu_s']:.2f}) on {cores} cores -> {vs(bound['gbps'])}; hashing alone -> "
+                f"{vs(bound['hash_only_gbps'])}"
+            )
+    for n, r in result["detail"].get("delta", {}).items():
+        typer.echo(
+            f"delta     x{n}: lr {r['lr']:g}; {r['delta_bytes'] / 1e6:.2f} MB per update instead of "
+            f"{r['bytes'] / 1e6:.0f} MB ({r['delta_bytes'] / r['bytes']:.1%}); publish (full + delta) "
+            f"{r['publish_gbps']:.2f} GB/s, generator fetch by delta {r['fetch_gbps']:.2f} GB/s; as a "
+            f"generator takes it {vs(r['generator_gbps'])}"
+        )
     gb = result["bytes"] / _GB
-    for n, r in result["detail"]["shards"].items():
-        bound = r["bound"]
-        typer.echo(
-            f"shards    x{n}: {vs(r['gbps'])}; publish {r['publish_gbps']:.2f} GB/s "
-            f"(new files: {r['publish_fresh_gbps']:.2f}), load {r['load_gbps']:.2f} GB/s; "
-            f"cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, {r['cpu_s'] / cores / r['total_s']:.0%} "
-            f"of {cores} cores)"
-        )
-        typer.echo(
-            f"  as a generator takes it (fresh tensors, then copied into its parameters): "
-            f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
-        )
-        typer.echo(
-            f"  bound: {1 + int(n)} sha256 passes ({bound['hash_cpu_s']:.2f} CPU-s) + copies "
-            f"({bound['copy_cpu_s']:.2f}) on {cores} cores -> {vs(bound['gbps'])}; sha256 alone -> "
-            f"{vs(bound['hash_only_gbps'])}"
-        )
     for n, r in result["detail"]["broadcast"].items():
         bound = r["bound"]
         typer.echo(
             f"broadcast x{n}: {vs(r['gbps'])}; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, "
-            f"sender {r['sender_cpu_s']:.2f})"
+            f"sender {r['sender_cpu_s']:.2f}: {r['cpu_bound_gbps']:.2f} GB/s with the cores to itself)"
         )
         typer.echo(
             f"  as a generator takes it (fresh tensors, then copied into its parameters): "
@@ -107,3 +142,19 @@ def command(
         f"load average (1 min): {result['load_average_1min_start']:.2f} at the start, "
         f"{result['load_average_1min']:.2f} at the end, on {cores} CPUs"
     )
+
+
+def _trained_deltas(num_params: int, steps: int, lr: float, *, as_json: bool) -> None:
+    from asyncrl.benchmarks.weights_delta import measure_trained_deltas
+
+    result = measure_trained_deltas(num_params=num_params, steps=steps, lr=lr)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(f"{result['num_params'] / 1e6:.1f}M parameters, {steps} AdamW steps at lr {lr:g}")
+    for name, row in result["dtypes"].items():
+        deltas = ", ".join(
+            f"{b / 1e6:.2f} MB ({f:.1%})"
+            for b, f in zip(row["delta_bytes"], row["delta_fraction"], strict=True)
+        )
+        typer.echo(f"  {name}: full {row['full_bytes'] / 1e6:.0f} MB; deltas {deltas}")

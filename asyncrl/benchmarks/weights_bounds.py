@@ -3,9 +3,10 @@
 Place in the data flow: the weight paths under test are learner rank 0 -> generators, by safetensors
 shards (`asyncrl.transport.shards`, `shard_read`) or by the gloo broadcast group
 (`asyncrl.transport.broadcast`). `weights_run.py` measures those paths end to end; this module
-measures, in the same run, the machine work they are made of (memcpy, sha256, tmpfs file writes
-and reads, one loopback TCP stream) and turns those rates into what each transport could reach at
-best (`shards_bound`, `broadcast_bound`), so a figure can be read against its ceiling.
+measures, in the same run, the machine work they are made of (memcpy, each checksum kind, zstd on
+XOR data, tmpfs file writes and reads, one loopback TCP stream) and turns those rates into what
+each transport could reach at best (`shards_bound`, `broadcast_bound`), so a figure can be read
+against its ceiling.
 
 memcpy is a median (the reference the figures are divided by); every other rate is the fastest of
 its repeats, since a bound is what the machine can do and other load on it should not lower it.
@@ -14,7 +15,6 @@ Each probe runs on at most `_BOUND_BYTES_MAX` bytes: the rates are per byte.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import statistics
@@ -25,15 +25,16 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.transport.checksum import CHECKSUM_KINDS, new_hasher
 from asyncrl.transport.shard_io import CHUNK_BYTES
 
 __all__ = [
     "broadcast_bound",
     "measure_bounds",
+    "measure_checksum_gbps",
     "measure_file_gbps",
     "measure_loopback_tcp",
     "measure_memcpy_gbps",
-    "measure_sha256_gbps",
     "shards_bound",
 ]
 
@@ -64,16 +65,47 @@ def _best_rate(num_bytes: int, run: Callable[[], object], *, repeats: int) -> fl
     return num_bytes / min(times) / _GB
 
 
-def measure_sha256_gbps(num_bytes: int, *, repeats: int) -> float:
-    """hashlib sha256 on one core, in the chunks the shard writer and reader hash."""
+def measure_checksum_gbps(kind: str, num_bytes: int, *, repeats: int) -> float:
+    """One checksum kind (`transport/checksum.py`) on one core, in the chunks the shard writer and
+    reader hash."""
     view = memoryview(torch.ones(num_bytes, dtype=torch.uint8).numpy())
 
     def run() -> None:
-        hasher = hashlib.sha256()
+        hasher = new_hasher(kind)
         for start in range(0, num_bytes, CHUNK_BYTES):
             hasher.update(view[start : start + CHUNK_BYTES])
 
     return _best_rate(num_bytes, run, repeats=repeats)
+
+
+def measure_zstd_gbps(num_bytes: int, *, repeats: int) -> dict[str, float]:
+    """zstd level 1 (`transport/delta.py`) on one core, compressing and decompressing XOR bytes of
+    a bf16 tensor against itself after a small change to 1% of its elements (what a delta of a
+    small-lr update looks like): GB/s of uncompressed bytes, and the compressed fraction."""
+    import io
+
+    import zstandard
+
+    g = torch.Generator().manual_seed(0)
+    xor = torch.zeros(num_bytes // 2, dtype=torch.int16)
+    changed = torch.rand(xor.shape, generator=g) < 0.01
+    xor[changed] = torch.randint(1, 4, (int(changed.sum()),), generator=g, dtype=torch.int16)
+    view = memoryview(xor.view(torch.uint8).numpy())
+    compressor = zstandard.ZstdCompressor(level=1)
+    packed = compressor.compress(view)
+    out = memoryview(torch.zeros(len(view), dtype=torch.uint8).numpy())
+
+    def decompress() -> None:
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(packed))
+        pos = 0
+        while pos < len(out):
+            pos += reader.readinto(out[pos : pos + CHUNK_BYTES])
+
+    return {
+        "compress_gbps": _best_rate(len(view), lambda: compressor.compress(view), repeats=repeats),
+        "decompress_gbps": _best_rate(len(view), decompress, repeats=repeats),
+        "fraction": len(packed) / len(view),
+    }
 
 
 def measure_file_gbps(num_bytes: int, directory: Path, *, repeats: int) -> dict[str, float]:
@@ -161,8 +193,12 @@ def measure_bounds(num_bytes: int, shard_dir: Path, *, bucket_bytes: int, repeat
     probe_bytes = min(num_bytes, _BOUND_BYTES_MAX)
     files = measure_file_gbps(probe_bytes, shard_dir, repeats=repeats)
     tcp = measure_loopback_tcp(probe_bytes, chunk_bytes=bucket_bytes, repeats=repeats)
+    checksums = {kind: measure_checksum_gbps(kind, probe_bytes, repeats=repeats) for kind in CHECKSUM_KINDS}
+    zstd = measure_zstd_gbps(probe_bytes, repeats=repeats)
     return {
-        "sha256_gbps_per_core": measure_sha256_gbps(probe_bytes, repeats=repeats),
+        **{f"{kind}_gbps_per_core": rate for kind, rate in checksums.items()},
+        "zstd_compress_gbps": zstd["compress_gbps"],
+        "zstd_decompress_gbps": zstd["decompress_gbps"],
         "file_write_new_gbps": files["write_new_gbps"],
         "file_write_recycled_gbps": files["write_recycled_gbps"],
         "file_read_gbps": files["read_gbps"],
@@ -171,15 +207,21 @@ def measure_bounds(num_bytes: int, shard_dir: Path, *, bucket_bytes: int, repeat
     }
 
 
-def shards_bound(bounds: dict[str, float], *, num_bytes: int, num_readers: int, num_cpus: int) -> dict:
-    """What shards can reach here: the writer and every reader each hash all bytes (sha256 is
+def shards_bound(
+    bounds: dict[str, float], *, num_bytes: int, num_readers: int, num_cpus: int, checksum: str = "xxh3"
+) -> dict:
+    """What shards can reach here: the writer and every reader each hash all bytes (`checksum`,
     sequential within a file; files go in parallel), the writer writes them once (into recycled
     files) and every reader copies them once; on `num_cpus` cores that work takes at least its CPU
     time divided by the cores."""
     gb = num_bytes / _GB
-    hash_s = (1 + num_readers) * gb / bounds["sha256_gbps_per_core"]
-    copy_s = gb / bounds["file_write_recycled_gbps"] + num_readers * gb / bounds["file_read_gbps"]
+    hash_rate = bounds[f"{checksum}_gbps_per_core"]
+    hash_s = (1 + num_readers) * gb / hash_rate
+    write_s = gb / bounds["file_write_recycled_gbps"]
+    read_s = gb / bounds["file_read_gbps"]
+    copy_s = write_s + num_readers * read_s
     return {
+        "checksum": checksum,
         "hash_cpu_s": hash_s,
         "copy_cpu_s": copy_s,
         "gbps": gb / ((hash_s + copy_s) / num_cpus),

@@ -11,19 +11,25 @@ region.
 
 Figures (GB/s = 1e9 bytes/s, one copy of the weights as the unit of work; medians over rounds):
   memcpy_gbps     torch copy of a buffer of the same size, one thread, warm (destination touched)
-  shards_gbps     bytes / (publish (write + sha256 + rename, as ShardPublisher does) + the slowest
-                  reader's verified load), in the steady state of retention (keep_last 2, pruned
-                  versions recycled); `publish_fresh_gbps` is a publish that had to create its files
+  shards_gbps     bytes / (publish (write + checksum (xxh3 by default) + rename, as ShardPublisher
+                  does) + the slowest reader's verified load), in the steady state of retention
+                  (keep_last 2, pruned versions recycled); `publish_fresh_gbps` is a publish that
+                  had to create its files. detail: `shards_sha256` the same with sha256 (the old
+                  integrity), `shards_fp32` the same model in float32 (twice the bytes of the
+                  bf16 serving dtype), `delta` versions that change as a small-lr Adam step does,
+                  published with `weights.delta` and fetched as a generator does (the delta
+                  applied to the version it holds), with the bytes of each delta
   broadcast_gbps  bytes / (broadcast until every receiver holds all bytes, confirmed by an all-reduce)
   generator_gbps  (detail) the same, with each generator taking the weights as a real one does:
                   into fresh tensors (`WeightsReceiver.fetch` / `receive_tensors`), then copied
                   into its parameters, the fresh tensors dropped; the figures above load straight
                   into the tensors a generator holds, which is the transports' own speed
   cpu_s           CPU seconds of all processes for one update (wall figures move with other load on
-                  the machine; CPU seconds much less so)
+                  the machine; CPU seconds much less so); `cpu_bound_gbps` = bytes / (cpu_s / CPUs):
+                  the figure if every core worked on the update and nothing else
   bounds          what limits the two transports, measured in the same run (fastest of the
-                  repeats), one core each: sha256, tmpfs writes (new and recycled files) and
-                  reads, one loopback TCP stream
+                  repeats), one core each: every checksum kind, zstd on XOR data, tmpfs writes
+                  (new and recycled files) and reads, one loopback TCP stream
 
     asyncrl bench weights --json
     asyncrl bench weights --num-params 20000000 --generators 1 --generators 2 --repeats 5
@@ -61,6 +67,8 @@ from asyncrl.transport.broadcast import (
     tensor_metas,
     uses_point_to_point,
 )
+from asyncrl.transport.checksum import DEFAULT_CHECKSUM
+from asyncrl.transport.delta import DeltaBase
 from asyncrl.transport.publisher import MAX_SHARD_BYTES
 from asyncrl.transport.receiver import WeightsReceiver
 from asyncrl.transport.retention import VersionRetention, prune
@@ -76,6 +84,8 @@ DEFAULT_BUCKET_BYTES = 4 << 20  # gloo: tensors of 4 MiB or more go alone, witho
 GROUP_TIMEOUT_S = 300.0
 P2P = uses_point_to_point("gloo")  # as BroadcastPublisher and WeightsReceiver decide on a CPU group
 KEEP_LAST = 2  # weights.keep_last's default: retention as in a run
+# The delta row's learning rate: RL post-training of LLMs commonly uses 1e-6 (GRPO recipes).
+DEFAULT_DELTA_LR = 1e-6
 _GB = 1e9
 
 
@@ -213,15 +223,47 @@ def _stop(procs: list[mp.Process]) -> None:
 # ---------------------------------------------------------------------------------------------- runs
 
 
+def adam_like_states(sd: dict[str, torch.Tensor], *, lr: float, seed: int = 0):
+    """Versions of `sd` as training with a small learning rate makes them: float32 master weights
+    (matrices drawn N(0, 0.02) as at initialisation, the rest as given) each moved by `lr` times a
+    random sign per element (Adam's first steps move every element by about lr), published in
+    each tensor's dtype. Returns `state_of(version)`; versions must be asked for in order."""
+    g = torch.Generator().manual_seed(seed)
+    master = {
+        n: (torch.empty(t.shape).normal_(0.0, 0.02, generator=g) if t.dim() > 1 else t.float().clone())
+        for n, t in sd.items()
+    }
+    step = [0]
+
+    def state_of(version: int) -> dict[str, torch.Tensor]:
+        while step[0] < version:
+            for t in master.values():
+                signs = torch.randint(0, 2, t.shape, generator=g, dtype=torch.int8).float().mul_(2).sub_(1)
+                t.add_(signs, alpha=lr)
+            step[0] += 1
+        return {n: master[n].to(sd[n].dtype) for n in sd}
+
+    return state_of
+
+
 def bench_shards(
-    sd: dict[str, torch.Tensor], root: Path, *, num_readers: int, repeats: int, max_shard_bytes: int
+    sd: dict[str, torch.Tensor],
+    root: Path,
+    *,
+    num_readers: int,
+    repeats: int,
+    max_shard_bytes: int,
+    checksum: str = DEFAULT_CHECKSUM,
+    state_of=None,
 ) -> dict:
     """Publish and load `repeats` timed versions after warm-up, with retention as a run has it.
 
     Warm-up: version 0 (readers allocate their tensors) up to version KEEP_LAST, the first one
     pruned; from then on every publish finds the pruned version's files to overwrite, as a run does
     after its first few steps. The warm-up publishes after version 0 created new files: their median
-    is `publish_fresh_gbps`.
+    is `publish_fresh_gbps`. With `state_of` (version -> state dict, e.g. `adam_like_states`) each
+    version differs and is published with a delta (`weights.delta`); the readers' `fetch` then
+    applies it to the version they hold, and `delta_bytes` is what each delta weighs.
     """
     ctx = mp.get_context("spawn")
     started = [
@@ -234,13 +276,23 @@ def bench_shards(
         retention.register(f"reader-{i}")
     num_bytes = num_bytes_of(sd)
     num_warmup = KEEP_LAST + 1
+    delta_base = DeltaBase() if state_of is not None else None
     rounds, fresh_publish_s = [], []
     try:
         for conn in conns:
             _expect(conn, "ready")
         for version in range(num_warmup + repeats):
+            state = sd if state_of is None else state_of(version)
             t0, cpu0 = time.perf_counter(), time.process_time()
-            write_shards(sd, root, version, max_shard_bytes=max_shard_bytes, fsync=False)  # as ShardPublisher
+            manifest = write_shards(  # as ShardPublisher
+                state,
+                root,
+                version,
+                max_shard_bytes=max_shard_bytes,
+                fsync=False,
+                checksum=checksum,
+                delta_base=delta_base,
+            )
             t1, publish_cpu_s = time.perf_counter(), time.process_time() - cpu0
             retention.publish(version)
             for conn in conns:
@@ -265,6 +317,11 @@ def bench_shards(
                         "cpu_s": publish_cpu_s + sum(m["cpu_s"] for m in loads),
                         "generator_s": (t1 - t0) + (t3 - t2),
                         "generator_cpu_s": publish_cpu_s + sum(m["cpu_s"] for m in fetches),
+                        "fetch_s": t3 - t2,
+                        "delta_bytes": sum(d.size_bytes for d in manifest.delta.files)
+                        if manifest.delta
+                        else 0,
+                        "file_bytes": sum(f.size_bytes for f in manifest.files),
                     }
                 )
             elif version > 0:
@@ -278,6 +335,8 @@ def bench_shards(
         return statistics.median(r[key] for r in rounds)
 
     return {
+        "checksum": checksum,
+        "bytes": num_bytes,
         "gbps": num_bytes / median("total_s") / _GB,
         "publish_gbps": num_bytes / median("publish_s") / _GB,
         "publish_fresh_gbps": num_bytes / statistics.median(fresh_publish_s) / _GB,
@@ -288,6 +347,8 @@ def bench_shards(
         "load_cpu_s": median("load_cpu_s"),
         "generator_gbps": num_bytes / median("generator_s") / _GB,
         "generator_cpu_s": median("generator_cpu_s"),
+        "fetch_gbps": num_bytes / median("fetch_s") / _GB,
+        "delta_bytes": median("delta_bytes"),
         "rounds": rounds,
     }
 
@@ -363,6 +424,48 @@ def bench_broadcast(
     }
 
 
+def _extra_rows(
+    sd: dict[str, torch.Tensor],
+    root: Path,
+    bounds: dict,
+    *,
+    n: int,
+    repeats: int,
+    max_shard_bytes: int,
+    delta_lr: float,
+) -> dict[str, dict[str, dict]]:
+    """The rows beside the main ones, for `n` generators: sha256 shards (the old integrity),
+    float32 shards (twice the bytes of the bf16 serving dtype) and delta updates."""
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    rows: dict[str, dict[str, dict]] = {}
+    fp32 = {name: t.float() for name, t in sd.items()}
+    for key, state, kind, state_of in (
+        ("shards_sha256", sd, "sha256", None),
+        ("shards_fp32", fp32, DEFAULT_CHECKSUM, None),
+        ("delta", sd, DEFAULT_CHECKSUM, adam_like_states(sd, lr=delta_lr)),
+    ):
+        shard_dir = root / f"{key}-x{n}"
+        shard_dir.mkdir()
+        row = bench_shards(
+            state,
+            shard_dir,
+            num_readers=n,
+            repeats=repeats,
+            max_shard_bytes=max_shard_bytes,
+            checksum=kind,
+            state_of=state_of,
+        )
+        row["bound"] = shards_bound(
+            bounds, num_bytes=num_bytes_of(state), num_readers=n, num_cpus=num_cpus, checksum=kind
+        )
+        if state_of is not None:
+            row["lr"] = delta_lr
+        rows[key] = {str(n): row}
+        shutil.rmtree(shard_dir)
+    del fp32
+    return rows
+
+
 def run_weights_bench(
     *,
     num_params: int = 100_000_000,
@@ -371,9 +474,13 @@ def run_weights_bench(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     shard_root: Path | None = None,
+    checksum: str = DEFAULT_CHECKSUM,
+    extra_rows: bool = True,
+    delta_lr: float = DEFAULT_DELTA_LR,
 ) -> dict:
     """Measure memcpy, the bounds, shards and broadcast; top-level figures are medians for
-    num_generators_list[0]."""
+    num_generators_list[0]. With `extra_rows`, for the first generator count also: shards with
+    sha256, shards of the model in float32, and delta updates (`adam_like_states` at `delta_lr`)."""
     if repeats < 1 or not num_generators_list or min(num_generators_list) < 1:
         raise ValueError("repeats and every generator count must be >= 1")
     load_start = os.getloadavg()[0]
@@ -391,12 +498,29 @@ def run_weights_bench(
             shard_dir = root / f"x{n}"
             shard_dir.mkdir()
             detail["shards"][str(n)] = bench_shards(
-                sd, shard_dir, num_readers=n, repeats=repeats, max_shard_bytes=max_shard_bytes
+                sd,
+                shard_dir,
+                num_readers=n,
+                repeats=repeats,
+                max_shard_bytes=max_shard_bytes,
+                checksum=checksum,
             )
             detail["shards"][str(n)]["bound"] = shards_bound(
-                bounds, num_bytes=num_bytes, num_readers=n, num_cpus=num_cpus
+                bounds, num_bytes=num_bytes, num_readers=n, num_cpus=num_cpus, checksum=checksum
             )
             shutil.rmtree(shard_dir)
+            if extra_rows and n == num_generators_list[0]:
+                detail.update(
+                    _extra_rows(
+                        sd,
+                        root,
+                        bounds,
+                        n=n,
+                        repeats=repeats,
+                        max_shard_bytes=max_shard_bytes,
+                        delta_lr=delta_lr,
+                    )
+                )
             detail["broadcast"][str(n)] = bench_broadcast(
                 sd, num_receivers=n, repeats=repeats, bucket_bytes=bucket_bytes
             )
@@ -405,6 +529,9 @@ def run_weights_bench(
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    for rows in detail.values():  # what the CPU work allows when every core is the update's
+        for row in rows.values():
+            row["cpu_bound_gbps"] = row.get("bytes", num_bytes) / (row["cpu_s"] / num_cpus) / _GB
     first = str(num_generators_list[0])
     shards_gbps = detail["shards"][first]["gbps"]
     broadcast_gbps = detail["broadcast"][first]["gbps"]
@@ -420,6 +547,7 @@ def run_weights_bench(
         "bounds": bounds,
         "max_shard_bytes": max_shard_bytes,
         "bucket_bytes": bucket_bytes,
+        "checksum": checksum,
         "repeats": repeats,
         "shard_root": str(base),
         "num_cpus": num_cpus,

@@ -18,9 +18,11 @@ them at its next safe point (between decode steps, by `weights.inflight`, or bet
 `gen-acks` then sends `WeightsLoaded`. A plugin without `offer_weights` gets `load_weights` between
 batches instead (shards only).
 
-A version that cannot be loaded (corrupt or missing shard) never reaches the model: the generator
+A version that cannot be loaded (corrupt or missing shard or delta, a broadcast that failed, a
+fetch still unfinished at `weights.update_deadline_s`) never reaches the model: the generator
 keeps serving the weights it has, logs the reason, counts `gen/weights_load_errors`, and never acks
-what it does not hold. It takes the next announcement as soon as one arrives and meanwhile retries
+what it does not hold (a failed broadcast is not retried: the generator left the group and takes
+the catch-up shards). It takes the next announcement as soon as one arrives and meanwhile retries
 the failed one with backoff (a shared directory may lag); if no version becomes loadable within
 `weights.load_retry_timeout_s` it fails with the reason, because admission waits for its ack and a
 silent stall would hang the run.
@@ -32,8 +34,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import logging
 import math
+import threading
 import time
 from collections import deque
 
@@ -65,6 +69,7 @@ from asyncrl.messages import (
 from asyncrl.models.sampling import device_setting
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import batch_trajectories, tensor_ref
+from asyncrl.transport.fence import UpdateFailed
 from asyncrl.transport.manifest import WeightsCorruptError
 from asyncrl.transport.receiver import WeightsReceiver
 from asyncrl.transport.zmq_io import Endpoint
@@ -307,6 +312,8 @@ class GeneratorService:
             if await self.load(msg):
                 failing, backoff_s = None, RETRY_FIRST_S
                 continue
+            if msg.transport == "broadcast":  # never retried: its catch-up shards follow
+                continue
             if failing is None:
                 failing_since = time.perf_counter()
             retried = failing is not None and failing.version == msg.version
@@ -329,7 +336,7 @@ class GeneratorService:
                 self.fetched_version = msg.version
                 self.on_applied(msg.version)
             elif self.staged:
-                state = await asyncio.to_thread(self.receiver.fetch, msg)
+                state = await self.fetch(msg)
                 self.gen.offer_weights(msg.version, state, self.on_applied_threadsafe)
                 self.offered = True
                 self.fetched_version = msg.version
@@ -346,8 +353,8 @@ class GeneratorService:
                 self.fetched_version = msg.version
                 self.on_applied(msg.version)
             return True
-        except (WeightsCorruptError, FileNotFoundError) as exc:
-            if msg.transport == "broadcast":
+        except (WeightsCorruptError, FileNotFoundError, UpdateFailed) as exc:
+            if msg.transport == "broadcast" and not isinstance(exc, UpdateFailed):
                 raise
             self.num_load_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -360,6 +367,42 @@ class GeneratorService:
             )
             await self.send_metrics()
             return False
+
+    async def fetch(self, msg: WeightsPublished):
+        """The receiver's fetch in a thread of its own; shards by the update's deadline. A fetch
+        past it is given up: the thread cannot be stopped, so it is a daemon thread (a hung one
+        never holds up the process's exit, as one of the loop's executor would) that finishes, if
+        ever, into tensors nobody takes."""
+        loop = asyncio.get_running_loop()
+        fetching = loop.create_future()
+
+        def settle(result=None, exc: BaseException | None = None) -> None:
+            if fetching.done():  # given up meanwhile
+                return
+            if exc is not None:
+                fetching.set_exception(exc)
+            else:
+                fetching.set_result(result)
+
+        def run() -> None:
+            try:
+                outcome = (self.receiver.fetch(msg), None)
+            except BaseException as exc:  # handed to the awaiting task, which decides
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        threading.Thread(target=run, name=f"gen-fetch-v{msg.version}", daemon=True).start()
+        if msg.transport == "broadcast":  # every rank must take part; the group's timeout bounds it
+            return await fetching
+        deadline_s = self.ctx.config.weights.update_deadline_s
+        try:
+            return await asyncio.wait_for(fetching, deadline_s)
+        except TimeoutError:
+            raise UpdateFailed(
+                f"weights version {msg.version}: fetching it took longer than "
+                f"weights.update_deadline_s = {deadline_s:g} s; given up"
+            ) from None
 
     def on_applied_threadsafe(self, version: int) -> None:
         """Called by the generator on the thread that applied the weights."""
@@ -503,6 +546,8 @@ class GeneratorService:
                     "gen/rejected_frames": float(self.ctx.ctrl.num_rejected),
                     "gen/weights_load_errors": float(self.num_load_errors),
                     "gen/weights_load_s": self.last_load_s,
+                    "gen/weights_fetch_bytes": float(self.receiver.last_fetch_bytes),
+                    "gen/weights_delta_fetches": float(self.receiver.num_delta_fetches),
                     "gen/inflight_updates": float(getattr(self.gen, "num_inflight_updates", 0)),
                     "gen/teacher_s": float(getattr(self.gen, "teacher_s", 0.0)),
                 },

@@ -19,6 +19,13 @@ the layout an inference server's flattened-bucket loader expects (the SGLang bac
 request from the bucket's entries, `generators/sglang/group.py`). A bucket of one tensor is sent straight from (received straight into) that tensor.
 On gloo (CPU) pick `bucket_bytes` around a few MiB so large tensors go without copies; for NCCL
 and SGLang larger buckets (hundreds of MiB) mean fewer calls.
+
+Losing a peer: with `p2p` every receiver is its own pair of the group (gloo fails only that pair
+when a process dies: measured, a reset within milliseconds), the layout check is pairwise too, and
+the sender finishes the transfer to every other receiver before it raises `PeersLost` naming the
+ranks it lost, so no rank waits for a dead one. Later transfers leave those ranks out (`peers`).
+A broadcast (NCCL, SGLang ranks) is a collective: a dead rank fails it on every rank only at the
+group's timeout.
 """
 
 from __future__ import annotations
@@ -52,6 +59,17 @@ _P2P_IN_FLIGHT = 8
 _P2P_BACKENDS = ("gloo",)
 # The layout fingerprint is the first 7 bytes of a sha256, so it and its negation fit in int64.
 _FINGERPRINT_BYTES = 7
+
+
+class PeersLost(RuntimeError):
+    """A p2p transfer reached every receiver except `failed` (rank -> the error); `num_bytes`
+    were sent to each of the others."""
+
+    def __init__(self, failed: dict[int, str], num_bytes: int) -> None:
+        self.failed = dict(failed)
+        self.num_bytes = num_bytes
+        lost = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(self.failed.items()))
+        super().__init__(f"weight transfer lost {len(self.failed)} receiver(s): {lost}")
 
 
 class BucketEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -266,6 +284,69 @@ def _check_layout(
         )
 
 
+_LAYOUT_OK, _LAYOUT_MISMATCH = 1, 0
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _pairwise(device: torch.device) -> bool:
+    """Whether ranks check layouts pair by pair (CPU: gloo, whose pairs fail alone) rather than with
+    one all-reduce (NCCL). Decided by the device, never by `p2p`, so that a sender and a receiver
+    that disagree about `p2p` still run the same check and both raise."""
+    return device.type == "cpu"
+
+
+def _check_layout_pairwise(
+    group: dist.ProcessGroup, buckets: Sequence[Bucket], src: int, peers: Sequence[int], *, p2p: bool
+) -> dict[int, str]:
+    """Sender: each peer sends its fingerprint, each gets a verdict back (pairs only, so a dead
+    peer fails its own pair); returns the peers lost meanwhile. Raises ValueError on a mismatch
+    after every live peer has its verdict (then they raise too)."""
+    fingerprint = layout_fingerprint(buckets, p2p=p2p)
+    theirs = {peer: torch.zeros(1, dtype=torch.int64) for peer in peers}
+    works = {peer: dist.irecv(theirs[peer], src=peer, group=group) for peer in peers}
+    failed: dict[int, str] = {}
+    for peer, work in works.items():
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            failed[peer] = _first_line(exc)
+    live = [peer for peer in peers if peer not in failed]
+    ok = all(int(theirs[peer].item()) == fingerprint for peer in live)
+    verdict = torch.tensor([_LAYOUT_OK if ok else _LAYOUT_MISMATCH], dtype=torch.int64)
+    sends = {peer: dist.isend(verdict, dst=peer, group=group) for peer in live}
+    for peer, work in sends.items():
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            failed[peer] = _first_line(exc)
+    if not ok:
+        raise ValueError(
+            "weight layout differs between ranks of the weight update group: sender and receivers "
+            "must use the same tensor metadata, in the same order, the same bucket_bytes and the "
+            "same p2p setting"
+        )
+    return failed
+
+
+def _receive_layout_verdict(
+    group: dist.ProcessGroup, buckets: Sequence[Bucket], src: int, *, p2p: bool
+) -> None:
+    """Receiver side of `_check_layout_pairwise`."""
+    mine = torch.tensor([layout_fingerprint(buckets, p2p=p2p)], dtype=torch.int64)
+    dist.isend(mine, dst=src, group=group).wait()
+    verdict = torch.zeros(1, dtype=torch.int64)
+    dist.irecv(verdict, src=src, group=group).wait()
+    if int(verdict.item()) != _LAYOUT_OK:
+        raise ValueError(
+            "weight layout differs between ranks of the weight update group: sender and receivers "
+            "must use the same tensor metadata, in the same order, the same bucket_bytes and the "
+            "same p2p setting"
+        )
+
+
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
     return t.reshape(-1).view(torch.uint8)
@@ -336,14 +417,18 @@ def broadcast_tensors(
     device: str | torch.device | None = None,
     check_layout: bool = True,
     p2p: bool = False,
+    peers: Sequence[int] | None = None,
 ) -> int:
     """Send `tensors` (in order) to every other rank of `group`; returns the bytes sent.
 
     Receivers call `receive_tensors` with `tensor_metas(tensors)`, the same `bucket_bytes` and the
     same `p2p`. `device` is where the flat buffers live (default: the first tensor's device; "cuda"
     for NCCL). With `p2p` each bucket goes to each receiver as a send (`uses_point_to_point`), else
-    as one broadcast. With `check_layout` all ranks first compare layout fingerprints; turn it off
-    only for receivers that do not do it (SGLang servers).
+    as one broadcast. With `check_layout` all ranks first compare layout fingerprints (pairwise
+    with `p2p`); turn it off only for receivers that do not do it (SGLang servers).
+
+    With `p2p`, `peers` (default: every other rank) are the receivers; one that fails (its process
+    died) is dropped and the others still get everything, then `PeersLost` is raised.
     """
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     if not items:
@@ -351,18 +436,33 @@ def broadcast_tensors(
     by_name = dict(items)
     buckets = plan_buckets(tensor_metas(items), bucket_bytes=bucket_bytes)
     device = _resolve_device(device if device is not None else items[0][1].device)
-    if check_layout:
+    if peers is None:
+        peers = [rank for rank in range(group.size()) if rank != src]
+    elif not p2p:
+        raise ValueError("peers is for p2p transfers (a broadcast reaches every rank)")
+    failed: dict[int, str] = {}
+    if check_layout and _pairwise(device):
+        failed.update(_check_layout_pairwise(group, buckets, src, peers, p2p=p2p))
+    elif check_layout:
         _check_layout(group, buckets, device, p2p=p2p)
-    peers = [rank for rank in range(group.size()) if rank != src]
     max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
     staging = _Staging(_staging_bytes(buckets), device, max_in_flight)
-    in_flight: collections.deque[list[dist.Work]] = collections.deque()
+    in_flight: collections.deque[list[tuple[int, dist.Work]]] = collections.deque()
+
+    def wait(works: list[tuple[int, dist.Work]]) -> None:
+        for peer, work in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                if not p2p:
+                    raise
+                failed.setdefault(peer, _first_line(exc))
+
     for bucket in buckets:
         if bucket.num_bytes == 0:
             continue  # nothing to send; receivers skip it too
         if len(in_flight) == max_in_flight:
-            for work in in_flight.popleft():  # frees the staging slot used below
-                work.wait()
+            wait(in_flight.popleft())  # frees the staging slot used below
         only = by_name[bucket.entries[0].name].detach() if len(bucket.entries) == 1 else None
         if only is not None and _direct(only, device):
             flat = _flat_bytes(only)
@@ -371,13 +471,16 @@ def broadcast_tensors(
             for entry in bucket.entries:
                 _entry_view(flat, entry).copy_(by_name[entry.name].detach())
         if p2p:
-            in_flight.append([dist.isend(flat, dst=peer, group=group) for peer in peers])
+            live = [peer for peer in peers if peer not in failed]
+            in_flight.append([(peer, dist.isend(flat, dst=peer, group=group)) for peer in live])
         else:
-            in_flight.append([dist.broadcast(flat, src=src, group=group, async_op=True)])
-    for works in in_flight:
-        for work in works:
-            work.wait()
-    return sum(b.num_bytes for b in buckets)
+            in_flight.append([(-1, dist.broadcast(flat, src=src, group=group, async_op=True))])
+    while in_flight:
+        wait(in_flight.popleft())
+    num_bytes = sum(b.num_bytes for b in buckets)
+    if failed:
+        raise PeersLost(failed, num_bytes)
+    return num_bytes
 
 
 def receive_tensors(
@@ -411,7 +514,9 @@ def receive_tensors(
                     f"out[{meta.name!r}] is {dtype_name(dest.dtype)}{list(dest.shape)}, "
                     f"the sender sends {meta.dtype}{list(meta.shape)}"
                 )
-    if check_layout:
+    if check_layout and _pairwise(device):
+        _receive_layout_verdict(group, buckets, src, p2p=p2p)
+    elif check_layout:
         _check_layout(group, buckets, device, p2p=p2p)
     max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
     staging = _Staging(_staging_bytes(buckets), device, max_in_flight)

@@ -3,6 +3,10 @@
 Place in the data flow: `shards.py` writes a `ShardManifest` as `manifest.json` next to every
 version's safetensors shards and `shard_read.py` verifies files against it; `TensorMeta` lists derived
 from it describe tensors for broadcast announcements.
+
+Schema 2 records each file's checksum under the manifest's `checksum_kind` (`checksum.py`) and, for a
+version published as a delta too, the delta files (`delta.py`). Schema 1 manifests (a `sha256` per
+file) still load: `from_json` reads them as `checksum_kind = "sha256"`.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import msgspec
 import torch
 
 from asyncrl.messages import TensorMeta
+from asyncrl.transport.checksum import CHECKSUM_KINDS
 from asyncrl.transport.retention import TMP_PREFIX
 
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "model.safetensors.index.json"
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
+_SCHEMA_SHA256_FILES = 1  # before checksum kinds: every file has a `sha256`
 
 # torch dtype -> safetensors dtype code (the safetensors format specification's names).
 SAFETENSORS_CODES: dict[torch.dtype, str] = {
@@ -53,10 +59,33 @@ class ManifestTensor(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     file: str
 
 
-class ManifestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ManifestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     name: str
     size_bytes: int
-    sha256: str  # hex digest of the whole file, as `sha256sum` prints it
+    checksum: str = ""  # hex digest of the whole file, of the manifest's `checksum_kind`
+    sha256: str = ""  # schema 1 only (read as `checksum`), as `sha256sum` prints it
+
+
+class DeltaFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One shard's delta: zstd of (the shard's safetensors header, then its data bytes XOR the base
+    version's bytes of the same tensors). Applying it gives the shard file `shard` exactly; the
+    result is checked against that file's checksum."""
+
+    name: str  # the delta file, in the version directory
+    shard: str  # the shard file it rebuilds
+    size_bytes: int  # of the delta file (compressed)
+    checksum: str  # of the delta file's bytes, of the manifest's `checksum_kind`
+
+
+class ManifestDelta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """This version is also published as a difference from `base_version`; a reader that holds
+    that version's bytes (and whose copy has `base_checksums`, the base's shard checksums in shard
+    order) may apply the delta instead of reading the shards."""
+
+    base_version: int
+    base_checksums: tuple[str, ...]
+    encoding: str = "xor-zstd"
+    files: tuple[DeltaFile, ...]
 
 
 class ShardManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,6 +97,11 @@ class ShardManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tensors: tuple[ManifestTensor, ...]  # in state-dict order
     files: tuple[ManifestFile, ...]  # shard files, in shard order
     extra_files: tuple[ManifestFile, ...] = ()
+    checksum_kind: str = "sha256"  # the hash of every `checksum` here (`checksum.py`)
+    delta: ManifestDelta | None = None
+    # The publisher keeps this version's bytes to publish the next one as a delta from it: a
+    # reader that may take deltas keeps its copy of this version (`delta.DeltaBase`).
+    delta_next: bool = False
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=1)
@@ -76,12 +110,25 @@ class ShardManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def from_json(cls, data: bytes | str) -> ShardManifest:
         """Decode and check a manifest; raises ValueError (msgspec.DecodeError) if malformed."""
         manifest = msgspec.json.decode(data, type=cls)
-        if manifest.schema != MANIFEST_SCHEMA:
+        if manifest.schema == _SCHEMA_SHA256_FILES:
+            manifest = _from_schema_1(manifest)
+        elif manifest.schema != MANIFEST_SCHEMA:
             raise ValueError(
                 f"manifest schema {manifest.schema} is not supported (expected {MANIFEST_SCHEMA})"
             )
-        for record in (*manifest.files, *manifest.extra_files):
+        if manifest.checksum_kind not in CHECKSUM_KINDS:
+            raise ValueError(f"manifest checksum kind {manifest.checksum_kind!r} is not supported")
+        records = (*manifest.files, *manifest.extra_files)
+        for record in records:
             check_file_name(record.name)  # a tampered manifest must not point outside its directory
+            if not record.checksum:
+                raise ValueError(f"manifest file {record.name!r} has no checksum")
+        if manifest.delta is not None:
+            shard_names = {f.name for f in manifest.files}
+            for d in manifest.delta.files:
+                check_file_name(d.name)
+                if d.shard not in shard_names or d.name in shard_names:
+                    raise ValueError(f"manifest delta file {d.name!r} names no shard of this version")
         file_names = {f.name for f in manifest.files}
         for t in manifest.tensors:
             dtype_from_name(t.dtype)
@@ -92,6 +139,22 @@ class ShardManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def metas(self) -> list[TensorMeta]:
         """The tensors as wire metadata, in state-dict order (e.g. for a broadcast announcement)."""
         return [TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape) for t in self.tensors]
+
+
+def _from_schema_1(manifest: ShardManifest) -> ShardManifest:
+    """A schema 1 manifest (sha256 per file, no kind) as schema 2."""
+
+    def convert(records: tuple[ManifestFile, ...]) -> tuple[ManifestFile, ...]:
+        return tuple(ManifestFile(name=r.name, size_bytes=r.size_bytes, checksum=r.sha256) for r in records)
+
+    if manifest.delta is not None or manifest.checksum_kind != "sha256":
+        raise ValueError("a schema 1 manifest has no checksum kind and no delta")
+    return msgspec.structs.replace(
+        manifest,
+        schema=MANIFEST_SCHEMA,
+        files=convert(manifest.files),
+        extra_files=convert(manifest.extra_files),
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -37,6 +37,9 @@ import torch
 
 from asyncrl.messages import WeightsPublished
 from asyncrl.plugins import available, load_plugin
+from asyncrl.transport.checksum import DEFAULT_CHECKSUM
+from asyncrl.transport.delta import DeltaBase
+from asyncrl.transport.fence import AckWatch
 from asyncrl.transport.retention import VersionRetention, prune
 from asyncrl.transport.shards import StreamedState, write_shards
 
@@ -46,6 +49,10 @@ Announce = Callable[[WeightsPublished], Awaitable[None]]
 
 # Shards of at most this size: small enough to load in parallel, large enough to stream well.
 MAX_SHARD_BYTES = 512 * 1024 * 1024
+
+# weights.update_deadline_s's default: how long after a publish the learner says which
+# generators have not acknowledged it.
+UPDATE_DEADLINE_S = 120.0
 
 PUBLISHERS_GROUP = "asyncrl.publishers"
 # Read only for its registry names (a `pkg.mod:obj` generators.kind maps back to its name);
@@ -83,12 +90,60 @@ class PublisherFactory(Protocol):
     ) -> WeightPublisher: ...
 
 
+class AckDeadlines:
+    """The learner never waits past an update's deadline without saying for whom: `deadline_s`
+    after each publish, the generators that have not acked it (nor anything newer) are logged by
+    id, and so is each of their acks when it comes (`fence.AckWatch`). Runs on the learner's loop."""
+
+    def __init__(self, generator_ids: Iterable[str], deadline_s: float) -> None:
+        self.watch = AckWatch(generator_ids)
+        self.deadline_s = deadline_s
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self.num_overdue = 0
+
+    def published(self, version: int) -> None:
+        self.watch.published(version, time.monotonic())
+        loop = asyncio.get_running_loop()
+        self._timers[version] = loop.call_later(self.deadline_s, self._check, version)
+
+    def _check(self, version: int) -> None:
+        self._timers.pop(version, None)
+        late = self.watch.overdue(version, time.monotonic())
+        if late is not None:
+            self.num_overdue += 1
+            log.warning(
+                "weights version %d: no WeightsLoaded from %s %.0f s after it was published "
+                "(weights.update_deadline_s = %g); admission waits for them",
+                version,
+                ", ".join(late.generator_ids),
+                late.waited_s,
+                self.deadline_s,
+            )
+
+    def acked(self, generator_id: str, version: int) -> None:
+        since = self.watch.acked(generator_id, version)
+        if since is not None:
+            log.warning(
+                "weights version %d: %s acknowledged it %.1f s after it was published, past the deadline",
+                version,
+                generator_id,
+                time.monotonic() - since,
+            )
+
+    def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+
+
 class ShardPublisher:
     """Versioned safetensors shards under `weights_dir` (see `shards.py`), last K kept.
 
     With `recycle` (the default) the newest pruned version stays as a hidden spare whose files the
     next publish overwrites (`retention.prune(..., keep_spare=True)`): on tmpfs, overwriting old
-    files costs less CPU than writing new ones (docs/weights.md).
+    files costs less CPU than writing new ones (docs/weights.md). `checksum` is the files' hash
+    (`checksum.py`); with `delta` each version after the first is also written as a delta from the
+    one before (`delta.py`; the publisher keeps that version's bytes, one copy of the weights).
     """
 
     transport = "safetensors"
@@ -107,21 +162,34 @@ class ShardPublisher:
         max_shard_bytes: int = MAX_SHARD_BYTES,
         catchup: bool = False,
         recycle: bool = True,
+        checksum: str = DEFAULT_CHECKSUM,
+        delta: bool = False,
+        deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:
+        ids = list(generator_ids)
         self.weights_dir = weights_dir
         self.recycle = recycle
         self.extra_files = dict(extra_files)
         self.max_shard_bytes = max_shard_bytes
         self.catchup = catchup  # announcements are marked as copies of broadcast versions
+        self.checksum = checksum
+        self.delta_base = DeltaBase() if delta else None
         self.retention = VersionRetention(keep_last)
-        for gid in generator_ids:
+        for gid in ids:
             self.retention.register(gid)
+        # A catch-up copy's acks are watched by the group publisher that owns it.
+        self.deadlines = None if catchup else AckDeadlines(ids, deadline_s)
+        self.num_bytes_written = 0  # tensor bytes of every version published (full)
+        # bytes of every delta file written (weights.delta), for the bytes-per-update figures
+        self.num_delta_bytes = 0
 
     async def publish(
         self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
     ) -> WeightsPublished:
         msg = await asyncio.to_thread(self._write, state, version)
         self.retention.publish(version)
+        if self.deadlines is not None:
+            self.deadlines.published(version)
         await announce(msg)
         return msg
 
@@ -137,7 +205,12 @@ class ShardPublisher:
             fsync=False,
             reuse_spare=self.recycle,
             single_file=self.single_file,
+            checksum=self.checksum,
+            delta_base=self.delta_base,
         )
+        self.num_bytes_written += manifest.total_size_bytes
+        if manifest.delta is not None:
+            self.num_delta_bytes += sum(d.size_bytes for d in manifest.delta.files)
         return WeightsPublished(
             version=version,
             transport=self.transport,
@@ -150,12 +223,15 @@ class ShardPublisher:
 
     def on_loaded(self, generator_id: str, version: int) -> None:
         """Loop thread: a generator holds `version`; delete what nobody can still need."""
+        if self.deadlines is not None:
+            self.deadlines.acked(generator_id, version)
         if version > 0:
             self.retention.ack(generator_id, version)
             prune(self.weights_dir, self.retention, keep_spare=self.recycle)
 
     def close(self) -> None:
-        pass
+        if self.deadlines is not None:
+            self.deadlines.close()
 
 
 class AdapterPublisher(ShardPublisher):
@@ -180,6 +256,8 @@ class AdapterPublisher(ShardPublisher):
         keep_last: int,
         generator_ids: Iterable[str],
         recycle: bool = True,
+        checksum: str = DEFAULT_CHECKSUM,
+        deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:
         config_bytes = json.dumps(dict(adapter_config), indent=2, sort_keys=True).encode()
         super().__init__(
@@ -188,6 +266,8 @@ class AdapterPublisher(ShardPublisher):
             keep_last=keep_last,
             generator_ids=generator_ids,
             recycle=recycle,
+            checksum=checksum,
+            deadline_s=deadline_s,
         )
 
 
@@ -200,7 +280,9 @@ class GroupPublisher(abc.ABC):
     `catchup` (a ShardPublisher) the version is then also written as shards and announced again,
     marked `catchup`, for generators outside the group (late joiners, restarted generators). If a
     send fails with one of `send_errors` (a member died, the rendezvous timed out) and there is a
-    catch-up path, the group is dropped and shards carry every later version.
+    catch-up path, the group is dropped and shards carry every later version. A point-to-point
+    transfer that loses only some members (`broadcast.PeersLost`: the others got every byte)
+    drops just those: they take catch-up shards from then on, the rest stay in the group.
 
     Subclasses say how the bytes cross the group (`_transfer`).
     """
@@ -217,8 +299,11 @@ class GroupPublisher(abc.ABC):
         catchup: ShardPublisher | None,
         master_addr: str = "127.0.0.1",
         group_name: str,
+        deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:
         self.members = tuple(members)  # member i (a generator id) owns group rank i + 1
+        self.lost: set[str] = set()  # members dropped after a failed transfer: catch-up shards only
+        self.deadlines = AckDeadlines(sorted(set(self.members)), deadline_s)
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.catchup = catchup
@@ -236,6 +321,11 @@ class GroupPublisher(abc.ABC):
     def world_size(self) -> int:
         return len(self.members) + 1
 
+    @property
+    def live_ranks(self) -> list[int]:
+        """Group ranks still sent to (members not lost)."""
+        return [i + 1 for i, gid in enumerate(self.members) if gid not in self.lost]
+
     @abc.abstractmethod
     def _transfer(self, items: list[tuple[str, torch.Tensor]], backend: str) -> int:
         """Worker thread: send every tensor of `items` to the members over `self.group`, in the
@@ -245,10 +335,11 @@ class GroupPublisher(abc.ABC):
     async def publish(
         self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
     ) -> WeightsPublished:
-        from asyncrl.transport.broadcast import host_store, tensor_metas
+        from asyncrl.transport.broadcast import PeersLost, host_store, tensor_metas
 
         if self.failed:  # the group is gone (a member died): catch-up shards only
             assert self.catchup is not None
+            self.deadlines.published(version)
             return await self.catchup.publish(state, version, announce)
         start = time.perf_counter()
         if isinstance(state, StreamedState):  # sent, then written as catch-up shards: needed twice
@@ -274,9 +365,27 @@ class GroupPublisher(abc.ABC):
             group_first_version=self._first_version,
             group_timeout_s=self.timeout_s,
         )
+        self.deadlines.published(version)
         await announce(msg)
         try:
             await asyncio.to_thread(self._send, items, backend)
+        except PeersLost as exc:
+            if self.catchup is None:
+                raise
+            lost = sorted({self.members[rank - 1] for rank in exc.failed})
+            self.lost.update(lost)
+            self.num_bytes_sent += exc.num_bytes
+            log.error(
+                "weights version %d: the transfer over the group %r lost %s (%s); they take catch-up "
+                "shards from now on, the other members got every byte",
+                version,
+                self.group_name,
+                ", ".join(lost),
+                exc,
+            )
+            if not self.live_ranks:
+                self.failed = True
+                self._drop_group()
         except self.send_errors as exc:
             if self.catchup is None:
                 raise
@@ -288,7 +397,7 @@ class GroupPublisher(abc.ABC):
                 exc,
             )
             self.failed = True
-            self.close()
+            self._drop_group()
         msg = msgspec.structs.replace(msg, publish_s=time.perf_counter() - start)
         if self.catchup is not None:
             await self.catchup.publish(state, version, announce)
@@ -320,6 +429,7 @@ class GroupPublisher(abc.ABC):
 
     def on_loaded(self, generator_id: str, version: int) -> None:
         """Members may ack a version before its catch-up shards exist: retention hears it then."""
+        self.deadlines.acked(generator_id, version)
         if self.catchup is None:
             return
         published = self.catchup.retention.published
@@ -328,13 +438,17 @@ class GroupPublisher(abc.ABC):
         else:
             self._early_acks[generator_id] = version
 
-    def close(self) -> None:
+    def _drop_group(self) -> None:
         if self.group is not None:
             from asyncrl.transport.broadcast import destroy_weight_update_group
 
             destroy_weight_update_group(self.group)
             self.group = None
         self._store = None
+
+    def close(self) -> None:
+        self._drop_group()
+        self.deadlines.close()
 
 
 class BroadcastPublisher(GroupPublisher):
@@ -350,6 +464,7 @@ class BroadcastPublisher(GroupPublisher):
         catchup: ShardPublisher | None,
         master_addr: str = "127.0.0.1",
         group_name: str | None = None,
+        deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:
         super().__init__(
             members=generator_ids,
@@ -358,13 +473,19 @@ class BroadcastPublisher(GroupPublisher):
             catchup=catchup,
             master_addr=master_addr,
             group_name=group_name or f"asyncrl-weights-{os.getpid()}",
+            deadline_s=deadline_s,
         )
 
     def _transfer(self, items: list[tuple[str, torch.Tensor]], backend: str) -> int:
         from asyncrl.transport.broadcast import broadcast_tensors, uses_point_to_point
 
+        p2p = uses_point_to_point(backend)
         return broadcast_tensors(
-            self.group, items, bucket_bytes=self.bucket_bytes, p2p=uses_point_to_point(backend)
+            self.group,
+            items,
+            bucket_bytes=self.bucket_bytes,
+            p2p=p2p,
+            peers=self.live_ranks if p2p else None,
         )
 
 
@@ -412,6 +533,8 @@ def make_publisher(
             adapter_config=adapter_config,
             keep_last=w.keep_last,
             generator_ids=ids,
+            checksum=w.checksum,
+            deadline_s=w.update_deadline_s,
         )
     shards = ShardPublisher(
         Path(w.dir) if w.dir else run_dir / "weights",
@@ -420,6 +543,9 @@ def make_publisher(
         generator_ids=ids,
         max_shard_bytes=w.max_shard_bytes,
         catchup=w.kind == "broadcast",
+        checksum=w.checksum,
+        delta=w.delta,
+        deadline_s=w.update_deadline_s,
     )
     catchup = shards if w.kind != "shards" and w.catchup_shards else None
     key = publisher_key(config)
@@ -435,4 +561,5 @@ def make_publisher(
         bucket_bytes=w.bucket_bytes,
         timeout_s=w.group_timeout_s,
         catchup=catchup,
+        deadline_s=w.update_deadline_s,
     )

@@ -8,14 +8,19 @@ so a failed fetch leaves the weights being served untouched.
 
 - safetensors: `read_shards(root, version, verify=True)` into fresh CPU tensors; a missing,
   truncated or corrupt file raises `WeightsCorruptError` naming it (or FileNotFoundError when the
-  version is gone); the service keeps the old weights and retries.
+  version is gone); the service keeps the old weights and retries. When the manifest says the next
+  version may come as a delta (`delta_next`), the fetched tensors are kept (`delta.HeldVersion`),
+  and a version whose delta is based on exactly them is rebuilt from its delta files; any other
+  reader (a late joiner, one that missed a version, one whose delta failed) reads the full shards.
 - broadcast: the first broadcast announcement a generator sees founds the group (it carries the
   store address, the member list and the layout), so the generator joins lazily as rank
   `group_members.index(id) + 1`; every later broadcast must then be received, in order. A generator
   whose first announcement is a later one (it joined late: a group cannot grow) stays outside and
   takes the catch-up shards the learner writes after each broadcast instead. If a broadcast fails
   (a member died), the learner drops the group and publishes catch-up shards only; members take
-  those once they are newer than the last broadcast announced.
+  those once they are newer than the last broadcast announced. A receive that fails (the sender
+  dropped this member, or died) leaves the group and raises `fence.UpdateFailed`; from then on this
+  generator takes catch-up shards, including the one of the failed version.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.messages import WeightsPublished
+from asyncrl.transport.fence import UpdateFailed
+from asyncrl.transport.manifest import WeightsCorruptError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,10 @@ class WeightsReceiver:
         self.group = None  # the weight update group, once joined
         self.member: bool | None = None  # decided by the first announcement seen
         self.last_broadcast_version = -1
+        self.held = None  # delta.HeldVersion: the last version fetched, when a delta may follow it
+        self.last_fetch_bytes = 0  # bytes read for the last version fetched (delta or full)
+        self.last_fetch_delta = False
+        self.num_delta_fetches = 0
 
     def plan(self, msg: WeightsPublished) -> bool:
         """Whether to fetch `msg` (False: not for this generator). Call once per announcement, in order."""
@@ -67,10 +78,45 @@ class WeightsReceiver:
     def fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
         """Blocking: the announced version as {name: tensor} on the CPU, verified or complete."""
         if msg.transport == "broadcast":
-            return self._receive(msg)
-        from asyncrl.transport.shard_read import read_shards
+            self.held = None  # a delta's base is a version read from shards
+            try:
+                return self._receive(msg)
+            except (RuntimeError, ValueError) as exc:
+                self.leave_group()
+                raise UpdateFailed(
+                    f"weights version {msg.version}: the broadcast failed ({exc}); left the group, "
+                    "taking catch-up shards from now on"
+                ) from exc
+        return self._read(msg)
 
-        return read_shards(Path(msg.location), msg.version, verify=True, num_threads=self.num_read_threads)
+    def _read(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
+        from asyncrl.transport.delta import HeldVersion
+        from asyncrl.transport.shard_read import read_manifest, read_shards
+
+        root = Path(msg.location)
+        manifest = read_manifest(root, msg.version)
+        held = self.held if self.held is not None and self.held.matches(manifest.delta) else None
+        try:
+            state = read_shards(
+                root,
+                msg.version,
+                verify=True,
+                num_threads=self.num_read_threads,
+                held=held,
+                manifest=manifest,
+            )
+        except WeightsCorruptError:
+            if held is not None:  # a delta that failed is never tried again: full shards next
+                self.held = None
+            raise
+        self.last_fetch_delta = held is not None
+        if held is not None:
+            self.num_delta_fetches += 1
+            self.last_fetch_bytes = sum(d.size_bytes for d in manifest.delta.files)
+        else:
+            self.last_fetch_bytes = sum(f.size_bytes for f in manifest.files)
+        self.held = HeldVersion.of(manifest, state) if manifest.delta_next else None
+        return state
 
     def _receive(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
         from asyncrl.transport.broadcast import init_weight_update_group, receive_tensors, uses_point_to_point
@@ -99,6 +145,12 @@ class WeightsReceiver:
         if device != "cpu":
             received = {n: t.cpu() for n, t in received.items()}
         return received
+
+    def leave_group(self) -> None:
+        """Stop being a member: later broadcasts are not received, catch-up shards are taken."""
+        self.member = False
+        self.last_broadcast_version = -1
+        self.close()
 
     def close(self) -> None:
         if self.group is not None:

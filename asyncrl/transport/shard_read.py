@@ -7,14 +7,16 @@ files before it hands the directory to `/update_weights_from_disk`), then acks w
 
 Nothing is trusted that the manifest does not vouch for: every safetensors header is checked
 against the manifest (names, dtypes, shapes, offsets that tile the data with no hole or overlap)
-and, with `verify`, every file's sha256 is computed chunk by chunk as it is read, while the chunk is
-in cache. A missing, truncated or altered file raises `WeightsCorruptError` naming the file and the
-version, so a generator keeps its current weights instead of loading wrong ones.
+and, with `verify`, every file's checksum (the manifest's `checksum_kind`: xxh3, blake3 or sha256)
+is computed chunk by chunk as it is read, while the chunk is in cache, one file per thread. A
+missing, truncated or altered file raises `WeightsCorruptError` naming the file and the version, so
+a generator keeps its current weights instead of loading wrong ones. A reader that holds the base of
+a version published as a delta (`held`) rebuilds the shards from the delta files instead
+(`delta.apply_delta_shard`), checked against the same checksums.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.transport.checksum import Hasher, new_hasher
+from asyncrl.transport.delta import HeldVersion, apply_delta_shard
 from asyncrl.transport.manifest import (
     MANIFEST_NAME,
     SAFETENSORS_CODES,
@@ -40,7 +44,7 @@ from asyncrl.transport.retention import version_dir
 from asyncrl.transport.shard_io import CHUNK_BYTES, byte_view, fresh_cpu_bytes, pool_size
 from asyncrl.transport.shard_plan import largest_first
 
-__all__ = ["read_manifest", "read_shards"]
+__all__ = ["read_manifest", "read_shards", "verify_files"]
 
 
 def read_manifest(root: Path, version: int) -> ShardManifest:
@@ -65,7 +69,7 @@ def read_manifest(root: Path, version: int) -> ShardManifest:
     return manifest
 
 
-def _read_exact(fd: int, view: memoryview, hasher: hashlib._Hash | None, corrupt: CorruptFn) -> None:
+def _read_exact(fd: int, view: memoryview, hasher: Hasher | None, corrupt: CorruptFn) -> None:
     """Fill `view` from `fd`, hashing each chunk right after it is read (while it is in cache)."""
     pos = 0
     while pos < len(view):
@@ -77,9 +81,7 @@ def _read_exact(fd: int, view: memoryview, hasher: hashlib._Hash | None, corrupt
         pos += n
 
 
-def _read_header(
-    fd: int, hasher: hashlib._Hash | None, corrupt: CorruptFn, size_bytes: int
-) -> tuple[dict, int]:
+def _read_header(fd: int, hasher: Hasher | None, corrupt: CorruptFn, size_bytes: int) -> tuple[dict, int]:
     """The parsed safetensors header (without `__metadata__`) and the offset where data starts."""
     if size_bytes < 8:
         raise corrupt("is too short for a safetensors header")
@@ -90,6 +92,10 @@ def _read_header(
         raise corrupt("has a header longer than the file")
     raw = bytearray(header_len)
     _read_exact(fd, memoryview(raw), hasher, corrupt)
+    return _parse_header(raw, corrupt), 8 + header_len
+
+
+def _parse_header(raw: bytes | bytearray, corrupt: CorruptFn) -> dict:
     try:
         header = json.loads(raw)
     except ValueError as e:
@@ -97,7 +103,7 @@ def _read_header(
     if not isinstance(header, dict):
         raise corrupt("has a header that is not a JSON object")
     header.pop("__metadata__", None)
-    return header, 8 + header_len
+    return header
 
 
 def _check_entries(
@@ -134,6 +140,23 @@ def _check_entries(
     return entries
 
 
+def _corrupt_fn(version: int, name: str) -> CorruptFn:
+    def corrupt(why: str) -> WeightsCorruptError:
+        return WeightsCorruptError(f"weights version {version}: file {name} {why}")
+
+    return corrupt
+
+
+def _views(buf: torch.Tensor, entries: list[tuple[ManifestTensor, int, int]]) -> dict[str, torch.Tensor]:
+    """The tensors of one shard's data bytes `buf`, as views where aligned."""
+    tensors = {}
+    for t, begin, end in entries:
+        dtype = dtype_from_name(t.dtype)
+        raw = buf[begin:end] if begin % dtype.itemsize == 0 else buf[begin:end].clone()
+        tensors[t.name] = raw.view(dtype).reshape(t.shape)
+    return tensors
+
+
 def _read_shard_file(
     path: Path,
     record: ManifestFile,
@@ -142,17 +165,15 @@ def _read_shard_file(
     *,
     verify: bool,
     out: Mapping[str, torch.Tensor] | None,
+    checksum_kind: str,
 ) -> dict[str, torch.Tensor]:
     """Read one shard: into `out`'s tensors if given, else into one fresh buffer the tensors view."""
-
-    def corrupt(why: str) -> WeightsCorruptError:
-        return WeightsCorruptError(f"weights version {version}: file {record.name} {why}")
-
+    corrupt = _corrupt_fn(version, record.name)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as e:
         raise corrupt("is missing") from e
-    hasher = hashlib.sha256() if verify else None
+    hasher = new_hasher(checksum_kind) if verify else None
     tensors: dict[str, torch.Tensor] = {}
     try:
         size_bytes = os.fstat(fd).st_size
@@ -163,10 +184,7 @@ def _read_shard_file(
         if out is None:
             buf = fresh_cpu_bytes(size_bytes - data_start)
             _read_exact(fd, memoryview(buf.numpy()), hasher, corrupt)
-            for t, begin, end in entries:
-                dtype = dtype_from_name(t.dtype)
-                raw = buf[begin:end] if begin % dtype.itemsize == 0 else buf[begin:end].clone()
-                tensors[t.name] = raw.view(dtype).reshape(t.shape)
+            tensors = _views(buf, entries)
         else:
             for t, begin, end in entries:
                 dest = out[t.name]
@@ -179,9 +197,26 @@ def _read_shard_file(
                 tensors[t.name] = dest
     finally:
         os.close(fd)
-    if hasher is not None and hasher.hexdigest() != record.sha256:
-        raise corrupt("fails its sha256 check")
+    if hasher is not None and hasher.hexdigest() != record.checksum:
+        raise corrupt(f"fails its {checksum_kind} check")
     return tensors
+
+
+def _apply_delta_file(
+    vdir: Path, manifest: ShardManifest, index: int, expected: list[ManifestTensor], held: HeldVersion
+) -> dict[str, torch.Tensor]:
+    """Rebuild shard `index` of `manifest` from its delta and the held base (always verified)."""
+    record = manifest.files[index]
+    delta = next(d for d in manifest.delta.files if d.shard == record.name)
+    corrupt = _corrupt_fn(manifest.version, record.name)
+
+    def parse(raw: bytes, data_bytes: int) -> list[tuple[str, int, int]]:
+        entries = _check_entries(_parse_header(raw, corrupt), expected, corrupt, data_bytes)
+        return [(t.name, begin, end) for t, begin, end in entries]
+
+    entries, buf = apply_delta_shard(vdir, delta, record, held, manifest.checksum_kind, corrupt, parse)
+    by_name = {t.name: t for t in expected}
+    return _views(buf, [(by_name[n], begin, end) for n, begin, end in entries])
 
 
 def _check_out(manifest: ShardManifest, out: Mapping[str, torch.Tensor]) -> None:
@@ -207,20 +242,26 @@ def read_shards(
     device: str | torch.device = "cpu",
     out: Mapping[str, torch.Tensor] | None = None,
     num_threads: int | None = None,
+    held: HeldVersion | None = None,
+    manifest: ShardManifest | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a published version as {name: tensor} in state-dict order.
 
-    With `verify` every file's sha256 is checked against the manifest, hashing each chunk as it is
-    read. A missing, truncated, corrupt or inconsistent file raises WeightsCorruptError naming the file
-    and version; an unpublished (or already deleted) version raises FileNotFoundError.
+    With `verify` every file's checksum is checked against the manifest, hashing each chunk as it
+    is read (files in parallel threads). A missing, truncated, corrupt or inconsistent file raises
+    WeightsCorruptError naming the file and version; an unpublished (or already deleted) version
+    raises FileNotFoundError. `manifest`: the version's manifest when the caller has read it.
 
     Without `out`, each shard is read into one fresh CPU buffer and the tensors are views into it
-    (then moved to `device` if that is not the CPU). With `out` (name -> existing tensor, e.g. a
-    generator's parameters; extra names are ignored) the bytes are read straight into those tensors,
-    staged through CPU memory only when a tensor is not contiguous CPU memory, and `device` is unused.
-    If WeightsCorruptError is raised, `out` holds partly updated weights: load another version.
+    (then moved to `device` if that is not the CPU). With `held`, the base of the version's delta
+    (`HeldVersion.matches`), each shard is rebuilt from its delta file and the held tensors instead
+    (always verified; a corrupt delta raises WeightsCorruptError: read the full version then). With
+    `out` (name -> existing tensor, e.g. a generator's parameters; extra names are ignored) the
+    bytes are read straight into those tensors, staged through CPU memory only when a tensor is not
+    contiguous CPU memory, and `device` and `held` are unused. If WeightsCorruptError is raised,
+    `out` holds partly updated weights: load another version.
     """
-    manifest = read_manifest(root, version)
+    manifest = manifest if manifest is not None else read_manifest(root, version)
     vdir = version_dir(root, version)
     target = torch.device(device)
     if out is not None:
@@ -228,11 +269,23 @@ def read_shards(
     by_file: dict[str, list[ManifestTensor]] = {f.name: [] for f in manifest.files}
     for t in manifest.tensors:
         by_file[t.file].append(t)
+    use_delta = out is None and held is not None and held.matches(manifest.delta)
+    with_delta = {d.shard for d in manifest.delta.files} if use_delta else set()
 
-    def load(record: ManifestFile) -> dict[str, torch.Tensor]:
-        tensors = _read_shard_file(
-            vdir / record.name, record, by_file[record.name], version, verify=verify, out=out
-        )
+    def load(i: int) -> dict[str, torch.Tensor]:
+        record = manifest.files[i]
+        if record.name in with_delta:
+            tensors = _apply_delta_file(vdir, manifest, i, by_file[record.name], held)
+        else:
+            tensors = _read_shard_file(
+                vdir / record.name,
+                record,
+                by_file[record.name],
+                version,
+                verify=verify,
+                out=out,
+                checksum_kind=manifest.checksum_kind,
+            )
         if out is None and target.type != "cpu":
             tensors = {n: t.to(target) for n, t in tensors.items()}
         return tensors
@@ -241,15 +294,49 @@ def read_shards(
     order = largest_first([f.size_bytes for f in manifest.files])
     with ThreadPoolExecutor(num_workers, thread_name_prefix="read-shard") as pool:
         loaded: dict[str, torch.Tensor] = {}
-        for part in pool.map(load, [manifest.files[i] for i in order]):
+        for part in pool.map(load, order):
             loaded.update(part)
     if verify:
         for record in manifest.extra_files:
-            path = vdir / record.name
-            if not path.is_file():
-                raise WeightsCorruptError(f"weights version {version}: file {record.name} is missing")
-            if hashlib.sha256(path.read_bytes()).hexdigest() != record.sha256:
-                raise WeightsCorruptError(
-                    f"weights version {version}: file {record.name} fails its sha256 check"
-                )
+            _verify_file(vdir, record, manifest)
     return {t.name: loaded[t.name] for t in manifest.tensors}
+
+
+def _verify_file(vdir: Path, record: ManifestFile, manifest: ShardManifest) -> None:
+    """Check one file's size and checksum, reading it in chunks (no tensors made)."""
+    corrupt = _corrupt_fn(manifest.version, record.name)
+    try:
+        fd = os.open(vdir / record.name, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise corrupt("is missing") from e
+    hasher = new_hasher(manifest.checksum_kind)
+    try:
+        size_bytes = os.fstat(fd).st_size
+        if size_bytes != record.size_bytes:
+            raise corrupt(f"has {size_bytes} bytes, the manifest says {record.size_bytes}")
+        buf = bytearray(min(size_bytes, CHUNK_BYTES))
+        view = memoryview(buf)
+        remaining = size_bytes
+        while remaining:
+            n = os.readv(fd, [view[: min(remaining, len(view))]])
+            if n == 0:
+                raise corrupt("ends early")
+            hasher.update(view[:n])
+            remaining -= n
+    finally:
+        os.close(fd)
+    if hasher.hexdigest() != record.checksum:
+        raise corrupt(f"fails its {manifest.checksum_kind} check")
+
+
+def verify_files(root: Path, version: int, *, num_threads: int | None = None) -> ShardManifest:
+    """Check every file of a published version against its manifest (size and checksum) without
+    loading tensors, files in parallel threads (for servers that load the directory themselves);
+    returns the manifest. Raises WeightsCorruptError / FileNotFoundError like `read_shards`."""
+    manifest = read_manifest(root, version)
+    vdir = version_dir(root, version)
+    records = [*manifest.files, *manifest.extra_files]
+    with ThreadPoolExecutor(pool_size(num_threads, len(records)), thread_name_prefix="verify-shard") as pool:
+        for _ in pool.map(lambda r: _verify_file(vdir, r, manifest), records):
+            pass
+    return manifest

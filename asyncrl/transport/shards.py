@@ -12,14 +12,16 @@ Layout of one version directory (the standard Hugging Face sharded checkpoint, p
     v00000042/
       model-00001-of-00003.safetensors ...   shards of at most `max_shard_bytes` tensor bytes
       model.safetensors.index.json           {"metadata": {"total_size": N}, "weight_map": {name: file}}
-      manifest.json                          ShardManifest: version, tensors, per-file sha256 and size
+      manifest.json                          ShardManifest: version, tensors, per-file checksum and size
       config.json, tokenizer.json, ...       optional `extra_files`, so `from_pretrained` works
+      model-00001-of-00003.safetensors.xor.zst ...  with a `delta_base`: each shard as a delta (delta.py)
 
 Publication is atomic: everything is written and fsynced in a hidden temporary directory under `root`
-and then renamed to `v{version:08d}`, so a reader never sees a half-written version. Checksums are
-computed while writing (each chunk is hashed and written while it is hot in cache), never by reading
-files back. sha256 dominates the cost and is sequential within a file, so shards are planned even
-and as many as a multiple of the threads (`shard_plan.py`), and each thread hashes its own files.
+and then renamed to `v{version:08d}`, so a reader never sees a half-written version. Checksums
+(`checksum.py`, `weights.checksum`: xxh3 by default) are computed while writing (each chunk is
+hashed and written while it is hot in cache, and XORed into the delta then), never by reading files
+back. A hash is sequential within a file, so shards are planned even and as many as a multiple of
+the threads (`shard_plan.py`), and each thread hashes its own files.
 The temporary directory is a pruned version's recycled directory when retention kept one
 (`retention.prune(..., keep_spare=True)`): its files are overwritten in place, which on tmpfs
 costs far less than allocating new pages.
@@ -32,7 +34,6 @@ so like safetensors itself this assumes a little-endian host).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -44,9 +45,13 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.transport.checksum import DEFAULT_CHECKSUM, checksum_of, new_hasher
+from asyncrl.transport.delta import DeltaBase, DeltaSink, delta_file_name
 from asyncrl.transport.manifest import (
     INDEX_NAME,
     MANIFEST_NAME,
+    DeltaFile,
+    ManifestDelta,
     ManifestFile,
     ManifestTensor,
     ShardManifest,
@@ -193,46 +198,78 @@ def _open_shard(path: Path, *, reuse: bool) -> int:
 
 
 def _write_shard_file(
-    path: Path, entries: list[tuple[str, torch.Tensor]], *, fsync: bool, reuse: bool = False
-) -> ManifestFile:
-    """Write and hash one shard; with `reuse`, `path` is a recycled file, overwritten and cut to size."""
+    path: Path,
+    entries: list[tuple[str, torch.Tensor]],
+    *,
+    fsync: bool,
+    reuse: bool = False,
+    checksum: str = DEFAULT_CHECKSUM,
+    base: DeltaBase | None = None,
+    delta: bool = False,
+) -> tuple[ManifestFile, DeltaFile | None]:
+    """Write and hash one shard; with `reuse`, `path` is a recycled file, overwritten and cut to size.
+
+    With `base`, each chunk is also copied into the base's bytes of its tensor (the next version's
+    delta base) and, with `delta`, XORed with what the base held there (the version before) and
+    written to the shard's delta file, in the same pass.
+    """
     # Largest element size first: with no padding between tensors every offset stays aligned to its
     # own element size (sizes are powers of two), which zero-copy readers rely on.
     entries = sorted(entries, key=lambda e: -e[1].element_size())
     entries = [(name, _as_cpu_contiguous(t)) for name, t in entries]
-    hasher = hashlib.sha256()
+    hasher = new_hasher(checksum)
     size_bytes = 0
+    sink = DeltaSink(path.with_name(delta_file_name(path.name)), checksum) if delta else None
     fd = _open_shard(path, reuse=reuse)
     try:
         header = memoryview(_header_bytes(entries))
         hasher.update(header)
         _write_all(fd, header)
+        if sink is not None:
+            sink.raw(header)
         size_bytes += len(header)
-        for _, t in entries:
+        for name, t in entries:
             if t.numel() == 0:
                 continue
             data = byte_view(t)
+            flat = t.reshape(-1).view(torch.uint8)
+            base_bytes = base.buffer(name, len(data)) if base is not None else None
             for start in range(0, len(data), CHUNK_BYTES):
                 chunk = data[start : start + CHUNK_BYTES]
                 hasher.update(chunk)  # releases the GIL: shards are hashed in parallel threads
                 _write_all(fd, chunk)
+                if base_bytes is not None:
+                    piece, base_piece = (
+                        flat[start : start + len(chunk)],
+                        base_bytes[start : start + len(chunk)],
+                    )
+                    if sink is not None:
+                        sink.xor(piece, base_piece)
+                    base_piece.copy_(piece)
             size_bytes += len(data)
         if reuse:
             os.ftruncate(fd, size_bytes)  # the recycled file may have been longer
         if fsync:
             os.fsync(fd)
+        delta_record = sink.close(path.name) if sink is not None else None
+        sink = None
     finally:
         os.close(fd)
-    return ManifestFile(name=path.name, size_bytes=size_bytes, sha256=hasher.hexdigest())
+        if sink is not None:
+            sink.abort()
+    record = ManifestFile(name=path.name, size_bytes=size_bytes, checksum=hasher.hexdigest())
+    return record, delta_record
 
 
-def _write_small_file(path: Path, data: bytes, *, fsync: bool) -> ManifestFile:
+def _write_small_file(
+    path: Path, data: bytes, *, fsync: bool, checksum: str = DEFAULT_CHECKSUM
+) -> ManifestFile:
     with open(path, "xb") as f:
         f.write(data)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
-    return ManifestFile(name=path.name, size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return ManifestFile(name=path.name, size_bytes=len(data), checksum=checksum_of(checksum, data))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -260,6 +297,8 @@ def write_shards(
     fsync: bool = True,
     reuse_spare: bool = True,
     single_file: str | None = None,
+    checksum: str = DEFAULT_CHECKSUM,
+    delta_base: DeltaBase | None = None,
 ) -> ShardManifest:
     """Publish `state_dict` (Hugging Face names) atomically as `root/v{version:08d}`.
 
@@ -272,7 +311,11 @@ def write_shards(
     together. With `reuse_spare`, a spare left by `retention.prune(..., keep_spare=True)` is taken
     and its files overwritten rather than new ones created. With `single_file` (a name ending in
     `.safetensors`), every tensor goes into that one file and no index is written: the layout of a
-    PEFT adapter directory (`adapter_model.safetensors`), which readers find by name. Raises
+    PEFT adapter directory (`adapter_model.safetensors`), which readers find by name. Every file's
+    `checksum` (a `checksum.py` kind) is computed as it is written. With `delta_base` (the
+    publisher's `delta.DeltaBase`) the version is also written as a delta from the version the base
+    holds, when it has the same tensors (`ManifestDelta`), and the base then holds this version;
+    the manifest says so (`delta_next`), so readers keep their copy. Raises
     FileExistsError if the version is already published and ValueError for bad input; on any
     failure nothing is published.
     """
@@ -311,8 +354,17 @@ def write_shards(
         file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     num_shards = len(plan)
 
+    new_hasher(checksum)  # an unknown kind fails before anything is written
+    base_version, base_checksums = None, ()
+    if delta_base is not None:
+        held = delta_base.version, delta_base.checksums
+        layout = {n: (dtype_name(state_dict[n].dtype), tuple(state_dict[n].shape)) for n in names}
+        if delta_base.prepare(layout) and held[0] != version:
+            base_version, base_checksums = held
+    write_delta = base_version is not None
     root.mkdir(parents=True, exist_ok=True)
     tmp_dir = temporary_dir(root, f"v{version:08d}")
+    shard_kwargs = dict(fsync=fsync, checksum=checksum, base=delta_base, delta=write_delta)
     try:
         if reuse_spare:
             reused = claim_spare(root, tmp_dir, file_names)
@@ -321,15 +373,15 @@ def write_shards(
             reused = set()
         if streamed:  # one shard's tensors at a time, produced in order (the plan keeps it)
             produced = state_dict.produce()
-            shard_files = tuple(
+            written = [
                 _write_shard_file(
                     tmp_dir / file_names[s],
                     [next(produced) for _ in plan[s]],
-                    fsync=fsync,
                     reuse=file_names[s] in reused,
+                    **shard_kwargs,
                 )
                 for s in range(num_shards)
-            )
+            ]
             for _ in produced:  # the producer checks that nothing was left over
                 pass
         else:
@@ -339,20 +391,30 @@ def write_shards(
                         _write_shard_file,
                         tmp_dir / file_names[s],
                         [(names[i], state_dict[names[i]]) for i in plan[s]],
-                        fsync=fsync,
                         reuse=file_names[s] in reused,
+                        **shard_kwargs,
                     )
                     for s in largest_first([sum(sizes[i] for i in idx) for idx in plan])
                 }
-                shard_files = tuple(futures[s].result() for s in range(num_shards))
+                written = [futures[s].result() for s in range(num_shards)]
+        shard_files = tuple(record for record, _ in written)
         file_of = {names[i]: file_names[s] for s, idx in enumerate(plan) for i in idx}
         total_size_bytes = sum(sizes)
         if single_file is None:
             index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
-            _write_small_file(tmp_dir / INDEX_NAME, json.dumps(index, indent=2).encode(), fsync=fsync)
+            index_bytes = json.dumps(index, indent=2).encode()
+            _write_small_file(tmp_dir / INDEX_NAME, index_bytes, fsync=fsync, checksum=checksum)
         extra_records = tuple(
-            _write_small_file(tmp_dir / n, data, fsync=fsync) for n, data in sorted(extra.items())
+            _write_small_file(tmp_dir / n, data, fsync=fsync, checksum=checksum)
+            for n, data in sorted(extra.items())
         )
+        delta = None
+        if write_delta:
+            delta = ManifestDelta(
+                base_version=base_version,
+                base_checksums=base_checksums,
+                files=tuple(d for _, d in written if d is not None),
+            )
         manifest = ShardManifest(
             version=version,
             total_size_bytes=total_size_bytes,
@@ -367,23 +429,29 @@ def write_shards(
             ),
             files=shard_files,
             extra_files=extra_records,
+            checksum_kind=checksum,
+            delta=delta,
+            delta_next=delta_base is not None,
         )
         # The manifest is written last: its presence inside the temporary directory marks it complete.
-        _write_small_file(tmp_dir / MANIFEST_NAME, manifest.to_json(), fsync=fsync)
+        _write_small_file(tmp_dir / MANIFEST_NAME, manifest.to_json(), fsync=fsync, checksum=checksum)
         if fsync:
             _fsync_dir(tmp_dir)
         os.rename(tmp_dir, final_dir)  # the atomic publish
         if fsync:
             _fsync_dir(root)
+        if delta_base is not None:
+            delta_base.commit(version, tuple(f.checksum for f in shard_files))
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     logger.info(
-        "published weights version %d: %d tensors, %d bytes in %d shards at %s",
+        "published weights version %d: %d tensors, %d bytes in %d shards at %s%s",
         version,
         len(names),
         total_size_bytes,
         num_shards,
         final_dir,
+        f" (delta from {base_version}: {sum(d.size_bytes for d in delta.files)} bytes)" if delta else "",
     )
     return manifest

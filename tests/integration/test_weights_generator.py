@@ -5,12 +5,16 @@ with the torch generator on the tiny model.
 Pinned behaviour (docs/weights.md): a corrupt shard never reaches the model (the old version keeps
 serving, the error is counted in gen/weights_load_errors, no ack for it), the generator keeps
 taking tasks, takes the next good version, retries a failed one until it loads or the retry timeout
-fails the run; a generator that starts after versions were published loads the one it is sent.
+fails the run; a generator that starts after versions were published loads the one it is sent; a
+fetch that hangs is given up at weights.update_deadline_s (old version kept, error counted) and the
+version is retried; a corrupt delta is counted like a corrupt shard and the full version is read
+instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -216,7 +220,7 @@ async def _unloadable_version_fails_after_the_retry_timeout(tmp_path, tiny_model
         await h.send(msg)
         with pytest.raises(ExceptionGroup) as info:
             await asyncio.wait_for(h.task, 60)
-        assert info.group_contains(WeightsUnavailable, match="fails its sha256 check")
+        assert info.group_contains(WeightsUnavailable, match="fails its xxh3 check")
         assert h.service.gen.version == 0
 
 
@@ -245,3 +249,72 @@ async def _late_joiner_loads_the_version_it_is_sent(tmp_path, tiny_model_dir) ->
         await h.send(announcements[-1])
         loaded = await h.expect(WeightsLoaded)
         assert loaded.version == 3 and holds(h.service, state_of_version(tiny_model_dir, 3))
+
+
+def test_a_fetch_that_hangs_is_given_up_at_the_deadline_and_retried(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_a_fetch_that_hangs_is_given_up_at_the_deadline_and_retried(tmp_path, tiny_model_dir))
+
+
+async def _a_fetch_that_hangs_is_given_up_at_the_deadline_and_retried(tmp_path, tiny_model_dir) -> None:
+    """Issue #25: a load that hangs (a stuck filesystem) must not hold the generator: past the
+    update's deadline it keeps serving its version, reports the error, and retries."""
+    root = tmp_path / "weights"
+    v0 = state_of_version(tiny_model_dir, 0)
+    release = threading.Event()
+    overrides = ("weights.update_deadline_s=0.5", "weights.load_retry_timeout_s=600")
+    async with Harness(tmp_path, tiny_model_dir, *overrides) as h:
+        real_fetch = h.service.receiver.fetch
+        calls: list[int] = []
+
+        def fetch(msg):
+            calls.append(msg.version)
+            if len(calls) == 1:
+                release.wait(120)  # the first fetch hangs until the test ends
+            return real_fetch(msg)
+
+        h.service.receiver.fetch = fetch
+        try:
+            await h.send(publish(root, tiny_model_dir, 1))
+            await h.expect(Metrics, lambda m: errors(m))
+            assert "weights.update_deadline_s = 0.5" in h.service.last_error
+            assert h.service.gen.version == 0 and holds(h.service, v0)
+            loaded = await h.expect(WeightsLoaded)  # the retry, in a new thread
+            assert loaded.version == 1 and calls == [1, 1]
+            assert holds(h.service, state_of_version(tiny_model_dir, 1))
+        finally:
+            release.set()  # the hung thread finishes into tensors nobody takes
+
+
+def test_a_corrupt_delta_is_counted_and_the_full_version_loads_instead(tmp_path, tiny_model_dir) -> None:
+    asyncio.run(_a_corrupt_delta_is_counted_and_the_full_version_loads_instead(tmp_path, tiny_model_dir))
+
+
+async def _a_corrupt_delta_is_counted_and_the_full_version_loads_instead(tmp_path, tiny_model_dir) -> None:
+    """Issue #25: a flipped byte in a delta never reaches the model; the error is counted and
+    reported, the old version keeps serving, and the retry reads the version's full shards."""
+    from asyncrl.transport.delta import DeltaBase
+    from asyncrl.transport.shard_read import read_manifest
+
+    root = tmp_path / "weights"
+    base = DeltaBase()
+    for version in (1, 2):
+        state = state_of_version(tiny_model_dir, version)
+        write_shards(state, root, version, max_shard_bytes=16 << 10, fsync=False, delta_base=base)
+    delta = read_manifest(root, 2).delta.files[0]
+    path = version_dir(root, 2) / delta.name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    announce = [
+        WeightsPublished(version=v, transport="safetensors", location=str(root), num_bytes=0) for v in (1, 2)
+    ]
+    async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
+        await h.send(announce[0])
+        assert (await h.expect(WeightsLoaded)).version == 1
+        await h.send(announce[1])
+        await h.expect(Metrics, lambda m: errors(m))
+        assert "delta" in h.service.last_error and h.service.gen.version == 1
+        assert holds(h.service, state_of_version(tiny_model_dir, 1))
+        loaded = await h.expect(WeightsLoaded)  # the retry reads the full shards
+        assert loaded.version == 2 and holds(h.service, state_of_version(tiny_model_dir, 2))
+        assert h.service.receiver.num_delta_fetches == 0

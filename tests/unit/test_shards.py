@@ -3,7 +3,6 @@ atomicity, corruption."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from asyncrl.transport import shards
+from asyncrl.transport.checksum import CHECKSUM_KINDS, checksum_of
 from asyncrl.transport.manifest import ShardManifest, WeightsCorruptError
 from asyncrl.transport.retention import (
     latest_version,
@@ -121,8 +121,9 @@ def test_layout_is_standard_hugging_face(tmp_path: Path) -> None:
         assert all(index["weight_map"][n] == file for n in part)
         loaded.update(part)
     assert all(same_bits(loaded[n], t) for n, t in sd.items())
+    assert manifest.checksum_kind == "xxh3"  # weights.checksum's default
     for record in manifest.files:  # checksums are those of the files on disk
-        assert hashlib.sha256((vdir / record.name).read_bytes()).hexdigest() == record.sha256
+        assert checksum_of("xxh3", (vdir / record.name).read_bytes()) == record.checksum
         assert (vdir / record.name).stat().st_size == record.size_bytes
     assert ShardManifest.from_json((vdir / "manifest.json").read_bytes()) == manifest
     assert [(m.name, m.dtype, m.shape) for m in manifest.metas()][0] == (
@@ -175,13 +176,15 @@ def flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_corrupt_missing_or_truncated_shard_is_detected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", CHECKSUM_KINDS)
+def test_corrupt_missing_or_truncated_shard_is_detected(tmp_path: Path, kind: str) -> None:
     sd = state_dict()
-    manifest = write_shards(sd, tmp_path, 9, max_shard_bytes=600)
+    manifest = write_shards(sd, tmp_path, 9, max_shard_bytes=600, checksum=kind)
+    assert manifest.checksum_kind == kind
     vdir = version_dir(tmp_path, 9)
     victim = manifest.files[1].name
     flip_byte(vdir / victim, -1)  # last data byte: only the checksum can notice
-    with pytest.raises(WeightsCorruptError, match=rf"version 9: file {victim} fails its sha256"):
+    with pytest.raises(WeightsCorruptError, match=rf"version 9: file {victim} fails its {kind} check"):
         read_shards(tmp_path, 9)
     read_shards(tmp_path, 9, verify=False)  # unverified reads do not look
     flip_byte(vdir / victim, -1)
@@ -360,7 +363,7 @@ def test_a_pruned_version_is_rewritten_in_place_for_the_next_one(tmp_path: Path)
     assert sorted(p.name for p in vdir.iterdir()) == sorted([*names, "manifest.json", INDEX])
     for record in manifest.files:  # nothing of the old version's bytes survives, not even a tail
         data = (vdir / record.name).read_bytes()
-        assert len(data) == record.size_bytes and hashlib.sha256(data).hexdigest() == record.sha256
+        assert len(data) == record.size_bytes and checksum_of("xxh3", data) == record.checksum
     assert_same(read_shards(tmp_path, 3), new)
     loaded = {}
     for name in names:

@@ -33,7 +33,7 @@ Options (`generators.options.*`; either `urls` or `launch`, the rest optional; c
 | `health_interval_s` | 2 | how often a quarantined server is checked for readmission |
 | `max_retries` | 2 | re-issues of one sample after server failures before the batch fails |
 | `pause_mode` | from `weights.inflight` | `in_place` (keep), `retract` (retract) or `abort` (abort) |
-| `verify_shards` | true | sha256-check the shards before servers load them |
+| `verify_shards` | true | check the shards' checksums (weights.checksum) before servers load them |
 | `extra_sampling_params` | `{}` | JSON object merged into `sampling_params` (e.g. `{"top_k": 20}`) |
 | `ignore_eos` | false | sample to `max_new_tokens` (benchmarks; also `sampling.ignore_eos`) |
 
@@ -562,24 +562,11 @@ class SGLangGenerator:
 
 
 def verify_shards(root: Path, version: int) -> None:
-    """Check every file of a published version against its manifest (size and sha256) without
+    """Check every file of a published version against its manifest (size and checksum) without
     loading tensors; raises WeightsCorruptError / FileNotFoundError like `read_shards`."""
-    from asyncrl.transport.manifest import WeightsCorruptError
-    from asyncrl.transport.retention import version_dir
-    from asyncrl.transport.shard_read import read_manifest
+    from asyncrl.transport.shard_read import verify_files
 
-    manifest = read_manifest(root, version)
-    vdir = version_dir(root, version)
-    for record in [*manifest.files, *manifest.extra_files]:
-        path = vdir / record.name
-        if not path.is_file():
-            raise WeightsCorruptError(f"weights version {version}: file {record.name} is missing")
-        hasher = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                hasher.update(chunk)
-        if hasher.hexdigest() != record.sha256:
-            raise WeightsCorruptError(f"weights version {version}: file {record.name} fails its sha256 check")
+    verify_files(root, version)
 
 
 def _short(data: bytes, limit: int = 600) -> str:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.generators.sglang.options import parse_options, servers_per_generator
-from asyncrl.transport.publisher import GroupPublisher, ShardPublisher
+from asyncrl.transport.publisher import UPDATE_DEADLINE_S, GroupPublisher, ShardPublisher
 
 
 def broadcast_in_order(group: dist.ProcessGroup, items: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -63,6 +63,7 @@ class SGLangGroupPublisher(GroupPublisher):
         catchup: ShardPublisher | None = None,
         master_addr: str = "127.0.0.1",
         group_name: str | None = None,
+        deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:
         super().__init__(
             members=rank_owners,
@@ -71,6 +72,7 @@ class SGLangGroupPublisher(GroupPublisher):
             catchup=catchup,
             master_addr=master_addr,
             group_name=group_name or f"asyncrl-sglang-weights-{os.getpid()}",
+            deadline_s=deadline_s,
         )
         if not self.members:
             raise ValueError("the SGLang weight update group needs at least one server rank")
@@ -93,4 +95,5 @@ def make_sglang_publisher(
         bucket_bytes=config.weights.bucket_bytes,
         timeout_s=config.weights.group_timeout_s,
         catchup=catchup,
+        deadline_s=config.weights.update_deadline_s,
     )
