@@ -248,8 +248,10 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # only once this many trajectories wait (then trains all it can); the window's last
     # `min_chunk` - 1 train as they arrive, so a step still ends one arrival after its last
     # trajectory. Larger chunks cost less per trajectory (bench/README.md, "min_chunk"), and a
-    # learner that keeps up leaves its CPU free. 1 = train every arrival at once.
-    min_chunk: PosInt = 64
+    # learner that keeps up leaves its CPU free. 1 = train every arrival at once. "auto": one
+    # streaming rank tries chunks of 64 and whole windows for a few steps and keeps the faster
+    # (learner/chunking.py, docs/learner.md "Streaming or whole windows"); elsewhere 64.
+    min_chunk: PosInt | Literal["auto"] = "auto"
     # CPU threads the learner trains on. On one plain CPU rank they are data-parallel: each trains
     # pieces of a micro-batch on one torch thread (`Trainer.backward_pieces`); elsewhere they are
     # torch's intra-op threads. "auto": every CPU the learner may use (learner.cpus, else its

@@ -233,6 +233,9 @@ class StepDone(_Msg, frozen=True, kw_only=True):
     groups_replayed: list[int] = []
     # A non-finite loss or gradient norm: the update was skipped (the version still advances).
     skipped_nonfinite: bool = False
+    # A decision the learner made at this step, in words, for the run's events (e.g. streaming
+    # chunks or whole windows, learner.min_chunk = "auto"); "" = none.
+    note: str = ""
 
 
 class GroupsLeft(_Msg, frozen=True, kw_only=True):

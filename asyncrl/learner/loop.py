@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +32,13 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
 from asyncrl.learner.cores import resolve_threads
 from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import StepResult, Trainer
 from asyncrl.models.policy import PolicyLM
+
+log = logging.getLogger(__name__)
 
 
 def window_size(config) -> int:
@@ -118,7 +122,7 @@ def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
         max_open_groups=max_open_groups(lrn, actor, objective),
         max_staleness=config.effective_max_staleness,
         max_tokens_per_microbatch=lrn.max_tokens_per_microbatch,
-        chunk_groups=-(-lrn.min_chunk // lrn.samples_per_group),
+        chunk_groups=-(-fixed_min_chunk(lrn.min_chunk) // lrn.samples_per_group),
         threads=resolve_threads(lrn.threads, cpus=lrn.cpus, world_size=lrn.world_size),
         adaptive_threads=lrn.threads == "auto",
         max_nonfinite_steps=lrn.max_nonfinite_steps,
@@ -151,10 +155,14 @@ class StepLoop:
         sink: Callable[[int, list[TrainSample]], StepResult] | None = None,
         before_update: Callable[[], Awaitable[None]] | None = None,
         min_chunk: int = 1,
+        chunking: ChunkChoice | None = None,
     ) -> None:
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
         self.trainer = trainer
+        # min_chunk "auto": streaming chunks or whole windows, by measurement (`chunking.py`).
+        self.chunking = chunking
+        self.note = ""  # the decision the last step made, for its StepDone
         # Streaming starts a run of work once this many trajectories wait, or once fewer than
         # this many of the window are still to come (`learner.min_chunk`).
         self.min_chunk = min_chunk
@@ -193,8 +201,10 @@ class StepLoop:
             self.add(step, sample)
 
     def step_report(self) -> dict:
-        """StepDone's mode-specific fields for the step just finished (none for windows)."""
-        return {}
+        """StepDone's mode-specific fields for the step just finished: a decision of
+        `chunking`, if this step made one."""
+        note, self.note = self.note, ""
+        return {"note": note} if note else {}
 
     def take_left(self) -> dict | None:
         """GroupsLeft's fields for what left the learner's buffer since the last call, or None
@@ -246,6 +256,8 @@ class StepLoop:
         trainer.begin_step(step, window_groups=expected // trainer.group_size)
         self.taken_step, self.taken = step, []
         whole_window = self.sink is not None or bool(trainer.fallback)
+        min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
+        begin = time.perf_counter()
         offered = 0
         draining = False  # streaming: a run of work started, continued while there is work
         while not self.stopping:
@@ -267,8 +279,8 @@ class StepLoop:
                 if trainer.has_work() and (
                     trainer.lockstep
                     or draining
-                    or trainer.num_waiting() >= self.min_chunk
-                    or expected - offered < self.min_chunk
+                    or trainer.num_waiting() >= min_chunk
+                    or expected - offered < min_chunk
                 ):
                     draining = True
                     if await self._busy(trainer.work):
@@ -281,7 +293,11 @@ class StepLoop:
             return None
         if self.before_update is not None:
             await self.before_update()
-        return await self._busy(trainer.finish_step)
+        result = await self._busy(trainer.finish_step)
+        if self.chunking is not None and (choice := self.chunking.observe(time.perf_counter() - begin)):
+            log.info("%s", choice)
+            self.note = choice
+        return result
 
     def tail_s(self, step: int, begin: float, end: float) -> float:
         """From the step's last trajectory arriving (or the step's start, if later) to `end`."""

@@ -48,6 +48,7 @@ from asyncrl.learner.checkpoint import (
     load_learner_checkpoint,
     save_learner_checkpoint,
 )
+from asyncrl.learner.chunking import fixed_min_chunk
 from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, window_size
 from asyncrl.learner.parallel import backend_for, iter_full_state, resolve_device, serving_dtype
 from asyncrl.learner.step import sample_from_message
@@ -257,7 +258,9 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
     zctx = zmq.Context()
     feed = Endpoint(zctx, zmq.PULL, name=f"learner.rank{rank}", accept=(Trajectory, Shutdown))
     feed.connect(address)
-    loop = StepLoop(trainer, lambda step: window_size(config), min_chunk=config.learner.min_chunk)
+    loop = StepLoop(
+        trainer, lambda step: window_size(config), min_chunk=fixed_min_chunk(config.learner.min_chunk)
+    )
     stopped = asyncio.Event()
 
     async def receive() -> None:

@@ -31,6 +31,7 @@ from asyncrl.learner.checkpoint import (
     load_learner_checkpoint,
     save_learner_checkpoint,
 )
+from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
 from asyncrl.learner.loop import StepLoop, build_trainer, gradient_mode, load_policy_model, window_size
 from asyncrl.learner.parallel import is_wrapped
 from asyncrl.learner.pool import PoolLoop
@@ -106,7 +107,12 @@ class LearnerService:
                 self.trainer,
                 lambda step: window_size(cfg),
                 before_update=self.wait_closed,
-                min_chunk=self.cfg.min_chunk,
+                min_chunk=fixed_min_chunk(self.cfg.min_chunk),
+                chunking=(
+                    ChunkChoice(window_size(cfg))
+                    if self.cfg.min_chunk == "auto" and self.trainer.streams_per_trajectory
+                    else None
+                ),
             )
         )
         if is_wrapped(self.cfg):

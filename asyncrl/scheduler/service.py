@@ -452,6 +452,8 @@ class Launcher:
             record["rewards"] = st.rewards_tally.means()
         record["samples_per_s"] = st.trajectories_trained / max(1e-9, st.elapsed_s)
         self.records.write("step", record)
+        if msg.note:
+            self.records.event(msg.note)
         total_steps = self.cfg.learner.steps
         if msg.step + 1 >= total_steps:
             self.finished.set()

@@ -600,24 +600,3 @@ def test_data_parallel_threads_give_the_one_thread_update(tiny_model_dir, tmp_pa
     assert three_result.num_tokens == one_result.num_tokens
     assert three_result.num_trajectories == one_result.num_trajectories == len(samples)
     assert not torch.equal(one, _params(base))
-
-
-def test_core_share_gives_back_a_thread_when_idle_and_takes_it_back_when_bound():
-    from asyncrl.learner.cores import GROW_IDLE, SHRINK_IDLE, CoreShare, resolve_threads
-
-    share = CoreShare(3)
-    assert share.observe(0.0, 1.0) == 3  # bound: already at the most
-    # Idle half the time: smoothed 0.3 * 0.5 + 0.7 * 0 = 0.15 > SHRINK_IDLE -> one back.
-    assert share.observe(0.5, 0.5) == 2
-    assert share.idle_ratio == pytest.approx((SHRINK_IDLE + GROW_IDLE) / 2)
-    # 0.3 * 0.2 + 0.7 * 0.06 = 0.102 > 0.10 -> another back; never below one.
-    assert share.observe(0.2, 0.8) == 1
-    assert share.observe(1.0, 0.0) == 1  # smoothed 0.3 + 0.7 * 0.06 = 0.342
-    # Never idle: 0.342 * 0.7^k drops below GROW_IDLE at k = 8 (0.0282 at k = 7, 0.0197 at 8).
-    assert [share.observe(0.0, 1.0) for _ in range(8)] == [1] * 7 + [2]
-    assert share.observe(0.0, 0.0) == 2  # nothing measured: unchanged
-    with pytest.raises(ValueError, match="at least one thread"):
-        CoreShare(0)
-    assert resolve_threads(3) == 3
-    assert resolve_threads("auto", cpus=[0, 1, 2, 3], world_size=2) == 2
-    assert resolve_threads("auto", cpus=[5], world_size=4) == 1
