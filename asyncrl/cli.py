@@ -200,6 +200,58 @@ def report(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def keys(
+    keys_dir: Annotated[Path, typer.Argument(help="Directory for the run's key material (created 0700)")],
+    force: Annotated[bool, typer.Option("--force", help="Replace keys already there")] = False,
+) -> None:
+    """Create a run's CURVE keys: a server keypair and one per role, files 0600 (docs/multi-host.md)."""
+    from asyncrl.transport.security import write_keys
+
+    try:
+        written = write_keys(keys_dir, force=force)
+    except (FileExistsError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {len(written)} key files to {keys_dir} (0600); use --set cluster.keys_dir={keys_dir}")
+    typer.echo("  head node (launcher, learner): the whole directory")
+    typer.echo("  generator / worker hosts:      server.key + generator.key_secret + worker.key_secret")
+    typer.echo("  monitor hosts:                 server.key + monitor.key_secret")
+    typer.echo("never copy server.key_secret off the head node")
+
+
+@app.command()
+def worker(
+    join: Annotated[str, typer.Option("--join", help="The launcher's control address, tcp://HOST:PORT")],
+    role: Annotated[str, typer.Option("--role", help="What to serve: generator")] = "generator",
+    count: Annotated[int, typer.Option("--count", help="Generator processes (slots) to serve")] = 1,
+    keys: Annotated[
+        str, typer.Option("--keys", help="This host's copy of the run's keys (`asyncrl keys`), for CURVE")
+    ] = "",
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="This host's generator options: --set generators.threads=4"),
+    ] = None,
+    scratch: Annotated[
+        str, typer.Option("--scratch", help="Parent of the local run directory (default /dev/shm)")
+    ] = "",
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the launcher")] = 60.0,
+) -> None:
+    """Join a running launch from another host and serve generator slots (docs/multi-host.md)."""
+    if role != "generator":
+        _fail(
+            f"--role {role!r}: a worker serves generators; learner ranks join with torchrun (docs/multi-host.md)"
+        )
+    from asyncrl.worker import JoinFailed, run_worker
+
+    try:
+        code = run_worker(
+            join, count=count, keys_dir=keys, overrides=set_ or [], scratch=scratch, join_timeout_s=timeout_s
+        )
+    except (JoinFailed, ValueError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
 def _add_bench() -> None:
     from asyncrl.benchmarks.cli import bench_app
 

@@ -157,6 +157,21 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     # Keyword options for the plugin, handed to its setup() as GeneratorContext.options
     # (e.g. `--set generators.options.replay_path=RUN/trajectories.jsonl` for the replay generator).
     options: dict[str, str | int | float | bool] = {}
+    # Across hosts (docs/multi-host.md): how many of the num_generators slots (the last ones) are
+    # served by workers on other hosts that join the run (`asyncrl worker --join tcp://HOST:PORT`,
+    # HOST:PORT the launcher's control address, shown at start); the launcher starts none of them.
+    remote: NonNegInt = 0
+    # How long a remote slot waits for a worker to join it, at start and after its worker was lost,
+    # before the run fails naming it; 0 = forever. The other generators serve meanwhile.
+    remote_join_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
+    # A remote worker that is lost (exits, falls silent past monitor.heartbeat_timeout_s): its tasks
+    # are re-queued once and its slot "wait"s for a replacement to join (counted against
+    # max_restarts), or is "drop"ped: the run goes on with fewer generators (it fails when none is left).
+    remote_lost: Literal["wait", "drop"] = "wait"
+    # How remote workers get the initial model and each published version: "network" (fetched from
+    # the launcher's file socket, chunked and checked against the manifest's checksums, into the
+    # worker's scratch directory) or "shared" (a shared filesystem: the same paths as here).
+    remote_weights: Literal["network", "shared"] = "network"
 
 
 class LoraConfig(_Section, frozen=True, kw_only=True):
@@ -376,6 +391,71 @@ class MonitorConfig(_Section, frozen=True, kw_only=True):
     refresh_per_second: PosFloat = 4.0  # dashboard redraws; records are folded in as they come
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback interface only."""
+    import ipaddress
+
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it reaches beyond this machine
+
+
+class ClusterConfig(_Section, frozen=True, kw_only=True):
+    """Where a run's sockets bind and how they are protected (docs/multi-host.md)."""
+
+    # The address every ZeroMQ socket, rendezvous store and launched SGLang server binds: the
+    # loopback default keeps a run on this machine; a private interface's address (or 0.0.0.0)
+    # lets workers on other hosts join.
+    bind_host: str = "127.0.0.1"
+    # The address peers are told to connect to; "" = bind_host, or this host's address when
+    # bind_host is 0.0.0.0.
+    advertise_host: str = ""
+    # ZeroMQ CURVE (encryption + a key per role) on every socket: "auto" = on whenever bind_host is
+    # not loopback; "on" also on loopback; "off" beyond loopback needs allow_insecure = true.
+    curve: Literal["auto", "on", "off"] = "auto"
+    # Lets curve = "off" bind beyond loopback: anyone who reaches the ports can drive the run.
+    allow_insecure: bool = False
+    # The directory `asyncrl keys DIR` wrote (server and per-role keypairs); needed when CURVE is on.
+    keys_dir: str = ""
+    # Largest ZeroMQ message frame a socket accepts (ZMQ_MAXMSGSIZE): a peer sending a larger one
+    # is disconnected before it is buffered. The largest legitimate frames are a header (the codec
+    # caps them at 16 MiB) and one trajectory tensor (a few MiB at 100k tokens); weight bytes
+    # never travel on these sockets. Chunked transfers must keep each frame below it.
+    max_message_mb: PosFloat = 64.0
+
+    def __post_init__(self) -> None:
+        if not self.bind_host.strip():
+            raise ValueError(
+                "cluster.bind_host is empty: use 127.0.0.1 (one host) or this host's private address"
+            )
+        if self.curve == "off" and not self.loopback and not self.allow_insecure:
+            raise ValueError(
+                f"cluster.curve = 'off' with cluster.bind_host = {self.bind_host!r} (beyond loopback) would let "
+                "anyone who reaches the ports drive the run: use curve = 'auto' with keys from `asyncrl keys DIR`, "
+                "or set cluster.allow_insecure = true if the network is private and you accept that"
+            )
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the run binds only on this machine's loopback interface."""
+        return is_loopback_host(self.bind_host)
+
+    @property
+    def curve_enabled(self) -> bool:
+        """Whether every ZeroMQ socket of the run uses CURVE."""
+        return self.curve == "on" or (self.curve == "auto" and not self.loopback)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * (1 << 20))
+
+
 class Config(_Section, frozen=True, kw_only=True):
     mode: Literal["async", "sync"] = "async"
     run: RunConfig = RunConfig()
@@ -389,6 +469,7 @@ class Config(_Section, frozen=True, kw_only=True):
     buffer: BufferConfig = BufferConfig()
     weights: WeightsConfig = WeightsConfig()
     monitor: MonitorConfig = MonitorConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     def __post_init__(self) -> None:
         lrn = self.learner
@@ -437,10 +518,31 @@ class Config(_Section, frozen=True, kw_only=True):
                 "learner.lora with learner.sharding = 'fsdp' is not supported yet: the adapters are "
                 "small, so use learner.sharding = 'none' (replicated ranks) with LoRA"
             )
+        self._check_remote()
         for key, cpus in (("learner.cpus", lrn.cpus), ("generators.cpus", self.generators.cpus)):
             if len(set(cpus)) != len(cpus):
                 raise ValueError(f"{key} = {list(cpus)} lists a CPU twice; list each CPU once")
         self._check_buffer()
+
+    def _check_remote(self) -> None:
+        gen = self.generators
+        if not gen.remote:
+            return
+        if gen.remote > gen.num_generators:
+            raise ValueError(
+                f"generators.remote = {gen.remote} is more than generators.num_generators = "
+                f"{gen.num_generators}: remote slots are some of the generators; raise num_generators"
+            )
+        if self.weights.kind == "broadcast":
+            raise ValueError(
+                "generators.remote > 0 with weights.transport = 'broadcast': remote generators take "
+                "shards (served over the network, generators.remote_weights); use weights.transport = 'shards'"
+            )
+        if self.opd.enabled and gen.remote_weights == "network":
+            raise ValueError(
+                "opd.enabled with remote generators needs the teacher on their host: set "
+                "generators.remote_weights = 'shared' (a shared filesystem), or run the generators here"
+            )
 
     def _check_buffer(self) -> None:
         buf, lrn = self.buffer, self.learner
@@ -586,6 +688,7 @@ def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
     check_task_kind(config.task)
     check_rewards(config.task)
     check_cuda(config)
+    check_cluster(config.cluster)
     policy = check_staleness_policy(config.staleness)
     if config.buffer.action == "downweight" and "old_train" in policy.needs:
         raise ConfigError(
@@ -625,6 +728,33 @@ def check_cuda(config: Config) -> None:
                 f"config error at {cuda_keys[0]}: 'cuda' but torch sees no CUDA device on this host; "
                 f"use --set {cuda_keys[0]}=cpu, or auto (a GPU only where there is one)"
             )
+
+
+# The server's public key in cluster.keys_dir (`asyncrl keys`; transport/security.py names the rest).
+SERVER_PUBLIC_KEY = "server.key"
+
+
+def keys_dir_problem(keys_dir: str) -> str | None:
+    """What stops `keys_dir` from serving a CURVE run, naming the fix; None if nothing does
+    (its files are parsed where they are used, `transport/security.py`)."""
+    if not keys_dir:
+        return (
+            "CURVE is on (cluster.curve, or cluster.bind_host beyond loopback) but no keys are set: run "
+            "`asyncrl keys DIR` and --set cluster.keys_dir=DIR"
+        )
+    base = Path(keys_dir).expanduser()
+    if not base.is_dir():
+        return f"{keys_dir!r} is not a directory: run `asyncrl keys {keys_dir}` (or fix the path)"
+    if not (base / SERVER_PUBLIC_KEY).is_file():
+        return f"{base / SERVER_PUBLIC_KEY} is missing: copy it from the host where `asyncrl keys` ran (or run it here)"
+    return None
+
+
+def check_cluster(section: ClusterConfig) -> None:
+    """With CURVE on, `cluster.keys_dir` holds the run's keys (checked on the host that loads the
+    config; every process checks its own files again when it starts)."""
+    if section.curve_enabled and (problem := keys_dir_problem(section.keys_dir)):
+        raise ConfigError(f"config error at cluster.keys_dir: {problem}")
 
 
 def needs_one_rank(policy, *, world_size: int, distills: bool) -> bool:

@@ -280,6 +280,11 @@ def run_job(
             "launcher_by_reason": launcher.rejected_by_reason,
         },
         "stale_messages": state.stale_messages,
+        # Peers refused at the CURVE handshake (unknown key, no CURVE, another run's keys).
+        "auth_failures": {
+            "launcher": int(state.metrics.get("launcher/auth_failures", 0)),
+            "learner": int(state.metrics.get("learner/auth_failures", 0)),
+        },
         "run_dir": str(run_dir),
     }
     if (position := getattr(task, "position", None)) is not None:

@@ -13,6 +13,9 @@ Data flow (see asyncrl/__init__.py for the whole picture):
   learner   -> scheduler : Hello, Evaluated, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
   scheduler -> monitor   : LauncherSnapshot (a `launcher` record of the metrics stream, JSON)
+  worker    -> scheduler : Join (`asyncrl worker --join`, from another host); back: Welcome or JoinRefused
+  generator -> scheduler : FileRequest on the launcher's file socket; back: FileChunk (the initial
+                           model and weights versions for hosts without the weights root)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated
+PROTOCOL_VERSION = 4  # 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated; 4: Join, files
 
 Role = Literal["scheduler", "generator", "learner", "monitor"]
 
@@ -275,6 +278,79 @@ class Shutdown(_Msg, frozen=True, kw_only=True):
     reason: str = "done"
 
 
+class Join(_Msg, frozen=True, kw_only=True):
+    """A worker started on another host (`asyncrl worker --join`) offers to serve `count` slots
+    of `role`; the launcher answers Welcome (the slots it may serve, and what it needs to) or
+    JoinRefused."""
+
+    role: Literal["generator"]
+    count: int
+    host: str  # the worker's host name (records, events)
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One file a joining worker fetches (a path relative to its root, `/`-separated)."""
+
+    name: str
+    size_bytes: int
+    checksum: str  # hex digest of the Welcome's `checksum_kind`
+
+
+class Assignment(msgspec.Struct, frozen=True, kw_only=True):
+    """One slot a joined worker serves: the peer id its process says Hello with, and the
+    `--extra KEY=VALUE` arguments a local one would have had (`asyncrl.runtime.child_args`)."""
+
+    peer_id: str
+    extra: dict[str, str] = {}
+
+
+class Welcome(_Msg, frozen=True, kw_only=True):
+    """The launcher's answer to a Join: what a worker needs to serve without the launcher's run
+    directory: the resolved config (config.json's JSON), its slots, and where to fetch files
+    (`files_endpoint`, a FileRequest/FileChunk socket): the initial model (`model_files`,
+    root "model") and, with `weights_network`, every published version (root "weights")."""
+
+    run_name: str
+    config_json: str
+    assignments: list[Assignment]
+    files_endpoint: str
+    checksum_kind: str
+    model_files: list[FileEntry] = []
+    weights_network: bool = True
+    weights_root: str = (
+        ""  # the launcher's weights root (generators.remote_weights = "shared": the same path there)
+    )
+
+
+class JoinRefused(_Msg, frozen=True, kw_only=True):
+    reason: str
+    full: bool = False  # every slot is served now; one may free up (a worker lost): try again later
+
+
+class FileRequest(_Msg, frozen=True, kw_only=True):
+    """Up to `max_bytes` of file `name` under `root` ("model": the initial model directory;
+    "weights": the weights root, names like `v00000003/model-00001-of-00001.safetensors`)."""
+
+    root: Literal["model", "weights"]
+    name: str
+    offset: int
+    max_bytes: int
+
+
+class FileChunk(_Msg, frozen=True, kw_only=True):
+    """The answer to a FileRequest: `data` from `offset` (empty at the end), the file's size, or
+    `error` (no such file, a name outside the root)."""
+
+    root: str
+    name: str
+    offset: int
+    total_bytes: int = 0
+    data: bytes = b""
+    error: str = ""
+
+
 class LauncherSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What only the launcher knows, for the monitor: run shape, phase, admission credits, health.
 
@@ -327,4 +403,9 @@ Message = (
     | Heartbeat
     | Fatal
     | Shutdown
+    | Join
+    | Welcome
+    | JoinRefused
+    | FileRequest
+    | FileChunk
 )

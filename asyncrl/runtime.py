@@ -135,6 +135,10 @@ def run_child(
     )
     run_dir = Path(args.run_dir)
     config = load_resolved_config(run_dir / "config.json")
+    from asyncrl.transport.security import install_from_config
+
+    # Every socket of this process binds and connects as cluster.* says (CURVE with this role's key).
+    install_from_config(config.cluster, role=role)
     pin_process(config.learner.cpus if role == "learner" else config.generators.cpus)
     extra = dict(kv.split("=", 1) for kv in args.extra)
     parent_pid = os.getppid()

@@ -2,7 +2,8 @@
 safetensors shards and the broadcast group, with 1 and 2 generators, against the memcpy bandwidth
 measured in the same run, and next to what bounds each transport on this machine (each checksum
 kind per core, zstd, file writes and reads, one loopback TCP stream, all measured in the same run);
-beside them sha256 shards, float32 shards and delta updates. bench/README.md explains each figure.
+beside them sha256 shards, float32 shards, delta updates and shards served over the network to a
+generator without the weights root (`weights_network.py`). bench/README.md explains each figure.
 
 Importing this module is cheap: torch and the transports load when the command runs
 (`asyncrl.benchmarks.weights_run`).
@@ -117,6 +118,12 @@ def command(
                 f"({bound['copy_cpu_s']:.2f}) on {cores} cores -> {vs(bound['gbps'])}; hashing alone -> "
                 f"{vs(bound['hash_only_gbps'])}"
             )
+    for n, r in result["detail"].get("network", {}).items():  # docs/multi-host.md
+        typer.echo(
+            f"network   x{n}: {vs(r['gbps'])}, served to a generator without the weights root (loopback, "
+            f"{r['checksum']} checked on arrival and on read); fetch alone {vs(r['fetch_gbps'])}; cpu "
+            f"{r['cpu_s']:.2f} s (both ends)"
+        )
     for n, r in result["detail"].get("delta", {}).items():
         typer.echo(
             f"delta     x{n}: lr {r['lr']:g}; {r['delta_bytes'] / 1e6:.2f} MB per update instead of "

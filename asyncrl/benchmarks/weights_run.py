@@ -510,6 +510,15 @@ def run_weights_bench(
             )
             shutil.rmtree(shard_dir)
             if extra_rows and n == num_generators_list[0]:
+                from asyncrl.benchmarks.weights_network import bench_network
+
+                (net_dir := root / "network").mkdir()
+                detail["network"] = {
+                    str(n): bench_network(
+                        sd, net_dir, repeats=repeats, max_shard_bytes=max_shard_bytes, checksum=checksum
+                    )
+                }
+                shutil.rmtree(net_dir)
                 detail.update(
                     _extra_rows(
                         sd,

@@ -299,6 +299,11 @@ class Buffer(Generic[P]):
         self._place(group)
         return True
 
+    def pending_step(self, group_id: int) -> int | None:
+        """The admission step of group `group_id` while it waits for members; None otherwise."""
+        group = self._groups.get(group_id)
+        return group.step if group is not None and group.where == "pending" else None
+
     def sample(self, num_groups: int = 1, *, defer_replays: bool = False) -> list[GroupBatch[P]]:
         """Hand out up to `num_groups` whole groups in the configured order (fewer if none ready).
 

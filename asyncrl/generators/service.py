@@ -71,7 +71,7 @@ from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import batch_trajectories, tensor_ref
 from asyncrl.transport.fence import UpdateFailed
 from asyncrl.transport.manifest import WeightsCorruptError
-from asyncrl.transport.receiver import WeightsReceiver
+from asyncrl.transport.receiver import WeightsReceiver, weights_root
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,12 @@ class GeneratorService:
         self.started = time.perf_counter()
         self.metrics_sent_at = -math.inf
         # weights
-        self.receiver = WeightsReceiver(ctx.peer_id)
+        # Shards announced outside the weights root are refused (issue #23, security).
+        self.receiver = WeightsReceiver(ctx.peer_id, root=weights_root(ctx.config.weights.dir, ctx.run_dir))
+        if files := ctx.extra.get("files"):  # a worker that joined from a host without the weights root
+            from asyncrl.transport.serve import NetworkWeights
+
+            self.receiver.remote = NetworkWeights(ctx.zmq_ctx, files, ctx.run_dir / "weights")
         self.announcements: deque[WeightsPublished] = deque()
         self.announced = asyncio.Event()
         self.announced_at: dict[int, float] = {}
@@ -346,8 +351,14 @@ class GeneratorService:
                 # gives the lock up (a plain plugin's load_weights never overlaps generation).
                 self.feed.hold()
                 try:
+                    location = msg.location
+                    if self.receiver.remote is not None:  # fetched over the network first
+                        root = await asyncio.to_thread(
+                            self.receiver.remote.fetch, msg.version, lambda m: False
+                        )
+                        location = str(root)
                     async with self.model_lock:
-                        await self.gen.load_weights(msg.version, msg.location)
+                        await self.gen.load_weights(msg.version, location)
                 finally:
                     self.feed.release()
                 self.fetched_version = msg.version
@@ -548,6 +559,8 @@ class GeneratorService:
                     "gen/weights_load_s": self.last_load_s,
                     "gen/weights_fetch_bytes": float(self.receiver.last_fetch_bytes),
                     "gen/weights_delta_fetches": float(self.receiver.num_delta_fetches),
+                    "gen/weights_refused_locations": float(self.receiver.num_refused_locations),
+                    "gen/weights_network_bytes": float(getattr(self.receiver.remote, "bytes_fetched", 0)),
                     "gen/inflight_updates": float(getattr(self.gen, "num_inflight_updates", 0)),
                     "gen/teacher_s": float(getattr(self.gen, "teacher_s", 0.0)),
                 },

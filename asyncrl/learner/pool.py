@@ -78,11 +78,18 @@ class PoolLoop(StepLoop):
         self.num_degenerate = 0  # groups dropped as degenerate, in all
         self.degenerate_this_step = 0
         self._report = _empty_report()
+        self.resumed_groups: set[int] = set()  # groups a resume put back (`restore`)
         self._left: dict = {"released": [], "evicted": {}}
 
     # ------------------------------------------------------------------ data in
     def add(self, step: int, sample: TrainSample, *, reuse: int = 0, freshness: float | None = None) -> None:
         """Loop thread: a validated, deduplicated trajectory (admitted at version `step`)."""
+        if sample.group_id in self.resumed_groups:
+            # A group the checkpoint held only in part: the launcher re-admitted it at the resume
+            # version, and its missing members come with that step. The group keeps the step of
+            # its first admission (the buffer refuses a group whose members disagree).
+            first = self.buffer.pending_step(sample.group_id)
+            step = step if first is None else first
         oldest = int(sample.token_versions.min())
         if freshness is None:
             freshness = freshness_from_staleness(
@@ -137,6 +144,7 @@ class PoolLoop(StepLoop):
 
     def restore(self, held: list[tuple[int, TrainSample, dict]]) -> None:
         """Resume: put a checkpoint's `held` back, reuse counts and freshness included."""
+        self.resumed_groups = {sample.group_id for _, sample, _ in held}
         for step, sample, extra in held:
             self.add(step, sample, reuse=int(extra.get("reuse", 0)), freshness=extra.get("freshness"))
 

@@ -153,7 +153,7 @@ class RankGroup:
         self.feeds: dict[int, Endpoint] = {}
         for rank in range(1, self.world_size):
             feed = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"learner.feed{rank}")
-            feed.bind_loopback()  # ranks on other hosts: issue #23 (workers that join over TCP)
+            feed.bind()  # ranks on other hosts: issue #23 (workers that join over TCP)
             self.feeds[rank] = feed
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}
@@ -163,8 +163,9 @@ class RankGroup:
         tell each where its feed is. Returns when every rank has joined."""
         device = resolve_device(self.config.learner.device)
         if not dist.is_initialized():
+            # (The store listens on every interface whatever the host: docs/multi-host.md, "Security".)
             store = dist.TCPStore(
-                "127.0.0.1", 0, self.world_size, is_master=True,
+                self.config.cluster.bind_host, 0, self.world_size, is_master=True,
                 timeout=group_timeout(self.config), wait_for_workers=False,
             )  # fmt: skip
             self.spawn(store.port)
@@ -318,8 +319,15 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s learner-rank{args.rank} %(levelname)s %(name)s: %(message)s",
     )
     config = load_resolved_config(Path(args.run_dir) / "config.json")
+    from asyncrl.transport.security import advertised_host, install_from_config
+
+    install_from_config(config.cluster, role="learner")  # its feed socket: CURVE with the learner key
     store = dist.TCPStore(
-        "127.0.0.1", args.store_port, args.world, is_master=False, timeout=group_timeout(config)
+        advertised_host(config.cluster),
+        args.store_port,
+        args.world,
+        is_master=False,
+        timeout=group_timeout(config),
     )
     device = resolve_device(config.learner.device, local_rank=int(os.environ.get("LOCAL_RANK", args.rank)))
     dist.init_process_group(

@@ -46,6 +46,7 @@ from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
 from asyncrl.messages import Evaluated, GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
 from asyncrl.runtime import ChildContext, run_child
+from asyncrl.transport import zap
 from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.publisher import make_publisher
 from asyncrl.transport.zmq_io import Endpoint
@@ -64,7 +65,7 @@ class LearnerService:
         self.model_path = Path(ctx.extra["model"])
         self.ranks = RankGroup(ctx, self.model_path) if self.cfg.world_size > 1 else None
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
-        self.data.bind_loopback()
+        self.data.bind()
         # The last step's publish and reports, running while the next step trains (`train_loop`).
         self.closing: asyncio.Task | None = None
         self.seen: set[int] = set()
@@ -305,6 +306,7 @@ class LearnerService:
                     "learner/resume_regenerated": float(self.num_regenerated),
                     "learner/invalid_trajectories": float(self.num_invalid),
                     "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
+                    "learner/auth_failures": float(zap.num_auth_failures()),
                     "learner/publish_s": published.publish_s,
                     # Received for later steps (async: the generators' lead), not trained yet.
                     "buffer/held_trajectories": float(held),

@@ -8,8 +8,11 @@ rank 0 runs the learner service exactly as `asyncrl launch` would have started i
 1..R-1 run the same worker loop as spawned ranks (`ranks.run_worker`).
 
 The launcher's run directory must be readable by every rank (the resolved config and the join
-file are read from it), and the feed sockets are on loopback until workers can join over TCP
-(issue #23), so for now all ranks run on the launcher's host (`torchrun --standalone`).
+file are read from it, and each rank writes its shard of every checkpoint there): learner ranks
+on several nodes share a filesystem, as sharded checkpoints need anyway. They meet through
+torchrun's rendezvous (`--nnodes N --node-rank K --master-addr NODE0`); rank 0's feed sockets
+bind on `cluster.bind_host`, with CURVE beyond loopback (docs/multi-host.md). Tested with two
+nodes on one machine (tests/integration/test_sharded_learner.py).
 """
 
 from __future__ import annotations

@@ -88,6 +88,22 @@ def resolve_target(arg: str) -> Target:
     return Target(run_dir=run_dir, endpoint=endpoint, live=live)
 
 
+def _monitor_policy(target: Target):
+    """The socket policy of a subscriber: the process's, or for a run directory whose run uses
+    CURVE (cluster.curve), one with the monitor's key from its cluster.keys_dir (docs/multi-host.md)."""
+    from asyncrl.transport import security
+
+    policy = security.current()
+    config_path = target.run_dir / "config.json" if target.run_dir is not None else None
+    if policy.curve is None and config_path is not None and config_path.is_file():
+        from asyncrl.config import load_resolved_config
+
+        cluster = load_resolved_config(config_path).cluster
+        if cluster.curve_enabled:
+            policy = security.install_from_config(cluster, role="monitor")
+    return policy
+
+
 class FileFollower:
     """Reads complete new lines of metrics.jsonl, numbering them from 0 (= the PUB `seq`)."""
 
@@ -135,6 +151,9 @@ class Follower:
             self.sub = self.ctx.socket(zmq.SUB)
             self.sub.setsockopt(zmq.LINGER, 0)
             self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            policy = _monitor_policy(target)  # CURVE with the monitor key where the run uses it
+            policy.apply(self.sub)
+            policy.apply_client(self.sub)
             self.sub.connect(target.endpoint)
 
     def catch_up(self) -> int:

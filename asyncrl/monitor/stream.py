@@ -5,7 +5,7 @@ Place in the data flow. Workers never talk to a monitor: they send typed `Metric
 launcher over the existing control channel (that is the aggregation path: one ordered stream, no
 extra sockets per worker). The scheduler turns each into one record (`scheduler/records.py`),
 appends it to `<run>/metrics.jsonl`, and hands it to `MonitorHub.publish`, which
-  - sends it on a PUB socket bound on 127.0.0.1 (address in `<run>/monitor.json`) as two frames
+  - sends it on a PUB socket bound on cluster.bind_host (address in `<run>/monitor.json`) as two frames
     `[seq, json]`; `seq` is the record's 0-based line number in metrics.jsonl, so a subscriber
     that misses records (slow joiner, HWM drop) fills the gap from the file;
   - passes it to in-process sinks: the `asyncrl launch` dashboard, and TensorBoard / wandb
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 
 from asyncrl.monitor.sinks import make_sinks
+from asyncrl.transport import security
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -134,8 +135,11 @@ def open_hub(zctx: zmq.Context, *, run_dir: Path, config: Config, reporter: Any 
         pub = zctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         pub.setsockopt(zmq.LINGER, 0)  # undelivered records are in metrics.jsonl anyway
-        port = pub.bind_to_random_port("tcp://127.0.0.1")
-        endpoint = f"tcp://127.0.0.1:{port}"
+        policy = security.current()  # cluster.bind_host, and CURVE (subscribers need the monitor key)
+        policy.apply(pub)
+        policy.apply_server(pub)
+        port = pub.bind_to_random_port(policy.bind_url)
+        endpoint = policy.endpoint(port)
     first_seq = count_lines(run_dir / "metrics.jsonl")
     feeds_reporter = hasattr(reporter, "on_record")
     hub = MonitorHub(

@@ -2,8 +2,8 @@
 generators, routes control messages, and ends the run cleanly; every decision it acts on is made
 in a pure module.
 
-Sockets: one ROUTER bound on loopback; every worker connects a DEALER with its peer id as the
-ZeroMQ identity. Flow:
+Sockets: one ROUTER bound on cluster.bind_host (loopback by default); every worker connects a
+DEALER with its peer id as the ZeroMQ identity. Flow:
   learner Hello(endpoint) -> start generators -> generator Hellos -> dispatch PromptTasks
   WeightsPublished (learner) -> every generator;  WeightsLoaded (generator) -> learner, dispatch
   StepDone (learner) -> records, reporter, task book, checkpoint; the last one ends the run.
@@ -13,6 +13,7 @@ Where the decisions are:
   supervision.py  which generator process serves each slot, restart budget
   tasks.py        open tasks, the re-queue, the ledger;  checkpoint.py  the launcher's half
   spawner.py      how a worker is started and stopped;  children.py  whether it is healthy
+  remote.py       slots served by workers that join from other hosts (Join, files)
   workers.py      the workers this launcher started (spawn, retire, stop)
   records.py      metrics.jsonl, the reporter, the monitor's `launcher` snapshot
   inbox.py        how messages from the socket reach `on_message`
@@ -48,6 +49,7 @@ from asyncrl.messages import (
     GroupsLeft,
     Heartbeat,
     Hello,
+    Join,
     LauncherSnapshot,
     Metrics,
     PromptTasks,
@@ -65,11 +67,13 @@ from asyncrl.scheduler.dispatch import Dispatcher
 from asyncrl.scheduler.inbox import Inbox
 from asyncrl.scheduler.modes import make_mode
 from asyncrl.scheduler.records import Records, RecordStream, Reporter, RunState, launcher_snapshot
+from asyncrl.scheduler.remote import JoinDesk
 from asyncrl.scheduler.spawner import ForkSpawner, JoinSpawner, LocalSpawner, Spawner
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
-from asyncrl.scheduler.tasks import TaskBook
+from asyncrl.scheduler.tasks import TaskBook, stall_reason
 from asyncrl.scheduler.workers import Workers
 from asyncrl.tasks.base import Task, make_task, prepare_task
+from asyncrl.transport import security, zap
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,7 @@ CONTROL_ACCEPT = (
     Metrics,
     Heartbeat,
     Fatal,
+    Join,
 )
 
 # Opens the monitor's record stream on the launcher's zmq.Context (the app layer wires it).
@@ -172,6 +177,13 @@ class Launcher:
             spawner = ForkSpawner(run_dir) if config.run.spawn == "fork" else LocalSpawner(run_dir)
         if config.learner.start == "torchrun":  # the learner's ranks join; the launcher starts none
             spawner = JoinSpawner(spawner, run_dir, joined=frozenset({"learner"}))
+        self.remote: JoinDesk | None = None  # generators.remote > 0: slots served by workers that join
+        if config.generators.remote:
+            slot_of = lambda peer: getattr(self.pool.get(peer), "slot", "")  # noqa: E731
+            self.remote = JoinDesk(
+                config, spawner, self.records, slot_of, model_path=model_path, run_dir=run_dir
+            )
+            spawner = self.remote.spawner
         self.workers = Workers(spawner, role_modules, self.records)
         self.children = self.workers.children  # peer id -> a live worker
 
@@ -186,12 +198,17 @@ class Launcher:
         """A generator that exits or falls silent is restarted; a learner that does fails the run."""
         timeout_s = self.cfg.monitor.heartbeat_timeout_s
         while not self.finished.is_set():
+            if self.remote is not None and (overdue := self.remote.tick(self.state)):
+                self.fail(overdue)
+                return
             for child in list(self.children.values()):
-                if child.stopping or self.finished.is_set():
-                    continue
+                if child.stopping or self.finished.is_set() or not getattr(child.handle, "joined", True):
+                    continue  # (a remote slot waiting for a worker: bounded by remote.overdue above)
                 startup_s = (
                     self.cfg.learner.startup_timeout_s if child.role == "learner" else STARTUP_TIMEOUT_S
                 )
+                if getattr(child.handle, "remote", False):  # from the join: the model comes over the network
+                    startup_s = max(startup_s, self.cfg.generators.remote_join_timeout_s)
                 reason = health(child, heartbeat_timeout_s=timeout_s, startup_timeout_s=startup_s)
                 if reason is None:
                     continue
@@ -209,6 +226,11 @@ class Launcher:
             self.state.rejected_frames = ctrl.num_rejected
             self.state.metrics["launcher/rejected_frames"] = float(ctrl.num_rejected)
             self.records.write("rejected", {"socket": ctrl.name, "num_rejected": ctrl.num_rejected})
+        # Connections refused by CURVE/ZAP in this process (a peer without the run's key; issue #23).
+        refused = zap.num_auth_failures()
+        if refused != self.state.metrics.get("launcher/auth_failures", 0.0):
+            self.state.metrics["launcher/auth_failures"] = float(refused)
+            self.records.write("refused", {"num_refused": refused, "by_reason": zap.auth_failures()})
 
     async def restart_generator(self, ctrl: Endpoint, child: Child, reason: str) -> None:
         """Kill `child` (that worker only), re-queue its in-flight tasks once, start its replacement.
@@ -219,6 +241,11 @@ class Launcher:
         requeued = self.dispatcher.generator_failed(child.peer_id)
         self.state.tasks_requeued += len(requeued)
         await self.workers.retire(child)
+        if self.remote is not None and self.remote.drops(child, reason, num_requeued=len(requeued)):
+            if not self.pool.live():
+                self.fail(f"generator {child.slot} {reason}\nNo generator is left, so the run stops.")
+            await self.dispatch(ctrl)
+            return
         try:
             inc = self.pool.restart(child.slot)
         except RestartBudgetExceeded as exc:
@@ -308,7 +335,9 @@ class Launcher:
         peer = sender.decode(errors="replace")
         child = self.children.get(peer)
         if child is None:
-            if self.pool.is_retired(peer):
+            if isinstance(msg, Join) and self.remote is not None:  # a worker on another host
+                await self.send_to(ctrl, peer, await self.remote.on_join(msg, self.children, self.state))
+            elif self.pool.is_retired(peer):
                 # Sent by a generator before it died and was replaced: its tasks are re-queued.
                 self.state.stale_messages += 1
                 log.info("stale %s from replaced generator %s dropped", type(msg).__name__, peer)
@@ -414,26 +443,13 @@ class Launcher:
             self.fail(reason)
 
     def check_stalled(self) -> None:
-        """No silent stalls: the run stops (resumably) when nothing has moved for
-        monitor.stall_timeout_s while it waits on something (a group admitted and not done, or a
-        trajectory the learner rejected), with one line naming what the next step waits for. A
-        learner busy with a long step while every admitted group is done is not a stall."""
+        """No silent stalls (`tasks.stall_reason`): the run stops, resumably, naming what it waits for."""
+        live = [inc.peer_id for inc in self.pool.live()]
         timeout_s = self.cfg.monitor.stall_timeout_s
-        st = self.state
-        if not timeout_s or st.phase != "training" or time.monotonic() - st.last_progress < timeout_s:
-            return
-        invalid = int(st.metrics.get("learner/invalid_trajectories", 0))
-        if not self.book.open and not invalid:
-            return
-        ledger = self.book.ledger
-        rejected = f"; the learner rejected {invalid} trajectories (logs/learner.log)" if invalid else ""
-        on = [f"{inc.peer_id}: {ledger.tasks_in_flight(inc.peer_id)[:8]}" for inc in self.pool.live()]
-        self.fail(
-            f"stalled: step {st.step} has received nothing for {timeout_s:g} s (monitor.stall_timeout_s); "
-            f"groups in flight {', '.join(on) or 'none'}, re-queued {list(self.book.requeued)[:8]}; "
-            f"last progress: {st.last_progress_what}{rejected}. `asyncrl launch --resume {self.run_dir}` "
-            "continues from the last checkpoint"
-        )
+        if reason := stall_reason(self.state, self.book, live, timeout_s=timeout_s, now=time.monotonic()):
+            self.fail(
+                f"{reason}. `asyncrl launch --resume {self.run_dir}` continues from the last checkpoint"
+            )
 
     def on_step_done(self, msg: StepDone) -> None:
         st = self.state
@@ -503,8 +519,14 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.interrupt)
         zctx = zmq.Context()
+        if security.current() == security.SocketPolicy():  # unless the caller installed one
+            security.install_from_config(self.cfg.cluster, role="launcher")
         ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl", accept=CONTROL_ACCEPT)
-        self.ctrl_address = ctrl.bind_loopback()
+        self.ctrl_address = ctrl.bind()
+        if self.remote is not None:  # its file socket; a remote generator given up on gets Shutdown
+            self.remote.start(
+                zctx, self.ctrl_address, lambda p: self.send_to(ctrl, p, Shutdown(reason="replaced"))
+            )
 
         async def on_message(sender: bytes, msg) -> None:
             await self.on_message(ctrl, sender, msg)
@@ -561,6 +583,8 @@ class Launcher:
                 self.save_checkpoint()  # stopped early: the learner saved its half on Shutdown
             receiver.cancel()
             supervisor.cancel()
+            if self.remote is not None:
+                self.remote.close()
             self.state.rejected_frames = ctrl.num_rejected
             self.rejected_by_reason = dict(ctrl.rejected)
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -104,10 +104,15 @@ class LocalProcess:
 
 
 class LocalSpawner:
-    """Workers as child processes of the launcher, with the run's log directory."""
+    """Workers as child processes of the launcher, with the run's log directory.
 
-    def __init__(self, run_dir: Path) -> None:
+    `die_with_parent`: each worker gets SIGKILL the moment this process dies (Linux's parent-death
+    signal; elsewhere it notices within `runtime.PARENT_POLL_S`). `asyncrl worker` uses it: a worker
+    killed on its host must take its generators with it at once, not after they have served on."""
+
+    def __init__(self, run_dir: Path, *, die_with_parent: bool = False) -> None:
         self.run_dir = Path(run_dir)
+        self.die_with_parent = die_with_parent
 
     def log_path(self, peer_id: str) -> Path:
         logs = self.run_dir / "logs"
@@ -126,9 +131,20 @@ class LocalSpawner:
     ) -> LocalProcess:
         log_path = self.log_path(peer_id)
         cmd = [sys.executable, "-m", module, *self.worker_argv(peer_id, ctrl_address, extra)]
+        preexec = _die_with_parent if self.die_with_parent and sys.platform == "linux" else None
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec
+            )
         return LocalProcess(proc, log_path)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class JoinedProcess:

@@ -131,3 +131,22 @@ class TaskBook:
 
     def summary(self, *, at_end: bool = False) -> LedgerSummary:
         return self.ledger.summary(at_end=at_end)
+
+
+def stall_reason(state, book: TaskBook, live_peers: list[str], *, timeout_s: float, now: float) -> str | None:
+    """Why the run has stalled, or None: nothing has moved for `timeout_s` (monitor.stall_timeout_s;
+    0 = never) while training waits on something (a group admitted and not done, or a trajectory
+    the learner rejected); one line naming what the next step waits for. A learner busy with a
+    long step while every admitted group is done is not a stall. `state`: the launcher's RunState."""
+    if not timeout_s or state.phase != "training" or now - state.last_progress < timeout_s:
+        return None
+    invalid = int(state.metrics.get("learner/invalid_trajectories", 0))
+    if not book.open and not invalid:
+        return None
+    rejected = f"; the learner rejected {invalid} trajectories (logs/learner.log)" if invalid else ""
+    on = [f"{peer}: {book.ledger.tasks_in_flight(peer)[:8]}" for peer in live_peers]
+    return (
+        f"stalled: step {state.step} has received nothing for {timeout_s:g} s (monitor.stall_timeout_s); "
+        f"groups in flight {', '.join(on) or 'none'}, re-queued {list(book.requeued)[:8]}; "
+        f"last progress: {state.last_progress_what}{rejected}"
+    )

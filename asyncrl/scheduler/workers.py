@@ -38,7 +38,10 @@ class Workers:
         handle = self.spawner.start(peer_id, self.role_modules[role], ctrl_address=ctrl_address, extra=extra)
         child = Child(peer_id, role, handle)
         self.children[peer_id] = child
-        self.records.event(f"started {peer_id} (pid {handle.pid})")
+        if getattr(handle, "remote", False):  # scheduler/remote.py: a worker on another host serves it
+            self.records.event(f"{peer_id} waits for a worker to join: asyncrl worker --join {ctrl_address}")
+        else:
+            self.records.event(f"started {peer_id} (pid {handle.pid})")
         self.records.write("spawn", {"peer_id": peer_id, "role": role, "pid": handle.pid})
         return child
 
@@ -57,4 +60,6 @@ class Workers:
             child.stopping = True
             if child.handle.exit_code() is None:
                 await shutdown(child)
+                if getattr(child.handle, "remote", False):
+                    child.handle.terminate()  # on another host: told to stop, nothing here to wait for
         await stop_all(self.children.values(), grace_s=STOP_GRACE_S)

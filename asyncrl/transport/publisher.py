@@ -37,6 +37,7 @@ import torch
 
 from asyncrl.messages import WeightsPublished
 from asyncrl.plugins import available, load_plugin
+from asyncrl.transport import security
 from asyncrl.transport.checksum import DEFAULT_CHECKSUM
 from asyncrl.transport.delta import DeltaBase
 from asyncrl.transport.fence import AckWatch
@@ -297,7 +298,7 @@ class GroupPublisher(abc.ABC):
         bucket_bytes: int,
         timeout_s: float,
         catchup: ShardPublisher | None,
-        master_addr: str = "127.0.0.1",
+        master_addr: str = "",
         group_name: str,
         deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:
@@ -307,7 +308,9 @@ class GroupPublisher(abc.ABC):
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.catchup = catchup
-        self.master_addr = master_addr
+        # The group's store host, told to every member: "" = this process's advertised address
+        # (cluster.advertise_host / bind_host; loopback by default).
+        self.master_addr = master_addr or security.current().advertise_host
         self.group_name = group_name
         self.group = None
         self._store = None
@@ -462,7 +465,7 @@ class BroadcastPublisher(GroupPublisher):
         bucket_bytes: int,
         timeout_s: float,
         catchup: ShardPublisher | None,
-        master_addr: str = "127.0.0.1",
+        master_addr: str = "",
         group_name: str | None = None,
         deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:

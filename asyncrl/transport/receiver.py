@@ -6,8 +6,9 @@ generator service asks `WeightsReceiver.plan` whether to act on it, runs `fetch`
 them into the model at a safe point and acks with `WeightsLoaded`. Nothing here touches the model,
 so a failed fetch leaves the weights being served untouched.
 
-- safetensors: `read_shards(root, version, verify=True)` into fresh CPU tensors; a missing,
-  truncated or corrupt file raises `WeightsCorruptError` naming it (or FileNotFoundError when the
+- safetensors: `read_shards(root, version, verify=True)` into fresh CPU tensors (on a host without
+  the weights root, `remote` first fetches the version over the network into a local cache,
+  `serve.NetworkWeights`, and `root` is that cache); a missing, truncated or corrupt file raises `WeightsCorruptError` naming it (or FileNotFoundError when the
   version is gone); the service keeps the old weights and retries. When the manifest says the next
   version may come as a delta (`delta_next`), the fetched tensors are kept (`delta.HeldVersion`),
   and a version whose delta is based on exactly them is rebuilt from its delta files; any other
@@ -21,11 +22,15 @@ so a failed fetch leaves the weights being served untouched.
   those once they are newer than the last broadcast announced. A receive that fails (the sender
   dropped this member, or died) leaves the group and raises `fence.UpdateFailed`; from then on this
   generator takes catch-up shards, including the one of the failed version.
+
+A shards announcement whose `location` is outside the weights root (`root`, weights.dir) is
+refused in `plan`, counted (`num_refused_locations`) and never read.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -37,9 +42,26 @@ from asyncrl.transport.manifest import WeightsCorruptError
 log = logging.getLogger(__name__)
 
 
+def weights_root(weights_dir: str, run_dir: str | Path) -> Path:
+    """Where a run's shards live: weights.dir, or <run_dir>/weights when it is empty."""
+    return Path(weights_dir) if weights_dir else Path(run_dir) / "weights"
+
+
+def _within(location: str, root: Path) -> bool:
+    """Whether `location` is `root` or below it, symlinks and `..` resolved."""
+    where, top = os.path.realpath(location), os.path.realpath(root)
+    return where == top or where.startswith(top.rstrip(os.sep) + os.sep)
+
+
 class WeightsReceiver:
-    def __init__(self, generator_id: str, *, num_read_threads: int | None = None) -> None:
+    def __init__(
+        self, generator_id: str, *, num_read_threads: int | None = None, root: str | Path | None = None
+    ) -> None:
         self.generator_id = generator_id
+        # The weights root (`weights_root`): an announced shards location outside it is refused,
+        # counted and never read (a peer that could announce must not make us read /etc).
+        self.root = None if root is None else Path(root)
+        self.num_refused_locations = 0
         self.num_read_threads = num_read_threads
         self.group = None  # the weight update group, once joined
         self.member: bool | None = None  # decided by the first announcement seen
@@ -48,6 +70,9 @@ class WeightsReceiver:
         self.last_fetch_bytes = 0  # bytes read for the last version fetched (delta or full)
         self.last_fetch_delta = False
         self.num_delta_fetches = 0
+        # serve.NetworkWeights on a host that cannot see the weights root (a worker that joined):
+        # each version is fetched into its local cache first, then read there like local shards.
+        self.remote = None
 
     def plan(self, msg: WeightsPublished) -> bool:
         """Whether to fetch `msg` (False: not for this generator). Call once per announcement, in order."""
@@ -67,6 +92,19 @@ class WeightsReceiver:
             return self.member
         if self.member is None:
             self.member = False
+        # (A host that fetches over the network (`remote`) never reads `location` itself.)
+        if self.root is not None and self.remote is None and not _within(msg.location, self.root):
+            self.num_refused_locations += 1
+            log.error(
+                "%s: weights version %d announced at %r, outside the weights root %s: refused, not read "
+                "(%d refused so far)",
+                self.generator_id,
+                msg.version,
+                msg.location,
+                self.root,
+                self.num_refused_locations,
+            )
+            return False
         # Members already got these bytes over the group; a newer catch-up means the learner gave
         # the group up (a member died) and publishes shards only from now on.
         return not (self.member and msg.catchup and msg.version <= self.last_broadcast_version)
@@ -94,6 +132,11 @@ class WeightsReceiver:
         from asyncrl.transport.shard_read import read_manifest, read_shards
 
         root = Path(msg.location)
+        if self.remote is not None:
+            held_now = self.held
+            root = self.remote.fetch(
+                msg.version, use_delta=lambda m: held_now is not None and held_now.matches(m.delta)
+            )
         manifest = read_manifest(root, msg.version)
         held = self.held if self.held is not None and self.held.matches(manifest.delta) else None
         try:

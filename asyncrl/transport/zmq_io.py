@@ -18,6 +18,13 @@ with a Future and several callbacks per message, which cost more CPU per round t
 are in bench/README.md, "Pipeline"). Sends stay in order (a send that had to wait holds back later
 ones until it has gone), and a receiver yields to the loop after `RECV_STREAK` messages in a row so a
 busy socket cannot starve the process's other tasks.
+
+Security (`asyncrl.transport.security`): every socket takes the process's `SocketPolicy` (or the
+one passed in): a maximum frame size always; where to bind (`bind`: cluster.bind_host, loopback
+by default) and the address to advertise; and with CURVE on, a CURVE server for a socket that
+binds, a CURVE client with the process's role keypair for one that connects. A socket that binds
+with CURVE also checks each message against the role bound to its sender's key (the connection's
+User-Id): a message that role may not send is rejected and counted like a malformed one.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ from typing import Any
 import zmq
 
 from asyncrl.messages import Trajectories, Trajectory
+from asyncrl.transport import security
 from asyncrl.transport.codec import MalformedFrame, decode, encode
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "tcp://127.0.0.1"
+LOOPBACK = "tcp://127.0.0.1"  # the default bind address (cluster.bind_host)
 # On close, wait at most this long for queued messages (shutdown must never hang on a dead peer).
 LINGER_MS = 1000
 CONTROL_HWM = 100_000
@@ -59,8 +67,11 @@ class Endpoint:
         name: str,
         identity: str | None = None,
         accept: tuple[type, ...] | None | object = _BY_KIND,
+        policy: security.SocketPolicy | None = None,
     ):
         self.name = name
+        # Where this socket binds, its size cap and its keys (None: the process's, `security.install`).
+        self.policy = security.current() if policy is None else policy
         # Message types this socket carries (None: any); others are rejected and counted.
         self.accept = DEFAULT_ACCEPT.get(kind) if accept is _BY_KIND else accept
         # Plain socket (registered with `ctx`, so ctx.destroy() still closes it); see the module doc.
@@ -75,6 +86,8 @@ class Endpoint:
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.policy.apply(self.sock)
+        self._checks_roles = False  # a CURVE server: each message is checked against its sender's role
         self.rejected: Counter[str] = Counter()
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None  # watching the descriptor once set
@@ -85,12 +98,18 @@ class Endpoint:
         self._streak = 0
         self.waited_sends = 0  # sends that found the queue full (tests, diagnostics)
 
-    def bind_loopback(self) -> str:
-        port = self.sock.bind_to_random_port(LOOPBACK)
-        self.address = f"{LOOPBACK}:{port}"
+    def bind(self) -> str:
+        """Bind a free port on the policy's bind host (loopback by default); returns the address
+        peers connect to (the advertised host)."""
+        if self.policy.curve is not None:
+            self.policy.apply_server(self.sock)
+            self._checks_roles = True
+        port = self.sock.bind_to_random_port(self.policy.bind_url)
+        self.address = self.policy.endpoint(port)
         return self.address
 
     def connect(self, address: str) -> None:
+        self.policy.apply_client(self.sock)
         self.sock.connect(address)
         self.address = address
 
@@ -181,6 +200,13 @@ class Endpoint:
             if self.accept is not None and not isinstance(msg, self.accept):
                 self.reject(f"unexpected message type: {type(msg).__name__} on {self.name}")
                 continue
+            if self._checks_roles:
+                role = _role_of(frames[0])
+                if not security.may_send(role, msg):
+                    self.reject(
+                        f"not allowed for the sender's key: {role or 'no role'} sent {type(msg).__name__}"
+                    )
+                    continue
             return sender, msg, tensors
 
     def reject(self, reason: str) -> None:
@@ -209,3 +235,11 @@ class Endpoint:
         self._recv_waiters.clear()
         self._send_waiters.clear()
         self.sock.close()
+
+
+def _role_of(frame: zmq.Frame) -> str:
+    """The key role ZAP gave the connection a frame arrived on ("" if none)."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:  # no such property: not an authenticated connection
+        return ""

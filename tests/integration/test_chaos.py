@@ -121,7 +121,13 @@ def test_generators_sigkilled_at_random_points_lose_nothing(tiny_model_dir, tmp_
         for threshold in thresholds:
             wait_for(lambda t=threshold: len(records(run_dir, "task")) >= t, proc, f"{threshold} tasks done")
             victim = rng.choice(live_generators(run_dir))
-            assert is_that_generator(victim["pid"], victim["peer_id"], run_dir), (seed, victim)
+            # A worker forked from the fork server is recorded as spawned before it has put its
+            # output on its log: wait for that (it is how the test knows the pid is that worker).
+            wait_for(
+                lambda v=victim: is_that_generator(v["pid"], v["peer_id"], run_dir),
+                proc,
+                f"{victim['peer_id']} (pid {victim['pid']}) writing to its log (seed {seed})",
+            )
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim)
             wait_for(

@@ -337,14 +337,27 @@ def any_step_done() -> StepDone:
     )
 
 
-def test_nothing_in_the_package_pickles_or_binds_beyond_loopback():
-    """Static guard: no pickle (nor pyzmq's pickling send/recv), no raw `bind`, and every
-    `bind_to_random_port` on loopback (the `LOOPBACK` constant or a 127.0.0.1 literal)."""
+# Listeners that are not ZeroMQ sockets, and what guards them instead of CURVE.
+NOT_ZMQ_BINDS = {
+    # Probes a free port for a launched SGLang server, then closes it; the server itself binds
+    # cluster.bind_host and checks generators.options.api_key.
+    "generators/sglang/launch.py": "sglang api key",
+}
+
+
+def test_nothing_in_the_package_pickles_or_binds_beyond_loopback_without_curve():
+    """Static guard: no pickle (nor pyzmq's pickling send/recv), no raw `bind`, and every `bind` /
+    `bind_to_random_port` either on loopback (the `LOOPBACK` constant or a 127.0.0.1 literal) or in
+    a function that first makes the socket a CURVE server when CURVE is on (`apply_server`). That
+    binding beyond loopback implies CURVE on is `SocketPolicy`'s invariant (tests/unit/test_security.py)."""
     root = Path(asyncrl.__file__).parent
     offenders = []
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+        rel = str(path.relative_to(root))
+        tree = ast.parse(path.read_text(), filename=str(path))
+        secured = _binds_after_apply_server(tree)
+        for node in ast.walk(tree):
+            where = f"{rel}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 if any(n.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle") for n in names):
@@ -355,20 +368,42 @@ def test_nothing_in_the_package_pickles_or_binds_beyond_loopback():
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("bind", "bind_to_random_port")
-                and not _is_loopback(node.args[0] if node.args else None)
+                and node.args
+                and not _is_loopback(node.args[0])
+                and id(node) not in secured
+                and rel not in NOT_ZMQ_BINDS
             ):
-                offenders.append(f"{where} binds beyond loopback")
+                offenders.append(f"{where} binds beyond loopback without CURVE (call apply_server first)")
     assert not offenders, offenders
 
 
+def _binds_after_apply_server(tree: ast.AST) -> set[int]:
+    """ids of the bind calls in functions that call `.apply_server(...)` on an earlier line."""
+    secured: set[int] = set()
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        calls = [n for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        first = min((n.lineno for n in calls if n.func.attr == "apply_server"), default=None)
+        if first is not None:
+            secured |= {
+                id(n) for n in calls if n.func.attr in ("bind", "bind_to_random_port") and n.lineno > first
+            }
+    return secured
+
+
 def _is_loopback(arg: ast.expr | None) -> bool:
-    """The `LOOPBACK` constant, a tcp://127.0.0.1 literal, or a ("127.0.0.1", port) tuple."""
+    """The `LOOPBACK` constant, a tcp://127.0.0.1 literal, or a ("127.0.0.1", port) tuple; or in
+    process: an inproc:// literal (or f-string), the ZAP handler's `ZAP_ENDPOINT`."""
     if isinstance(arg, ast.Name):
-        return arg.id == "LOOPBACK"
+        return arg.id in ("LOOPBACK", "ZAP_ENDPOINT")
+    if isinstance(arg, ast.JoinedStr) and arg.values:
+        arg = arg.values[0]
+        return isinstance(arg, ast.Constant) and str(arg.value).startswith("inproc://")
     if isinstance(arg, ast.Tuple) and arg.elts:
         arg = arg.elts[0]
     return isinstance(arg, ast.Constant) and str(arg.value).removeprefix("tcp://").startswith(
-        ("127.0.0.1", "localhost", "[::1]", "::1")
+        ("127.0.0.1", "localhost", "[::1]", "::1", "inproc://")
     )
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -148,7 +149,40 @@ def _check_loads_on_one_rank(run_dir, version):
             assert torch.equal(state[i][moment], saved["optim"]["state"][name][moment]), (name, moment)
 
 
-def test_torchrun_ranks_join_a_launch(tiny_model_dir, tmp_path):
+def _torchrun_nodes(nodes: int, run_dir) -> list[subprocess.Popen]:
+    """The learner's 2 ranks by torchrun: one node with 2 processes (`--standalone`), or 2 nodes
+    with one each, meeting at node 0's address (static rendezvous, as on two hosts)."""
+    module = ["-m", "asyncrl.learner.torchrun", str(run_dir)]
+    if nodes == 1:
+        cmds = [["--standalone", "--nproc-per-node", "2", *module]]
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous (closed before torchrun binds it)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        rendezvous = [
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ]
+        cmds = [[*rendezvous, "--node-rank", str(k), *module] for k in range(2)]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for cmd in cmds
+    ]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_ranks_join_a_launch(tiny_model_dir, tmp_path, nodes):
     sets = [
         "learner.world_size=2",
         "learner.sharding=fsdp",
@@ -157,13 +191,7 @@ def test_torchrun_ranks_join_a_launch(tiny_model_dir, tmp_path):
         "learner.startup_timeout_s=240",
     ]
     # torchrun first, the launcher after: the ranks wait for its join file.
-    ranks = subprocess.Popen(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "asyncrl.learner.torchrun", str(tmp_path / "tr"),
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    ranks = _torchrun_nodes(nodes, tmp_path / "tr")
     launcher = subprocess.Popen(
         short_job_args(tiny_model_dir, tmp_path, *sets, name="tr"),
         stdout=subprocess.PIPE,
@@ -172,13 +200,13 @@ def test_torchrun_ranks_join_a_launch(tiny_model_dir, tmp_path):
     )
     try:
         out, _ = launcher.communicate(timeout=300)
-        ranks_out, _ = ranks.communicate(timeout=120)
+        ranks_out = [rank.communicate(timeout=120)[0] for rank in ranks]
     finally:
-        for proc in (launcher, ranks):
+        for proc in (launcher, *ranks):
             if proc.poll() is None:
                 proc.kill()
     assert launcher.returncode == 0, out
-    assert ranks.returncode == 0, ranks_out
+    assert all(rank.returncode == 0 for rank in ranks), ranks_out
     assert "torchrun --nproc-per-node 2 -m asyncrl.learner.torchrun" in out  # what to start, said
     summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["policy_versions"] == 3

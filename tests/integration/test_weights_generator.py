@@ -74,9 +74,9 @@ class Harness:
 
         self.zctx = zmq.asyncio.Context()
         self.router = Endpoint(self.zctx, zmq.ROUTER, name="test.launcher")
-        address = self.router.bind_loopback()
+        address = self.router.bind()
         self.pull = Endpoint(self.zctx, zmq.PULL, name="test.learner")
-        data_address = self.pull.bind_loopback()
+        data_address = self.pull.bind()
         dealer = Endpoint(self.zctx, zmq.DEALER, name="gen-0.ctrl", identity="gen-0")
         dealer.connect(address)
         config = load_config(overrides=[f'model.path="{model_dir}"', *overrides])

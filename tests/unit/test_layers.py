@@ -1,6 +1,7 @@
 """The import contract: asyncrl's layers, checked on the source's import graph.
 
-  app     cli, job, benchmarks, testing, __main__   may import anything; nothing imports them
+  app     cli, job, worker, benchmarks, testing,    may import anything; nothing imports them
+          __main__
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
   leaves  messages, config, plugins, lazy, tasks, rewards, leaves only
@@ -24,7 +25,7 @@ import asyncrl
 
 PACKAGE_ROOT = Path(asyncrl.__file__).resolve().parent
 
-APP = frozenset({"cli", "job", "benchmarks", "testing", "__main__"})
+APP = frozenset({"cli", "job", "worker", "benchmarks", "testing", "__main__"})
 ROLES = frozenset({"scheduler", "learner", "generators", "monitor"})
 INFRA = frozenset({"transport", "runtime"})
 LEAVES = frozenset(

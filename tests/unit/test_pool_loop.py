@@ -5,7 +5,9 @@ credit at once, and a checkpoint's `held` rebuilds a buffer that hands out the s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import pytest
 import torch
 
 from asyncrl.config import load_config
@@ -101,3 +103,21 @@ def _partial(group_id):
         token_versions=torch.tensor([1]),
         reward=1.0,
     )
+
+
+def test_a_group_held_in_part_at_a_resume_is_completed_by_its_readmission(tiny_model_dir):
+    """The checkpoint held member 0 of group 3 (admitted at step 1); the resumed launcher admits
+    the group again at the resume version (step 2) and its regenerated member 1 arrives with that
+    step: the group completes under its first admission's step instead of failing the learner."""
+    loop = _loop(tiny_model_dir)
+    loop.buffer.update_version(2)
+    loop.restore([(1, _partial(3), {"reuse": 0, "freshness": 1.0})])
+    member = dataclasses.replace(_partial(3), traj_id=3 * N + 1, sample_index=1, reward=0.0)
+    loop.add(2, member)
+    (group,) = loop.buffer.sample(1)
+    assert group.group_id == 3 and len(group.items) == N
+    assert {item.step for item in group.items} == {1}
+    other = _loop(tiny_model_dir)  # without a resume, members that disagree are still refused
+    other.add(1, _partial(3))
+    with pytest.raises(ValueError, match="disagrees"):
+        other.add(2, member)

@@ -135,12 +135,20 @@ def check_url(url: str) -> str:
     return f"http://{parts.hostname}:{parts.port}"
 
 
-def http_call(url: str, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
+def auth_headers(api_key: str) -> dict[str, str]:
+    """What SGLang's `--api-key` asks of every call (SGLANG_API.md 2): a Bearer token."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def http_call(
+    url: str, method: str, path: str, body: bytes | None, timeout_s: float, *, api_key: str = ""
+) -> tuple[int, bytes]:
     """One blocking HTTP exchange; ServerUnavailable when there is no usable answer."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers.update(auth_headers(api_key))
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
@@ -176,10 +184,15 @@ class Fleet:
         health_interval_s: float,
         wait_timeout_s: float,
         max_workers: int | None = None,
+        api_key: str = "",
     ) -> None:
         """`max_connections`: the most requests on the wire at once over all servers (0: no cap;
         see the module docstring). `max_workers` is its former name (it sized the thread pool
-        that carried the calls), still accepted."""
+        that carried the calls), still accepted. `api_key`: sent as a Bearer token on every call
+        (servers started with `--api-key`; generators.options.api_key_env)."""
+        # Headers of a call without and with a JSON body.
+        self._headers = auth_headers(api_key) or None
+        self._json_headers = {**_JSON_HEADERS, **auth_headers(api_key)}
         if not urls:
             raise ValueError("the sglang generator needs at least one server: set generators.options.urls")
         self.servers = [Server(check_url(u)) for u in urls]
@@ -247,7 +260,7 @@ class Fleet:
                 method,
                 server.url + path,
                 data=data,
-                headers=_JSON_HEADERS if data is not None else None,
+                headers=self._json_headers if data is not None else self._headers,
                 timeout=self._timeout(timeout_s),
             ) as resp:
                 status = resp.status
@@ -340,7 +353,7 @@ class Fleet:
             await session.close()
 
 
-def wait_until_healthy(urls: list[str], timeout_s: float) -> None:
+def wait_until_healthy(urls: list[str], timeout_s: float, *, api_key: str = "") -> None:
     """Blocking: poll every server's /health until all answer 200, or raise naming the laggards."""
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
@@ -348,7 +361,7 @@ def wait_until_healthy(urls: list[str], timeout_s: float) -> None:
     while pending:
         for url in list(pending):
             try:
-                status, _ = http_call(url, "GET", "/health", None, timeout_s=10.0)
+                status, _ = http_call(url, "GET", "/health", None, timeout_s=10.0, api_key=api_key)
                 if status == 200:
                     pending.remove(url)
                 else:

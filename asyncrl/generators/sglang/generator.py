@@ -21,7 +21,7 @@ Options (`generators.options.*`; either `urls` or `launch`, the rest optional; c
 | option | default | meaning |
 |---|---|---|
 | `urls` | - | comma-separated `http://HOST:PORT` of running servers (one per GPU, or routers) |
-| `launch` | - | start this many servers instead, one per GPU, on free loopback ports |
+| `launch` | - | start this many servers instead, one per GPU, on free ports of cluster.bind_host (loopback) |
 | `model_path` | the job's model | launch: `--model-path` of the servers |
 | `launch_command` | `python -m sglang.launch_server` | launch: the server program (`python` = this interpreter) |
 | `launch_args` | `""` | launch: more server flags, e.g. `"--disable-cuda-graph --log-level warning"` |
@@ -36,8 +36,9 @@ Options (`generators.options.*`; either `urls` or `launch`, the rest optional; c
 | `verify_shards` | true | check the shards' checksums (weights.checksum) before servers load them |
 | `extra_sampling_params` | `{}` | JSON object merged into `sampling_params` (e.g. `{"top_k": 20}`) |
 | `ignore_eos` | false | sample to `max_new_tokens` (benchmarks; also `sampling.ignore_eos`) |
+| `api_key_env` | `""` | name of an env var holding the servers' API key: launched servers get `--api-key`, every call `Authorization: Bearer` |
 
-Launched servers get `--model-path`, `--host 127.0.0.1`, `--port`, `--weight-version 0`
+Launched servers get `--model-path`, `--host` (cluster.bind_host), `--port`, `--weight-version 0`
 (and `--mem-fraction-static`), then `launch_args`; their logs are `<run>/logs/sglang-<generator>-<i>.log`
 and `<run>/logs/sglang-<generator>.json` lists their urls and pids. With `launch` and with
 weights.transport=broadcast, generators.num_generators must be 1.
@@ -80,8 +81,15 @@ from asyncrl.generators.sglang.client import (
     decode_update,
     wait_until_healthy,
 )
-from asyncrl.generators.sglang.options import OPTIONS, PAUSE_MODES, check_config, parse_options
+from asyncrl.generators.sglang.options import (
+    OPTIONS,
+    PAUSE_MODES,
+    check_config,
+    parse_options,
+    resolve_api_key,
+)
 from asyncrl.messages import PromptTask, WeightsPublished
+from asyncrl.transport import security
 
 if TYPE_CHECKING:
     from asyncrl.generators.feed import SampleFeed
@@ -139,10 +147,12 @@ class SGLangGenerator:
         # Launch first: the servers load their model while this process loads its tokenizer. The
         # wait for them is in `_servers_ready`, after Hello, so a slow start never looks like a
         # generator that hangs.
+        self._api_key = resolve_api_key(self.opts)  # generators.options.api_key_env, read on this host
         try:
             urls = self._launch(ctx) if self.opts["launch"] else self.opts["urls"]
             self.fleet = Fleet(
                 urls,
+                api_key=self._api_key,
                 max_connections=self.opts["max_connections"],
                 health_interval_s=float(self.opts["health_interval_s"]),
                 wait_timeout_s=float(self.opts["request_timeout_s"]),
@@ -158,7 +168,11 @@ class SGLangGenerator:
                 stop_servers(self._launched)
             raise
         if not self._launched:
-            wait_until_healthy([s.url for s in self.fleet.servers], float(self.opts["startup_timeout_s"]))
+            wait_until_healthy(
+                [s.url for s in self.fleet.servers],
+                float(self.opts["startup_timeout_s"]),
+                api_key=self._api_key,
+            )
             self._ready = True
 
     def _launch(self, ctx: GeneratorContext) -> list[str]:
@@ -177,6 +191,9 @@ class SGLangGenerator:
             gpus=self.opts["gpus"],
             extra_args=tuple(self.opts["launch_args"]),
             mem_fraction_static=self.opts["mem_fraction_static"],
+            host=security.current().bind_host,  # cluster.bind_host (installed by run_child)
+            advertise_host=security.current().advertise_host,
+            api_key=self._api_key,
         )
         self._launched = launch_servers(spec)
         write_record(self._launched, log_dir / f"{name}.json")

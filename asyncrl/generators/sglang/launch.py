@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.generators.sglang.client import ServerUnavailable, http_call
@@ -64,6 +64,11 @@ class LaunchSpec:
     gpus: tuple[str, ...] | None = None  # CUDA_VISIBLE_DEVICES per server; None = automatic
     extra_args: tuple[str, ...] = ()
     mem_fraction_static: float | None = None
+    host: str = HOST  # --host: cluster.bind_host (loopback by default)
+    advertise_host: str = ""  # the host in the servers' URLs; "" = host
+    # --api-key (generators.options.api_key_env); never in repr (logs), and on the server's command
+    # line, which other local users can read (docs/multi-host.md, "Security").
+    api_key: str = field(default="", repr=False)
 
 
 @dataclass(eq=False)
@@ -73,6 +78,7 @@ class ServerProcess:
     gpu: str
     log_path: Path
     proc: subprocess.Popen
+    api_key: str = field(default="", repr=False)
 
     @property
     def pid(self) -> int:
@@ -106,12 +112,14 @@ def server_argv(spec: LaunchSpec, port: int) -> list[str]:
         "--model-path",
         spec.model_path,
         "--host",
-        HOST,
+        spec.host,
         "--port",
         str(port),
         "--weight-version",
         "0",  # integer labels: a token's policy_version is its label
     ]
+    if spec.api_key:
+        argv += ["--api-key", spec.api_key]
     if spec.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     return argv + list(spec.extra_args)
@@ -136,12 +144,13 @@ def assign_gpus(num_servers: int, gpus: Sequence[str] | None, visible: str | Non
     return chosen
 
 
-def free_loopback_ports(n: int) -> list[int]:
-    """`n` distinct ports free on 127.0.0.1 (= HOST) right now (all held at once, so they differ)."""
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """`n` distinct ports free on `host` right now (all held at once, so they differ). Not a
+    listener: the static guard in test_fuzz lists this file (the servers check an API key)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
     try:
         for s in socks:
-            s.bind(("127.0.0.1", 0))  # a literal, so the static loopback guard in test_fuzz sees it
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -171,7 +180,7 @@ def launch_servers(spec: LaunchSpec) -> list[ServerProcess]:
     """Start `spec.num_servers` servers (not waiting for them); see the module docstring."""
     gpus = assign_gpus(spec.num_servers, spec.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     spec.log_dir.mkdir(parents=True, exist_ok=True)
-    ports = free_loopback_ports(spec.num_servers)
+    ports = free_ports(spec.num_servers, spec.host)
     hook = _die_with_parent_hook()
     atexit.unregister(_stop_leftovers)  # registered once, on first use (nothing happens at import)
     atexit.register(_stop_leftovers)
@@ -182,7 +191,8 @@ def launch_servers(spec: LaunchSpec) -> list[ServerProcess]:
             argv = server_argv(spec, port)
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
             with open(log_path, "ab") as out:
-                out.write(f"# {' '.join(argv)}  (CUDA_VISIBLE_DEVICES={gpu})\n".encode())
+                shown = ["***" if spec.api_key and a == spec.api_key else a for a in argv]  # not in the log
+                out.write(f"# {' '.join(shown)}  (CUDA_VISIBLE_DEVICES={gpu})\n".encode())
                 out.flush()
                 proc = subprocess.Popen(
                     argv,
@@ -194,7 +204,12 @@ def launch_servers(spec: LaunchSpec) -> list[ServerProcess]:
                     preexec_fn=hook,  # noqa: PLW1509 (prctl only; libc resolved before the fork)
                 )
             server = ServerProcess(
-                index=i, url=f"http://{HOST}:{port}", gpu=gpu, log_path=log_path, proc=proc
+                index=i,
+                url=f"http://{spec.advertise_host or spec.host}:{port}",
+                gpu=gpu,
+                log_path=log_path,
+                proc=proc,
+                api_key=spec.api_key,
             )
             started.append(server)
             _running.add(server)
@@ -234,7 +249,14 @@ def wait_ready(servers: Sequence[ServerProcess], timeout_s: float) -> None:
             if code is not None:
                 raise ServerLaunchError(_exit_report(server, code))
             try:
-                status, _ = http_call(server.url, "GET", "/health_generate", None, timeout_s=HEALTH_TIMEOUT_S)
+                status, _ = http_call(
+                    server.url,
+                    "GET",
+                    "/health_generate",
+                    None,
+                    timeout_s=HEALTH_TIMEOUT_S,
+                    api_key=server.api_key,
+                )
             except ServerUnavailable as exc:
                 last[server.index] = str(exc)
                 continue

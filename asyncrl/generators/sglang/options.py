@@ -10,7 +10,10 @@ The options table for users is at the top of `generator.py`.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+from collections.abc import Mapping
 from typing import Any
 
 OPTIONS: dict[str, type | tuple[type, ...]] = {
@@ -31,13 +34,17 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "verify_shards": bool,
     "extra_sampling_params": str,
     "ignore_eos": bool,
+    # The name of an environment variable holding the servers' API key (never the key itself:
+    # the config is written to the run directory). Launched servers get `--api-key`; every call
+    # sends `Authorization: Bearer`.
+    "api_key_env": str,
 }
 PAUSE_MODES = {"keep": "in_place", "retract": "retract", "abort": "abort"}
 DEFAULT_LAUNCH_COMMAND = "python -m sglang.launch_server"
 ATTACH_STARTUP_TIMEOUT_S = 120.0  # running servers only need to answer /health
 LAUNCH_STARTUP_TIMEOUT_S = 600.0  # a real server loads the model and captures CUDA graphs first
 # Flags the launcher sets itself (one value per server); launch_args must not repeat them.
-MANAGED_FLAGS = ("--model-path", "--model", "--host", "--port", "--weight-version")
+MANAGED_FLAGS = ("--model-path", "--model", "--host", "--port", "--weight-version", "--api-key")
 LAUNCH_ONLY = ("model_path", "launch_command", "launch_args", "gpus", "mem_fraction_static")
 # Control calls one server may have on the wire beside the samples (a weight push or readmission,
 # plus an abort or an adapter unload): the room a connection cap must leave (`_check_connections`).
@@ -74,7 +81,8 @@ def _parse_launch(out: dict[str, Any]) -> None:
     if managed:
         raise ValueError(
             f"generators.options.launch_args must not set {', '.join(managed)}: the generator sets "
-            "--model-path (generators.options.model_path), --host, --port and --weight-version itself"
+            "--model-path (generators.options.model_path), --host (cluster.bind_host), --port, "
+            "--weight-version and --api-key (generators.options.api_key_env) itself"
         )
     out["launch_args"] = args
     gpus = None
@@ -154,7 +162,28 @@ def parse_options(options: dict[str, Any], inflight: str) -> dict[str, Any]:
             "generators.options.extra_sampling_params must be a JSON object, e.g. '{\"top_k\": 20}'"
         )
     out["extra_sampling_params"] = extra
+    env = out.setdefault("api_key_env", "")
+    if env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env):
+        raise ValueError(
+            f"generators.options.api_key_env = {env!r} must name an environment variable (e.g. SGLANG_API_KEY), "
+            "not hold the key"
+        )
     return out
+
+
+def resolve_api_key(opts: dict[str, Any], environ: Mapping[str, str] = os.environ) -> str:
+    """The servers' API key on this host ("" = none); ValueError naming the variable when
+    generators.options.api_key_env names one that is not set here."""
+    env = opts.get("api_key_env", "")
+    if not env:
+        return ""
+    key = environ.get(env, "")
+    if not key:
+        raise ValueError(
+            f"generators.options.api_key_env = {env!r} but ${env} is not set (or empty) on this host: "
+            f"export {env}=<the key the servers take> before starting the generator"
+        )
+    return key
 
 
 def _check_connections(out: dict[str, Any]) -> None:
@@ -187,6 +216,13 @@ def check_config(config: Any) -> dict[str, Any]:
         raise ValueError(
             "generators.options.launch starts the servers of one generator process, which drives all "
             f"of them; use generators.num_generators = 1 (got {num_generators}) and launch = N servers"
+        )
+    cluster = config.cluster
+    if opts["launch"] and not cluster.loopback and not opts["api_key_env"] and not cluster.allow_insecure:
+        raise ValueError(
+            f"generators.options.launch starts servers on cluster.bind_host = {cluster.bind_host!r} (beyond "
+            "loopback): give them an API key with generators.options.api_key_env = 'NAME' (an environment "
+            "variable holding it), or set cluster.allow_insecure = true"
         )
     if config.weights.kind == "broadcast" and num_generators > 1:
         raise ValueError(

@@ -61,7 +61,7 @@ class SGLangGroupPublisher(GroupPublisher):
         bucket_bytes: int,
         timeout_s: float,
         catchup: ShardPublisher | None = None,
-        master_addr: str = "127.0.0.1",
+        master_addr: str = "",  # "": the advertised address (cluster.*)
         group_name: str | None = None,
         deadline_s: float = UPDATE_DEADLINE_S,
     ) -> None:

@@ -24,6 +24,7 @@ its error shapes), /pause_generation, /continue_generation, /abort_request,
 over the group and are loaded into the model, `groups.py`), /destroy_weights_update_group,
 /get_weights_by_name, /flush_cache, GET /health, /health_generate, /ready, /model_info,
 /server_info (and their /get_* aliases), /v1/loads; /get_weight_version is 404 as in 0.5.21+.
+`--api-key KEY` (`api_key=`): every route but /health* answers 401 without `Authorization: Bearer KEY`.
 LoRA (`lora.py`): /load_lora_adapter, /unload_lora_adapter and `lora_path` on /generate, with
 `--enable-lora`, `--max-lora-rank` and `--lora-target-modules`; /server_info's `internal_states`
 add `loaded_adapters`, `lora_events` (loads and unloads in order) and `lora_requests` (per name).
@@ -57,6 +58,7 @@ import argparse
 import asyncio
 import collections
 import functools
+import hmac
 import json
 import logging
 import signal
@@ -125,7 +127,11 @@ class StandInServer:
         threads: int = 1,
         skip_tokenizer_init: bool = False,
         lora: LoraSettings | None = None,
+        api_key: str = "",
     ) -> None:
+        # As `--api-key` in SGLang: every route but /health* wants `Authorization: Bearer <key>`.
+        self.api_key = api_key
+        self.num_unauthorized = 0  # requests refused for a missing or wrong key (tests)
         self.engine = Engine(
             model_dir,
             weight_version=weight_version,
@@ -420,6 +426,9 @@ class StandInServer:
         path, method = request.path, request.method
         if method not in ("GET", "POST", "PUT"):
             return json_response(501, {"detail": f"Unsupported method ({method})"})
+        if self.api_key and not path.startswith("/health") and not _authorized(request, self.api_key):
+            self.num_unauthorized += 1
+            return json_response(401, {"error": "Unauthorized"})
         raw = await request.read()
         if path == "/standin/in_flight":
             return json_response(200, self.in_flight(reset_peak=method != "GET"))
@@ -451,6 +460,11 @@ class StandInServer:
             return web.Response()
 
 
+def _authorized(request: web.Request, api_key: str) -> bool:
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="A stand-in SGLang server on a torch model (asyncrl.testing). Takes the flags "
@@ -468,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    parser.add_argument("--api-key", default="", help="require `Authorization: Bearer KEY` (not on /health*)")
     parser.add_argument("--enable-lora", action="store_true", help="accept /load_lora_adapter and lora_path")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted")
     parser.add_argument(
@@ -497,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
             max_rank=args.max_lora_rank,
             target_modules=tuple(args.lora_target_modules),
         ),
+        api_key=args.api_key,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

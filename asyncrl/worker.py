@@ -1,0 +1,292 @@
+"""`asyncrl worker --join tcp://HOST:PORT`: serve generator slots of a run launched on another host.
+
+Place in the data flow (docs/multi-host.md): the launcher on node A waits for `generators.remote`
+slots to be served (`scheduler/remote.py`). This process, on node B, connects a DEALER to the
+launcher's control address and sends `Join(count)`. The `Welcome` it gets back carries everything
+it needs: the resolved config, the slots it serves (peer ids and their `--extra` arguments) and,
+with generators.remote_weights = "network", the address of the launcher's file socket and the
+initial model's files with their checksums. Nothing here reads the launcher's run directory.
+
+It makes a scratch directory of its own (under /dev/shm where there is one) as the local run
+directory of its generators: `config.json` (the launcher's, with this host's `--set` overrides:
+generators.* options and cluster.keys_dir), `model/` (fetched and checked), `weights/` (each
+version, fetched by the generator that loads it, `transport/serve.py`) and `logs/`. It then starts
+one generator process per slot (`python -m asyncrl.generators.service`, as the launcher would on
+its own host); each connects to the launcher under its slot's peer id and is supervised there by
+heartbeat like a local generator. This process watches its generators and the launcher: when
+every generator has exited (the run ended, or the launcher gave up on them) it exits; when the
+launcher's connection has been gone for LAUNCHER_GONE_S it stops its generators (a launcher that
+died sends no Shutdown). SIGTERM or Ctrl-C stops the generators and exits. If this process is
+killed, its generators notice that their parent is gone and exit (`runtime._watch_parent`); the
+launcher re-queues their tasks and waits for another worker to join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import zmq
+
+from asyncrl.config import ClusterConfig, ConfigError, config_from_tree, write_resolved_config
+from asyncrl.messages import Join, JoinRefused, Welcome
+from asyncrl.scheduler.spawner import LocalProcess, LocalSpawner
+from asyncrl.transport import security
+from asyncrl.transport.serve import fetch_tree
+from asyncrl.transport.zmq_io import Endpoint
+
+log = logging.getLogger(__name__)
+
+GENERATOR_MODULE = "asyncrl.generators.service"
+# `--set` keys a worker may change for its own host; anything else would change the run itself.
+SETTABLE_PREFIXES = ("generators.", "cluster.keys_dir", "cluster.max_message_mb")
+UNSETTABLE = ("generators.num_generators", "generators.remote", "generators.kind")
+# ZeroMQ's own heartbeats on the connection to the launcher: a launcher host that vanished
+# (no FIN) is noticed after HEARTBEAT_TIMEOUT_MS as a disconnect.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+# After the launcher's connection is lost, how long it may take to come back before the
+# generators are stopped (a launcher that is gone never tells them to).
+LAUNCHER_GONE_S = 15.0
+# A launcher whose slots are all served is asked again this often (until --timeout).
+JOIN_RETRY_S = 2.0
+# How often the worker looks at its generators' exit status (an exit code, not a message).
+POLL_S = 0.2
+
+
+class JoinFailed(RuntimeError):
+    """The launcher refused the join, or never answered."""
+
+
+def check_overrides(overrides: list[str]) -> None:
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if not key.startswith(SETTABLE_PREFIXES) or key in UNSETTABLE:
+            raise ValueError(
+                f"--set {key}: a worker sets only its own generators' options (generators.*, except "
+                f"{', '.join(UNSETTABLE)}) and cluster.keys_dir; the rest comes from the launcher"
+            )
+
+
+def join_cluster(address: str, keys_dir: str, overrides: list[str]) -> ClusterConfig:
+    """The cluster section this worker's own socket uses before it has the run's config: CURVE
+    when the launcher is beyond loopback (as the launcher's `auto` decides), with `keys_dir`."""
+    host = urlparse(address).hostname or ""
+    if not address.startswith("tcp://") or not host:
+        raise ValueError(f"--join {address!r}: expected the launcher's control address, tcp://HOST:PORT")
+    tree: dict = {"bind_host": host, "keys_dir": keys_dir}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "cluster.max_message_mb":
+            tree["max_message_mb"] = float(value)
+    import msgspec
+
+    return msgspec.convert(tree, ClusterConfig)
+
+
+def scratch_dir(run_name: str, parent: str) -> Path:
+    base = parent or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"asyncrl-worker-{run_name or 'run'}-", dir=base))
+
+
+class Worker:
+    def __init__(
+        self, address: str, *, count: int, keys_dir: str, overrides: list[str], scratch: str
+    ) -> None:
+        check_overrides(overrides)
+        self.address = address
+        self.count = count
+        self.keys_dir = keys_dir
+        self.overrides = list(overrides)
+        if keys_dir:
+            self.overrides.append(f'cluster.keys_dir="{keys_dir}"')
+        self.scratch_parent = scratch
+        self.scratch: Path | None = None
+        self.children: dict[str, LocalProcess] = {}
+        self.stopping = False
+        self.launcher_lost_at: float | None = None
+        self.monitor: zmq.Socket | None = None  # events of the connection to the launcher
+
+    def say(self, line: str) -> None:
+        print(f"worker: {line}", flush=True)
+
+    async def join(self, zctx: zmq.Context, timeout_s: float) -> tuple[Endpoint, Welcome]:
+        host = socket.gethostname()
+        identity = f"worker-{host}-{os.getpid()}-{os.urandom(3).hex()}"
+        ep = Endpoint(zctx, zmq.DEALER, name="worker.ctrl", identity=identity, accept=(Welcome, JoinRefused))
+        ep.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        ep.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.monitor = ep.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED
+        )
+        ep.connect(self.address)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await ep.send(Join(role="generator", count=self.count, host=host, pid=os.getpid()))
+            try:
+                _, reply, _ = await asyncio.wait_for(ep.recv(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                ep.close()
+                raise JoinFailed(
+                    f"no answer from {self.address} within {timeout_s:g} s: is the launcher running there, "
+                    "and do this host's keys (--keys) belong to its run?"
+                ) from None
+            if isinstance(reply, Welcome):
+                return ep, reply
+            if not reply.full or time.monotonic() + JOIN_RETRY_S > deadline or self.stopping:
+                ep.close()
+                raise JoinFailed(f"the launcher refused: {reply.reason}")
+            self.say(f"{reply.reason}; asking again in {JOIN_RETRY_S:g} s")
+            await asyncio.sleep(JOIN_RETRY_S)  # a timer: a slot frees when the launcher gives up on a worker
+
+    async def prepare(self, zctx: zmq.Context, welcome: Welcome) -> Path:
+        """The scratch run directory: config.json, and the model fetched over the network."""
+        self.scratch = run_dir = scratch_dir(welcome.run_name, self.scratch_parent)
+        tree = json.loads(welcome.config_json)
+        if not welcome.weights_network:  # a shared filesystem: the launcher's weights root, same path
+            tree["weights"]["dir"] = welcome.weights_root
+        config = config_from_tree(tree, self.overrides)
+        write_resolved_config(config, run_dir / "config.json")
+        (run_dir / "logs").mkdir()
+        if not welcome.weights_network:
+            return Path(welcome.assignments[0].extra.get("model", ""))  # a shared filesystem
+        t0 = time.perf_counter()
+        nbytes = await fetch_tree(
+            zctx,
+            welcome.files_endpoint,
+            "model",
+            welcome.model_files,
+            run_dir / "model",
+            welcome.checksum_kind,
+        )
+        self.say(
+            f"fetched the model ({len(welcome.model_files)} files, {nbytes / 1e6:.1f} MB) in "
+            f"{time.perf_counter() - t0:.1f} s into {run_dir / 'model'}"
+        )
+        return run_dir / "model"
+
+    def start_generators(self, welcome: Welcome, model: Path) -> None:
+        assert self.scratch is not None
+        spawner = LocalSpawner(self.scratch, die_with_parent=True)
+        for a in welcome.assignments:
+            extra = {**a.extra, "model": str(model)}
+            proc = spawner.start(a.peer_id, GENERATOR_MODULE, ctrl_address=self.address, extra=extra)
+            self.children[a.peer_id] = proc
+            self.say(f"serving {a.peer_id} (pid {proc.pid}), log {proc.log_path}")
+
+    def watch_launcher(self) -> None:
+        """Take the connection's monitor events that have arrived: since when it is lost, if it is."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while self.monitor is not None:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self.launcher_lost_at = self.launcher_lost_at or time.monotonic()
+            else:
+                self.launcher_lost_at = None
+
+    def stop(self, why: str) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self.say(f"stopping the generators: {why}")
+        for proc in self.children.values():
+            proc.terminate()
+
+    async def supervise(self) -> int:
+        """Until every generator has exited; the worst exit status (0 when all ended cleanly)."""
+        reported: set[str] = set()
+        stop_sent_at = None
+        while True:
+            codes = {peer: p.exit_code() for peer, p in self.children.items()}
+            for peer, code in codes.items():
+                if code is not None and peer not in reported:
+                    reported.add(peer)
+                    self.say(f"{peer} exited with code {code}")
+            if all(code is not None for code in codes.values()):
+                return max((abs(c) for c in codes.values() if c is not None), default=0)
+            self.watch_launcher()
+            lost = self.launcher_lost_at
+            if lost is not None and time.monotonic() - lost > LAUNCHER_GONE_S:
+                self.stop(f"the launcher has been unreachable for {LAUNCHER_GONE_S:g} s")
+            if self.stopping:
+                stop_sent_at = stop_sent_at or time.monotonic()
+                if time.monotonic() - stop_sent_at > 10.0:
+                    for proc in self.children.values():
+                        proc.kill()
+            await asyncio.sleep(POLL_S)  # polling exit codes; there is no message to wait for
+
+    async def run(self, join_timeout_s: float) -> int:
+        security.install_from_config(
+            join_cluster(self.address, self.keys_dir, self.overrides), role="worker", keys_dir=self.keys_dir
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
+        zctx = zmq.Context()
+        ep = None
+        try:
+            ep, welcome = await self.join(zctx, join_timeout_s)
+            slots = ", ".join(a.peer_id for a in welcome.assignments)
+            self.say(f"pid {os.getpid()} joined run {welcome.run_name!r} at {self.address}: serving {slots}")
+            model = await self.prepare(zctx, welcome)
+            if self.stopping:
+                return 130
+            self.start_generators(welcome, model)
+            code = await self.supervise()
+            self.say(f"done (exit code {code})")
+            return code
+        finally:
+            for proc in self.children.values():
+                proc.kill()  # a no-op for those that exited
+            if ep is not None:
+                ep.close()
+            if self.monitor is not None:
+                self.monitor.close()
+            zctx.destroy(linger=0)
+            if self.scratch is not None and not os.environ.get("ASYNCRL_KEEP_SCRATCH"):
+                shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def run_worker(
+    address: str,
+    *,
+    count: int = 1,
+    keys_dir: str = "",
+    overrides: list[str] | None = None,
+    scratch: str = "",
+    join_timeout_s: float = 60.0,
+) -> int:
+    """Join the run at `address` and serve `count` generator slots until it ends; an exit status.
+    Raises ValueError (bad arguments or config) or JoinFailed."""
+    import uvloop
+
+    from asyncrl.models.hf import quiet_offline
+
+    quiet_offline()
+    logging.basicConfig(level=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
+    if count < 1:
+        raise ValueError("--count must be >= 1")
+    worker = Worker(address, count=count, keys_dir=keys_dir, overrides=list(overrides or []), scratch=scratch)
+    try:
+        return uvloop.run(worker.run(join_timeout_s))
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+if __name__ == "__main__":
+    sys.exit(run_worker(sys.argv[1]))
