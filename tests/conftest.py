@@ -62,6 +62,39 @@ def short_job_args(model_dir: Path, out_dir: Path, *extra: str, name: str = "t")
     return args
 
 
+def gated_job(
+    model_dir: Path,
+    tmp_path: Path,
+    plugin: str,
+    *extra: str,
+    steps: int,
+    groups: int,
+    samples: int,
+    name: str,
+) -> tuple[list[str], dict[str, str], Path]:
+    """A short job whose generator is `plugin` (the source of `gated_plugin.GatedGenerator`, which
+    holds late steps until the file `gate` exists): (launch arguments, environment, gate)."""
+    (tmp_path / "gated_plugin.py").write_text(plugin)
+    gate = tmp_path / "gate"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "ASYNCRL_TEST_GATE": str(gate),
+    }
+    args = short_job_args(
+        model_dir,
+        tmp_path,
+        f"learner.steps={steps}",
+        f"learner.groups_per_step={groups}",
+        f"learner.samples_per_group={samples}",
+        'generators.kind="gated_plugin:GatedGenerator"',
+        "generators.max_batch_groups=1",  # a batch mixing steps would hold the earlier one back
+        *extra,
+        name=name,
+    )
+    return args, env, gate
+
+
 def read_records(run_dir: Path, kind: str | None = None) -> list[dict]:
     """The run's metrics.jsonl records (of one `type` if given)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_records, short_job_args
+from tests.conftest import gated_job, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -92,24 +92,16 @@ def test_generators_sigkilled_at_random_points_lose_nothing(tiny_model_dir, tmp_
     total_groups = STEPS * GROUPS
     # Kill points in TaskDone records, all before the gated steps.
     thresholds = sorted(rng.sample(range(1, GATED_STEP * GROUPS), NUM_KILLS))
-    (tmp_path / "gated_plugin.py").write_text(GATED_PLUGIN)
-    gate = tmp_path / "gate"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "ASYNCRL_TEST_GATE": str(gate),
-    }
-    args = short_job_args(
+    args, env, gate = gated_job(
         tiny_model_dir,
         tmp_path,
-        f"learner.steps={STEPS}",
-        f"learner.groups_per_step={GROUPS}",
-        f"learner.samples_per_group={SAMPLES}",
+        GATED_PLUGIN,
         "generators.num_generators=2",
-        "generators.max_batch_groups=1",
-        'generators.kind="gated_plugin:GatedGenerator"',
         f"generators.max_restarts={NUM_KILLS}",
         f"buffer.mode={buffer_mode}",
+        steps=STEPS,
+        groups=GROUPS,
+        samples=SAMPLES,
         name="chaos",
     )
     run_dir = tmp_path / "chaos"

@@ -247,9 +247,8 @@ def test_a_run_with_curve_refuses_peers_without_the_key_and_is_unchanged(tiny_mo
     trajectory socket mid-run; they are refused and counted, and the run is a clean run. A
     generator's key speaking as the learner reaches the launcher and is rejected and counted."""
     import json
-    import os
 
-    from tests.conftest import short_job_args
+    from tests.conftest import gated_job
     from tests.integration.test_fuzz import (
         GATED_PLUGIN,
         GROUPS,
@@ -260,23 +259,15 @@ def test_a_run_with_curve_refuses_peers_without_the_key_and_is_unchanged(tiny_mo
         worker_addresses,
     )
 
-    (tmp_path / "gated_plugin.py").write_text(GATED_PLUGIN)
-    gate = tmp_path / "gate"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "ASYNCRL_TEST_GATE": str(gate),
-    }
-    args = short_job_args(
+    args, env, gate = gated_job(
         tiny_model_dir,
         tmp_path,
-        f"learner.steps={STEPS}",
-        f"learner.groups_per_step={GROUPS}",
-        f"learner.samples_per_group={SAMPLES}",
-        'generators.kind="gated_plugin:GatedGenerator"',
-        "generators.max_batch_groups=1",
+        GATED_PLUGIN,
         "cluster.curve=on",
         f'cluster.keys_dir="{keys}"',
+        steps=STEPS,
+        groups=GROUPS,
+        samples=SAMPLES,
         name="curve",
     )
     run_dir = tmp_path / "curve"

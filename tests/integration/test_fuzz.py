@@ -43,7 +43,7 @@ from asyncrl.messages import (
     WeightsPublished,
 )
 from asyncrl.transport.codec import MAX_FRAMES, MAX_HEADER_BYTES, encode
-from tests.conftest import read_records, short_job_args
+from tests.conftest import gated_job, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -223,22 +223,9 @@ LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::
 
 @pytest.mark.timeout(600)
 def test_malformed_messages_on_every_socket_are_rejected_and_counted(tiny_model_dir, tmp_path, pid_alive):
-    (tmp_path / "gated_plugin.py").write_text(GATED_PLUGIN)
-    gate, canary = tmp_path / "gate", tmp_path / "unpickled"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "ASYNCRL_TEST_GATE": str(gate),
-    }
-    args = short_job_args(
-        tiny_model_dir,
-        tmp_path,
-        f"learner.steps={STEPS}",
-        f"learner.groups_per_step={GROUPS}",
-        f"learner.samples_per_group={SAMPLES}",
-        'generators.kind="gated_plugin:GatedGenerator"',
-        "generators.max_batch_groups=1",  # a batch mixing steps 0 and 2 would hold step 0 back
-        name="fuzz",
+    canary = tmp_path / "unpickled"
+    args, env, gate = gated_job(
+        tiny_model_dir, tmp_path, GATED_PLUGIN, steps=STEPS, groups=GROUPS, samples=SAMPLES, name="fuzz"
     )
     run_dir = tmp_path / "fuzz"
     out = tmp_path / "launcher.out"
