@@ -4,7 +4,8 @@
           __main__
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
-  leaves  messages, config, plugins, lazy, tasks, rewards, leaves only
+  leaves  messages, config, config_sections,        leaves only
+          plugins, lazy, tasks, rewards,
           kernels, staleness, buffer, models
 
 So roles meet only through messages (and the shared leaves): a capability that needs two roles
@@ -29,7 +30,19 @@ APP = frozenset({"cli", "job", "worker", "benchmarks", "testing", "__main__"})
 ROLES = frozenset({"scheduler", "learner", "generators", "monitor"})
 INFRA = frozenset({"transport", "runtime"})
 LEAVES = frozenset(
-    {"messages", "config", "plugins", "lazy", "tasks", "rewards", "kernels", "staleness", "buffer", "models"}
+    {
+        "messages",
+        "config",
+        "config_sections",
+        "plugins",
+        "lazy",
+        "tasks",
+        "rewards",
+        "kernels",
+        "staleness",
+        "buffer",
+        "models",
+    }
 )
 
 

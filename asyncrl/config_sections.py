@@ -1,0 +1,451 @@
+"""The config tree's sections: one frozen msgspec Struct per `[section]` of a config file, with its
+defaults and the comment that documents each key (README's table follows these). `Config`, the
+whole tree, and loading, overrides and the checks that span sections are in `config.py`, which
+re-exports every name here (import them from `asyncrl.config`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(gt=0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+Probability = Annotated[float, Meta(gt=0, le=1)]
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the field and the fix."""
+
+
+class _Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunConfig(_Section, frozen=True, kw_only=True):
+    name: str = ""  # run directory name; empty = a timestamp
+    out_dir: str = "runs"  # parent of run directories
+    seed: int = 0
+    # Checkpoint (learner and launcher state) every this many versions, on the last step and when
+    # stopped early; `asyncrl launch --resume RUN_DIR` continues from the newest one. 0 = only
+    # on the last step and when stopped early.
+    checkpoint_every: NonNegInt = 10
+    # How the launcher starts its workers: "fork" forks them from a fork server that imported
+    # torch, transformers and the worker modules while the launcher checked the config and task
+    # (faster start-up; scheduler/spawner.py); "exec" runs each as a fresh `python -m` process.
+    spawn: Literal["fork", "exec"] = "fork"
+
+
+class ModelConfig(_Section, frozen=True, kw_only=True):
+    path: str = ""  # local Hugging Face directory; empty = the embedded default checkpoint
+
+
+class DatasetConfig(_Section, frozen=True, kw_only=True):
+    """`task.kind = "dataset"`: prompts from local files through Hugging Face `datasets` (docs/tasks.md)."""
+
+    # A .jsonl / .json / .csv / .parquet file, or a directory written by `save_to_disk`.
+    path: str = ""
+    format: Literal["auto", "jsonl", "json", "csv", "parquet", "disk"] = "auto"  # auto: by suffix
+    split: str = "train"  # the split to train on when `path` holds several (a DatasetDict)
+    prompt_field: str = "prompt"  # a text prompt (ignored when messages_field is set)
+    messages_field: str = ""  # a chat list [{"role", "content"}, ...] instead; needs prompt.template = "chat"
+    answer_field: str = "answer"  # the ground truth the rewards check
+    extra_fields: list[str] = []  # passed through to every reward (RewardInput.extras)
+    shuffle: bool = True  # a fresh seeded order (task.seed, epoch) every epoch
+    # The held-out split (evaluated before and after training; at most task.num_eval rows), one of:
+    eval_path: str = ""  # a separate file or save_to_disk directory
+    eval_split: str = ""  # a named split of `path`
+    eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0  # a seeded (task.eval_seed) fraction of `path`
+
+
+class PromptConfig(_Section, frozen=True, kw_only=True):
+    """How a dataset row becomes prompt token ids."""
+
+    template: Literal["raw", "chat"] = "raw"  # chat: tokenizer.apply_chat_template, generation prompt added
+    system: str = ""  # chat: a system message put first ("" = none)
+    max_tokens: NonNegInt = 0  # longest rendered prompt allowed; 0 = no limit
+    too_long: Literal["error", "drop"] = "error"  # a longer prompt: stop at load, or drop it and count it
+
+
+class RewardConfig(_Section, frozen=True, kw_only=True):
+    """One reward of a task; the sample's reward is the weighted sum (docs/tasks.md)."""
+
+    # Registry name (entry point `asyncrl.rewards`: exact_match, math_verify, regex, length_penalty,
+    # remote) or `pkg.mod:fn` (fn(sample) -> float, sync or async; with options, a factory).
+    kind: str
+    name: str = ""  # its name in metrics and summary.json; "" = kind
+    weight: float = 1.0
+    options: dict[str, Any] = {}
+    # Where a sync reward runs: "process" (the worker pool: a hang is killed), "thread", or "auto"
+    # (built-in cheap rewards in a thread, the rest in the pool).
+    runs_in: Literal["auto", "process", "thread"] = "auto"
+
+
+class ScoringConfig(_Section, frozen=True, kw_only=True):
+    """How rewards run in each generator, and what a failing reward costs."""
+
+    workers: PosInt = 2  # reward worker processes per generator
+    timeout_s: PosFloat = 30.0  # one reward call longer than this is a failure (its worker is killed)
+    # A reward that raises or times out: "zero" scores that reward 0; "regenerate" samples the
+    # completion again (up to max_regenerations times, then zero). Each is counted either way.
+    on_failure: Literal["zero", "regenerate"] = "zero"
+    max_regenerations: NonNegInt = 2
+    # The run stops with the reason once more than this fraction of scored samples had a failing
+    # reward (judged after failure_budget_min_samples samples); 1 = never.
+    failure_budget: Annotated[float, Meta(ge=0, le=1)] = 0.25
+    failure_budget_min_samples: PosInt = 256
+    eval_reward: str = ""  # the reward whose held-out mean is "held-out accuracy"; "" = the first
+    # Completions cut at sampling.max_new_tokens: "keep" them, or "mask" them out of the loss
+    # (the length_penalty reward is the soft option). Counted either way.
+    overlong: Literal["keep", "mask"] = "keep"
+
+
+class TaskConfig(_Section, frozen=True, kw_only=True):
+    # Registry name (entry point `asyncrl.tasks`: addition, dataset) or `pkg.mod:obj`; the object
+    # gets this section.
+    kind: str = "addition"
+    options: dict[str, Any] = {}  # for task plugins
+    max_operand: PosInt = 99  # addition
+    seed: int = 1  # prompt stream seed (addition: the problems; dataset: the shuffle)
+    num_eval: NonNegInt = 500  # held-out prompts for greedy accuracy before/after (0 = skip)
+    eval_seed: int = 2  # held-out stream seed (addition), held-out fraction seed (dataset)
+    eval_device: Literal["auto", "cpu", "cuda"] = "auto"  # greedy evaluation before/after
+    eval_batch_size: PosInt = 64  # held-out prompts decoded together
+    dataset: DatasetConfig = DatasetConfig()
+    prompt: PromptConfig = PromptConfig()
+    # Rewards summed with their weights; [] = the task's own score (addition: exact match).
+    rewards: list[RewardConfig] = []
+    scoring: ScoringConfig = ScoringConfig()
+
+
+class SamplingConfig(_Section, frozen=True, kw_only=True):
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_p: Probability = 1.0
+    max_new_tokens: PosInt = 5
+    # Sample max_new_tokens every time, on past an eos (SGLang's ignore_eos): every answer the same
+    # length, as throughput benchmarks want. The verifier reads the answer up to its first eos;
+    # the learner trains on every sampled token.
+    ignore_eos: bool = False
+
+
+class GeneratorConfig(_Section, frozen=True, kw_only=True):
+    kind: str = "torch"  # registry name (entry point `asyncrl.generators`) or `pkg.mod:obj`
+    num_generators: PosInt = 1
+    max_batch_groups: PosInt = 16  # groups sampled together in one batched generate call
+    # How the built-in torch generator batches samples (docs in torch_gen.py): "continuous" (a
+    # finished sample leaves the decoding batch and new samples take its slot, as inference
+    # servers do) or "batch" (up to max_batch_groups groups at a time, each run to its end).
+    # Either way every rollout is sent as soon as its reward is in.
+    batching: Literal["continuous", "batch"] = "continuous"
+    threads: PosInt = 1  # torch intra-op threads per generator process
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # the built-in torch generator (and OPD teacher)
+    # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
+    # and its in-flight tasks re-queued); one more failure past this ends the run.
+    max_restarts: NonNegInt = 3
+    # CPUs each generator process (and the processes it starts) may run on, e.g. [1] or [2, 3];
+    # [] = wherever the OS schedules it. On a shared CPU host this gives each stage its own cores,
+    # as GPUs do on a GPU host (learner.cpus for the learner).
+    cpus: list[NonNegInt] = []
+    # Keyword options for the plugin, handed to its setup() as GeneratorContext.options
+    # (e.g. `--set generators.options.replay_path=RUN/trajectories.jsonl` for the replay generator).
+    options: dict[str, str | int | float | bool] = {}
+    # Across hosts (docs/multi-host.md): how many of the num_generators slots (the last ones) are
+    # served by workers on other hosts that join the run (`asyncrl worker --join tcp://HOST:PORT`,
+    # HOST:PORT the launcher's control address, shown at start); the launcher starts none of them.
+    remote: NonNegInt = 0
+    # How long a remote slot waits for a worker to join it, at start and after its worker was lost,
+    # before the run fails naming it; 0 = forever. The other generators serve meanwhile.
+    remote_join_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
+    # A remote worker that is lost (exits, falls silent past monitor.heartbeat_timeout_s): its tasks
+    # are re-queued once and its slot "wait"s for a replacement to join (counted against
+    # max_restarts), or is "drop"ped: the run goes on with fewer generators (it fails when none is left).
+    remote_lost: Literal["wait", "drop"] = "wait"
+    # How remote workers get the initial model and each published version: "network" (fetched from
+    # the launcher's file socket, chunked and checked against the manifest's checksums, into the
+    # worker's scratch directory) or "shared" (a shared filesystem: the same paths as here).
+    remote_weights: Literal["network", "shared"] = "network"
+
+
+class LoraConfig(_Section, frozen=True, kw_only=True):
+    """LoRA RL (peft): train low-rank adapters only; rank 0 = off (docs/learner.md)."""
+
+    rank: NonNegInt = 0
+    alpha: PosFloat = 16.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Module names to adapt; [] = every linear layer of the attention and MLP blocks.
+    target_modules: list[str] = []
+    # What generators receive: "merged" weights (base + adapter, the base's names and shapes) or
+    # the "adapter" alone (generators that load adapters: SGLang's LoRA endpoints).
+    publish: Literal["merged", "adapter"] = "merged"
+
+
+class LearnerConfig(_Section, frozen=True, kw_only=True):
+    steps: PosInt = 60  # optimizer steps (= final policy_version)
+    groups_per_step: PosInt = 32
+    samples_per_group: Annotated[int, Meta(ge=2)] = 8
+    lr: PosFloat = 3e-4
+    # "adamw" (betas 0.9/0.99) or plain "sgd" (the update is -lr times the clipped gradient, which
+    # makes a run's final weights a direct readout of its gradient; the DP parity test uses it).
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    max_grad_norm: PosFloat = 1.0
+    # The objective (docs/algorithms.md): advantage estimator, policy loss, aggregation, KL.
+    advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = "grpo"
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    norm_constant: PosFloat | None = None  # seq-mean-token-sum-norm's Z; None = sampling.max_new_tokens
+    # Clip range of the ratio; None = the loss's own default (ppo 0.2/0.2, gspo 3e-4/4e-4, cispo 1/0.28).
+    clip_low: Annotated[float, Meta(ge=0)] | None = None
+    clip_high: Annotated[float, Meta(ge=0)] | None = None
+    dual_clip: Annotated[float, Meta(gt=1)] | None = None  # ppo only: bound on -A r for A < 0
+    # DAPO dynamic sampling: groups with equal rewards leave the batch. With buffer.mode = "pool"
+    # each one is replaced by a newly admitted prompt, so every step trains groups_per_step
+    # informative groups; with "window" the step trains on fewer (docs/buffer.md).
+    drop_degenerate_groups: bool = False
+    # pool mode: at most this many x groups_per_step groups dropped as degenerate in one step
+    # before the run stops (a task the model always or never solves cannot fill a batch).
+    max_degenerate_per_step: PosInt = 10
+    kl_coef: Annotated[float, Meta(ge=0)] = 0.0  # KL to the initial model; 0 = off
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+"] = "k3"
+    kl_placement: Literal["loss", "reward"] = "loss"  # "reward" takes k1 only (the unbiased choice)
+    # Gradient streaming: "auto" streams per trajectory where exact and falls back otherwise.
+    streaming: Literal["auto", "off"] = "auto"
+    # Optimizer updates per batch (PPO epochs): each later epoch re-runs the batch under the updated
+    # model against the same anchor (the policy at the step's start). > 1 trains whole batches.
+    epochs: PosInt = 1
+    # One rank streams each trajectory into its group's S0/S1 buffers (ALGORITHMS.md 5); the
+    # groups open at once are bounded by this many MiB of buffers (the bound, in groups, is logged
+    # and in summary.json). Several ranks train complete groups in lockstep and hold no such buffers.
+    stream_memory_mb: PosFloat = 1024.0
+    # Learner ranks (torch.distributed: gloo on CPU, NCCL on GPU). Every rank sees every trajectory
+    # and trains its share of each complete group; "fsdp" shards parameters, gradients and optimizer
+    # state over the ranks (FSDP2, per transformer block), "none" replicates them (data parallel).
+    world_size: PosInt = 1
+    # Who starts the ranks: "launch" (asyncrl launch starts them all) or "torchrun": the launcher
+    # waits for them, started with `torchrun --nproc-per-node R -m asyncrl.learner.torchrun RUN_DIR`.
+    start: Literal["launch", "torchrun"] = "launch"
+    sharding: Literal["none", "fsdp"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when there is one
+    # Mixed precision: forward/backward in bf16 (or fp16) with fp32 master weights, optimizer state
+    # and gradient reduction; "none" = everything in float32.
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    # The dtype published weights are shipped in (what the generators serve); "auto" = the
+    # mixed-precision compute dtype, float32 without it.
+    serving_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cpu_offload: bool = False  # fsdp: keep sharded parameters and optimizer state in host memory
+    activation_checkpointing: bool = False  # recompute each transformer block in the backward
+    micro_batch_size: PosInt = 256  # sequences per forward/backward (at most)
+    # Tokens (prompt + completion, padded) per forward/backward, at most; 0 = no token bound.
+    # A longer sequence trains alone.
+    max_tokens_per_microbatch: NonNegInt = 0
+    # Tokens per chunk of [tokens, vocab] logits in every learner forward (training, entropy,
+    # the distillation teacher's scores): the full-vocabulary logits of a micro-batch never exist.
+    logprob_chunk_size: PosInt = 256
+    # A step whose loss, gradient norm or updated parameters are not finite is skipped (no update,
+    # optimizer state untouched, counted); this many consecutive skips end the run with a checkpoint
+    # from before the fault.
+    max_nonfinite_steps: PosInt = 3
+    # How long the learner (model load, rank start, process group) may take to say hello to the
+    # launcher; a 7B checkpoint on a cold disk takes minutes.
+    startup_timeout_s: PosFloat = 600.0
+    lora: LoraConfig = LoraConfig()
+    # Streaming: while more of the step's window is still to come, the learner starts training
+    # only once this many trajectories wait (then trains all it can); the window's last
+    # `min_chunk` - 1 train as they arrive, so a step still ends one arrival after its last
+    # trajectory. Larger chunks cost less per trajectory (bench/README.md, "min_chunk"), and a
+    # learner that keeps up leaves its CPU free. 1 = train every arrival at once. "auto": one
+    # streaming rank tries chunks of 64 and whole windows for a few steps and keeps the faster
+    # (learner/chunking.py, docs/learner.md "Streaming or whole windows"); elsewhere 64.
+    min_chunk: PosInt | Literal["auto"] = "auto"
+    # CPU threads the learner trains on. On one plain CPU rank they are data-parallel: each trains
+    # pieces of a micro-batch on one torch thread (`Trainer.backward_pieces`); elsewhere they are
+    # torch's intra-op threads. "auto": every CPU the learner may use (learner.cpus, else its
+    # affinity; shared by its ranks), revisited after each step from the learner's idle time, so
+    # a learner that outpaces its generators gives cores back (docs/learner.md, "Cores").
+    threads: PosInt | Literal["auto"] = "auto"
+    cpus: list[NonNegInt] = []  # CPUs the learner's processes may run on; [] = any (see generators.cpus)
+
+    @property
+    def publish_dtype(self) -> str:
+        """The torch dtype name weights are published (and generators load them) in."""
+        if self.serving_dtype != "auto":
+            return self.serving_dtype
+        return {"none": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.mixed_precision]
+
+    def clip_range(self) -> tuple[float, float]:
+        defaults = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}[self.loss]
+        return (
+            defaults[0] if self.clip_low is None else self.clip_low,
+            defaults[1] if self.clip_high is None else self.clip_high,
+        )
+
+
+class OpdConfig(_Section, frozen=True, kw_only=True):
+    """On-policy distillation: a teacher scores the student's tokens (docs/algorithms.md)."""
+
+    enabled: bool = False  # train on the teacher's per-token signal instead of the task reward
+    teacher: str = ""  # local Hugging Face directory; empty = the shipped teacher checkpoint
+    # reverse_kl: A_t = log pi_T - sg(log pi) at the sampled token; forward_kl: token-level
+    # forward KL over the N cached tokens; mc_reverse_kl: multi-sample Monte Carlo reverse KL.
+    estimator: Literal["reverse_kl", "forward_kl", "mc_reverse_kl"] = "reverse_kl"
+    num_samples: PosInt = 1  # N tokens per position in the cache (>= 2 for mc_reverse_kl)
+    clip_eps: PosFloat = 0.2  # AsyncOPD's pg_clip_eps on pi / mu
+
+
+class StalenessConfig(_Section, frozen=True, kw_only=True):
+    max_staleness: NonNegInt = 2  # versions between the token's policy and the step that trains on it
+    policy: str = "none"  # off-policy correction; see docs/staleness.md for names and parameters
+    params: dict[str, float | int | bool | str] = {}  # keyword parameters of the policy
+    # Per-sample freshness score as a loss weight on top of the policy (docs/staleness.md):
+    # None = off; {} = on with defaults; keys lambda_roll, lambda_sup, f_min, self_normalize.
+    freshness: dict[str, float | bool] | None = None
+
+
+class BufferConfig(_Section, frozen=True, kw_only=True):
+    """Where each step's trajectories come from (docs/buffer.md).
+
+    "window": step s trains exactly the groups admitted for it (their samples, once each); the
+    staleness bound holds by construction and a resume is exact. "pool": every step takes
+    learner.groups_per_step whole groups from a freshness-scored buffer, in `order`; groups past
+    staleness.max_staleness (or under `freshness_floor`) are withheld, down-weighted or dropped
+    (`action`), each counted; a group may be trained again up to `max_replays` times. The other
+    keys apply to "pool" only.
+    """
+
+    mode: Literal["window", "pool"] = "window"
+    order: Literal["fifo", "freshest", "windowed"] = "fifo"
+    window: NonNegInt = 0  # "windowed": groups admitted at versions v - window .. v
+    action: Literal["withhold", "downweight", "drop"] = "withhold"
+    downweight: Annotated[float, Meta(gt=0, lt=1)] = 0.5  # the loss weight of a group past a bound
+    freshness_floor: Annotated[float, Meta(ge=0, le=1)] = 0.0  # 0 = no freshness bound
+    freshness_half_life: PosFloat = 2.0  # staleness at which a group's freshness score halves
+    max_replays: NonNegInt = 0  # extra uses of a group after its first
+    replay_decay: Probability = 0.5  # freshness multiplier per replay
+    # Trajectories held at most; None = twice the admission window ((max_staleness + 1) x
+    # groups_per_step x samples_per_group). Withheld groups are dropped oldest first to make room.
+    max_items: PosInt | None = None
+
+
+class WeightsConfig(_Section, frozen=True, kw_only=True):
+    """Weight sync learner -> generators (docs/weights.md)."""
+
+    # "shards": versioned safetensors directories; "broadcast": a torch.distributed group (gloo on
+    # CPU, NCCL on GPU) from learner rank 0 to every generator. "safetensors" is an alias of "shards".
+    transport: Literal["shards", "broadcast", "safetensors"] = "shards"
+    dir: str = ""  # empty = <run_dir>/weights (use /dev/shm/... for speed on one host)
+    keep_last: PosInt = 2
+    max_shard_bytes: PosInt = 512 << 20  # shards: tensor bytes per safetensors file
+    bucket_bytes: PosInt = 4 << 20  # broadcast: flat bucket size (gloo: a few MiB; NCCL: hundreds)
+    # broadcast: also write shards after each broadcast, so a generator that joins late catches up.
+    catchup_shards: bool = True
+    group_timeout_s: PosFloat = 300.0  # broadcast: rendezvous and collective timeout
+    # Weights that land mid-generation: keep (continue on the KV cache), retract (recompute the
+    # prefix under the new weights, then continue), abort (restart unfinished samples).
+    inflight: Literal["keep", "retract", "abort"] = "keep"
+    # A generator that cannot load a version retries (and takes any newer one); after this long
+    # without a loadable version it fails the run with the reason instead of stalling admission.
+    load_retry_timeout_s: PosFloat = 300.0
+    # Per-file integrity hash, computed while the shards are written and checked while they are
+    # read: "xxh3" (XXH3-128, ~22 GB/s per core, guards against corruption), "blake3" (~4.3 GB/s,
+    # cryptographic) or "sha256" (~1.8 GB/s, cryptographic). Figures and choice: docs/weights.md.
+    checksum: Literal["xxh3", "blake3", "sha256"] = "xxh3"
+    # shards (and catch-up shards): also publish each version as zstd(XOR with the previous
+    # version); generators holding that version apply it, everyone else reads the full shards.
+    delta: bool = False
+    # Every update's deadline: a generator whose fetch of a version takes longer gives it up (keeps
+    # serving the version it has, reports, retries), and the learner logs which generators have not
+    # acknowledged a version this long after publishing it.
+    update_deadline_s: PosFloat = 120.0
+
+    @property
+    def kind(self) -> str:
+        """The transport with aliases resolved: "shards" or "broadcast"."""
+        return "shards" if self.transport == "safetensors" else self.transport
+
+
+class MonitorConfig(_Section, frozen=True, kw_only=True):
+    tui: bool = True  # live rich view when stdout is a terminal
+    heartbeat_s: PosFloat = 1.0
+    # A child silent for this long (no heartbeat, no message) is hung: a generator is killed and
+    # restarted (generators.max_restarts), a hung learner ends the run with an error.
+    heartbeat_timeout_s: PosFloat = 60.0
+    # No silent stalls: when the learner's next step has received nothing (no trajectory, no
+    # finished group, no step) for this long, the run stops with a resumable checkpoint and one
+    # line naming what it waits for. 0 = never.
+    stall_timeout_s: Annotated[float, Meta(ge=0)] = 300.0
+    # Publish every metrics record on a loopback PUB socket (address in <run>/monitor.json) so
+    # `asyncrl monitor` can attach; the records are in metrics.jsonl either way.
+    stream: bool = True
+    sinks: list[Literal["tensorboard", "wandb"]] = []  # extra sinks (wandb runs offline)
+    snapshot_s: PosFloat = 0.5  # at most this often, a `launcher` record (admission, in-flight)
+    refresh_per_second: PosFloat = 4.0  # dashboard redraws; records are folded in as they come
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback interface only."""
+    import ipaddress
+
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it reaches beyond this machine
+
+
+class ClusterConfig(_Section, frozen=True, kw_only=True):
+    """Where a run's sockets bind and how they are protected (docs/multi-host.md)."""
+
+    # The address every ZeroMQ socket, rendezvous store and launched SGLang server binds: the
+    # loopback default keeps a run on this machine; a private interface's address (or 0.0.0.0)
+    # lets workers on other hosts join.
+    bind_host: str = "127.0.0.1"
+    # The address peers are told to connect to; "" = bind_host, or this host's address when
+    # bind_host is 0.0.0.0.
+    advertise_host: str = ""
+    # ZeroMQ CURVE (encryption + a key per role) on every socket: "auto" = on whenever bind_host is
+    # not loopback; "on" also on loopback; "off" beyond loopback needs allow_insecure = true.
+    curve: Literal["auto", "on", "off"] = "auto"
+    # Lets curve = "off" bind beyond loopback: anyone who reaches the ports can drive the run.
+    allow_insecure: bool = False
+    # The directory `asyncrl keys DIR` wrote (server and per-role keypairs); needed when CURVE is on.
+    keys_dir: str = ""
+    # Largest ZeroMQ message frame a socket accepts (ZMQ_MAXMSGSIZE): a peer sending a larger one
+    # is disconnected before it is buffered. The largest legitimate frames are a header (the codec
+    # caps them at 16 MiB) and one trajectory tensor (a few MiB at 100k tokens); weight bytes
+    # never travel on these sockets. Chunked transfers must keep each frame below it.
+    max_message_mb: PosFloat = 64.0
+
+    def __post_init__(self) -> None:
+        if not self.bind_host.strip():
+            raise ValueError(
+                "cluster.bind_host is empty: use 127.0.0.1 (one host) or this host's private address"
+            )
+        if self.curve == "off" and not self.loopback and not self.allow_insecure:
+            raise ValueError(
+                f"cluster.curve = 'off' with cluster.bind_host = {self.bind_host!r} (beyond loopback) would let "
+                "anyone who reaches the ports drive the run: use curve = 'auto' with keys from `asyncrl keys DIR`, "
+                "or set cluster.allow_insecure = true if the network is private and you accept that"
+            )
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the run binds only on this machine's loopback interface."""
+        return is_loopback_host(self.bind_host)
+
+    @property
+    def curve_enabled(self) -> bool:
+        """Whether every ZeroMQ socket of the run uses CURVE."""
+        return self.curve == "on" or (self.curve == "auto" and not self.loopback)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * (1 << 20))
