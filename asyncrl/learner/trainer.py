@@ -325,9 +325,10 @@ class Trainer:
         With `threads` > 1 the samples are cut into contiguous pieces trained concurrently, each
         on one torch thread (data parallelism inside the process: no collective, and the threads
         meet once per micro-batch, where an intra-op team waits at every op for its slowest
-        thread, which a generator on the same core slows). Each piece's gradient comes back as its own tensors and is
-        added to `.grad` in piece order, then accounted for, so the result does not depend on
-        which thread finished first. The pieces of a micro-batch hold at most its activations."""
+        thread, which a generator on the same core slows). Each piece's gradient comes back as
+        its own tensors and is added to `.grad` in piece order, then accounted for, so the result
+        does not depend on which thread finished first. The pieces of a micro-batch hold at most
+        its activations."""
         pieces = self._cut(samples)
         if len(pieces) == 1:
             loss, account = loss_of(samples)
@@ -372,11 +373,6 @@ class Trainer:
     def _piece_grads(self, loss_of, piece):
         loss, account = loss_of(piece)
         return torch.autograd.grad(loss, self.params, allow_unused=True), account
-
-    def close(self) -> None:
-        """Stop the piece threads (idle between steps; the process may also just exit)."""
-        if self._pieces is not None:
-            self._pieces.shutdown(wait=False)
 
     def _apply_gradient(self, scale: float, lr_scale: float, loss: float) -> tuple[float, bool]:
         """Scale the reduced gradient in `.grad`, clip, step; returns (the norm before clipping,
