@@ -351,8 +351,8 @@ class WeightsConfig(_Section, frozen=True, kw_only=True):
     # without a loadable version it fails the run with the reason instead of stalling admission.
     load_retry_timeout_s: PosFloat = 300.0
     # Per-file integrity hash, computed while the shards are written and checked while they are
-    # read: "xxh3" (XXH3-128, ~22 GB/s per core, guards against corruption), "blake3" (~4.3 GB/s,
-    # cryptographic) or "sha256" (~1.8 GB/s, cryptographic). Figures and choice: docs/weights.md.
+    # read: "xxh3" (XXH3-128, guards against corruption), "blake3" or "sha256" (cryptographic).
+    # Speeds and the choice: docs/weights.md, "Integrity".
     checksum: Literal["xxh3", "blake3", "sha256"] = "xxh3"
     # shards (and catch-up shards): also publish each version as zstd(XOR with the previous
     # version); generators holding that version apply it, everyone else reads the full shards.

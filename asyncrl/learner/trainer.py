@@ -360,9 +360,8 @@ class Trainer:
 
     def _cut(self, samples: Sequence) -> list[Sequence]:
         """Contiguous pieces, one per active thread, at least `MIN_PIECE` trajectories each. (Two
-        per thread, so that a thread slowed by a busy core would take fewer, measured slower on
-        the default job: 142-154 against 137-141 CPU-ms per step; larger pieces run larger
-        matrix products.)"""
+        per thread, so that a thread slowed by a busy core would take fewer, measured slower:
+        larger pieces run larger matrix products; bench/README.md, "Learner step".)"""
         threads = self.active_threads
         count = min(threads, len(samples) // MIN_PIECE) if threads > 1 else 1
         if count <= 1:

@@ -6,15 +6,15 @@ to a `new_hasher(kind)` while the chunk is in cache (never a second pass over th
 the digest and the kind in the manifest, and every reader (`shard_read.py`, `delta.py`) recomputes
 it the same way while it loads, one file per thread.
 
-Kinds (measured on the 2-core development VM, one core, 4 MiB chunks; bench/README.md):
+Kinds (their speeds, measured by `asyncrl bench weights`, and why xxh3 is the default:
+docs/weights.md, "Integrity"):
 
-- `xxh3` (default): XXH3-128 (the `xxhash` package), about 22 GB/s per core, faster than one
-  memcpy, so integrity costs a few percent of a load. Not cryptographic: it guards against
-  corruption (a flipped bit, a truncated or torn file, a lagging shared directory), not against
-  someone who can write the weights root (who could rewrite the manifest too).
-- `blake3`: cryptographic and still fast, about 4.3 GB/s per core (no AVX-512 here; its own
-  multithreading gave nothing more on 2 cores, where the files already hash in parallel).
-- `sha256`: cryptographic, about 1.8 GB/s per core (SHA-NI): what manifests of schema 1 carry.
+- `xxh3` (default): XXH3-128 (the `xxhash` package), faster than one memcpy, so integrity costs a
+  few percent of a load. Not cryptographic: it guards against corruption (a flipped bit, a
+  truncated or torn file, a lagging shared directory), not against someone who can write the
+  weights root (who could rewrite the manifest too).
+- `blake3`: cryptographic and still fast.
+- `sha256`: cryptographic, the slowest: what manifests of schema 1 carry.
 """
 
 from __future__ import annotations

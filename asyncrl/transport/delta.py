@@ -48,9 +48,7 @@ __all__ = [
 
 DELTA_ENCODING = "xor-zstd"
 _DELTA_SUFFIX = ".xor.zst"
-# zstd level 1. Measured on one core of the 2-core VM, XOR of bf16 data with 1% of the elements
-# changed: level 1 1.3-2.6 GB/s to 2.6% of the bytes, level -1 1.8 GB/s to 3.1%; with 0.2% changed,
-# level 3 was 20% slower than level 1 for the same size. Faster levels give the bytes back.
+# zstd level 1: the fastest level that keeps the bytes (levels compared in docs/weights.md, "Delta updates").
 _ZSTD_LEVEL = 1
 # The decompressor reads the delta file in pieces of this size (read_size of its stream reader).
 _READ_BYTES = 1 << 20

@@ -49,8 +49,17 @@ def _await_event(mon: zmq.Socket) -> None:
     mon.close(linger=0)
 
 
+@pytest.fixture
+def contexts():
+    """A server's and a client's ZeroMQ context, destroyed after the test (linger 0)."""
+    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    yield server_ctx, client_ctx
+    client_ctx.destroy(linger=0)
+    server_ctx.destroy(linger=0)
+
+
 @pytest.mark.timeout(60)
-def test_a_peer_with_a_wrong_or_missing_key_is_refused_counted_and_changes_nothing(keys, tmp_path):
+def test_a_peer_with_a_wrong_or_missing_key_is_refused_counted_and_changes_nothing(keys, tmp_path, contexts):
     security.write_keys(tmp_path / "other")  # another run's keys
     run = security.CurveKeys.load(keys, role="generator")
     public, secret = zmq.curve_keypair()
@@ -58,7 +67,7 @@ def test_a_peer_with_a_wrong_or_missing_key_is_refused_counted_and_changes_nothi
         role="generator", curve=security.CurveKeys(run.server_public, None, public, secret)
     )
     other_run = _policy(tmp_path / "other", "generator")  # and so another server key
-    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    server_ctx, client_ctx = contexts
 
     async def scenario() -> None:
         router = Endpoint(
@@ -95,16 +104,12 @@ def test_a_peer_with_a_wrong_or_missing_key_is_refused_counted_and_changes_nothi
         for ep in (*peers, good, router):
             ep.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client_ctx.destroy(linger=0)
-        server_ctx.destroy(linger=0)
+    asyncio.run(scenario())
 
 
 @pytest.mark.timeout(60)
-def test_a_role_cannot_send_what_its_key_does_not_allow(keys):
-    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+def test_a_role_cannot_send_what_its_key_does_not_allow(keys, contexts):
+    server_ctx, client_ctx = contexts
 
     async def scenario() -> None:
         router = Endpoint(
@@ -133,16 +138,12 @@ def test_a_role_cannot_send_what_its_key_does_not_allow(keys):
         for ep in (gen, learner, router):
             ep.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client_ctx.destroy(linger=0)
-        server_ctx.destroy(linger=0)
+    asyncio.run(scenario())
 
 
 @pytest.mark.timeout(120)
-def test_malformed_frames_from_an_authenticated_peer_are_rejected_and_counted(keys, tmp_path):
-    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+def test_malformed_frames_from_an_authenticated_peer_are_rejected_and_counted(keys, tmp_path, contexts):
+    server_ctx, client_ctx = contexts
     garbage = malformed_messages(random.Random(7), wrong_types=[any_step_done()], canary=tmp_path / "canary")
     assert len(garbage) == NUM_MESSAGES
 
@@ -161,11 +162,7 @@ def test_malformed_frames_from_an_authenticated_peer_are_rejected_and_counted(ke
         push.close(linger=0)
         pull.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client_ctx.destroy(linger=0)
-        server_ctx.destroy(linger=0)
+    asyncio.run(scenario())
     assert not (tmp_path / "canary").exists()
 
 
@@ -198,14 +195,14 @@ def _peak_rss_bytes() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_a_frame_past_the_size_cap_is_dropped_before_it_is_buffered(keys):
+def test_a_frame_past_the_size_cap_is_dropped_before_it_is_buffered(keys, contexts):
     """The receiver's peak memory does not grow by the oversized frame: ZeroMQ reads the frame's
     size, finds it past ZMQ_MAXMSGSIZE and drops the connection. The socket keeps working."""
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM)
     except OSError:
         pytest.skip("cannot reset the peak RSS mark here")
-    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    server_ctx, client_ctx = contexts
     policy = _policy(keys, "learner", max_message_bytes=CAP_BYTES)
 
     async def scenario() -> None:
@@ -232,11 +229,7 @@ def test_a_frame_past_the_size_cap_is_dropped_before_it_is_buffered(keys):
         push.close()
         pull.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client_ctx.destroy(linger=0)
-        server_ctx.destroy(linger=0)
+    asyncio.run(scenario())
 
 
 @pytest.mark.slow
