@@ -16,7 +16,6 @@ Processes are started and ended by this test only (by their handles).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -31,6 +30,7 @@ import torch
 from asyncrl.messages import WeightsPublished
 from asyncrl.transport.publisher import BroadcastPublisher, ShardPublisher
 from asyncrl.transport.retention import list_versions
+from tests.integration.test_weights_sync import digest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 GENERATORS = ("gen-0", "gen-1")
@@ -55,15 +55,6 @@ def state(version: int) -> dict[str, torch.Tensor]:
         else t + version
         for n, t in sd.items()
     }
-
-
-def digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def generator(conn: Connection, generator_id: str, fault: dict) -> None:
