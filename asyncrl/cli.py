@@ -201,6 +201,31 @@ def report(
 
 
 @app.command()
+def lint(
+    config: Annotated[Path | None, typer.Argument(help="TOML config file (default: the embedded job)")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config key: --set learner.epochs=2")
+    ] = None,
+) -> None:
+    """Check a config for unsafe settings (docs/safety.md); exit 1 on an error. Starts nothing."""
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.lint import lint as findings_of
+
+    try:
+        cfg = load_config(config, set_ or [], lint=False)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    findings = findings_of(cfg)
+    for finding in findings:
+        color = typer.colors.RED if finding.level == "error" else typer.colors.YELLOW
+        typer.secho(finding.line(), fg=color)
+    if not findings:
+        typer.echo("no unsafe settings found")
+    if any(f.level == "error" for f in findings):
+        raise typer.Exit(1)
+
+
+@app.command()
 def keys(
     keys_dir: Annotated[Path, typer.Argument(help="Directory for the run's key material (created 0700)")],
     force: Annotated[bool, typer.Option("--force", help="Replace keys already there")] = False,

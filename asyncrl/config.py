@@ -295,8 +295,11 @@ def _friendly(err: msgspec.ValidationError) -> str:
     return f"config error at {'.'.join(path)}: {message}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- TOML file <- overrides, validated once. Raises ConfigError on any mistake."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, lint: bool = True
+) -> Config:
+    """Defaults <- TOML file <- overrides, validated once. Raises ConfigError on any mistake (and on
+    the settings linter's errors unless `lint` is false: `asyncrl lint` lists them itself)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -306,10 +309,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             tree = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-    return config_from_tree(tree, overrides)
+    return config_from_tree(tree, overrides, lint=lint)
 
 
-def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def config_from_tree(
+    tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *, lint: bool = True
+) -> Config:
     """A config tree (parsed TOML, or `config_to_dict` of a config) <- overrides, validated once."""
     for assignment in overrides:
         apply_override(tree, assignment)
@@ -338,7 +343,27 @@ def config_from_tree(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
             f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
             "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
         )
+    check_lint(config, refuse=lint)
     return config
+
+
+def check_lint(config: Config, *, refuse: bool = True) -> None:
+    """`run.allow_unsafe` names real rules; with `refuse`, the settings linter's errors refuse the
+    config (asyncrl/lint.py, docs/safety.md)."""
+    from asyncrl.lint import check_allowed, lint
+
+    try:
+        check_allowed(config.run.allow_unsafe)
+    except ValueError as exc:
+        raise ConfigError(f"config error at run.allow_unsafe: {exc}") from None
+    errors = [f for f in lint(config) if f.level == "error"] if refuse else []
+    if errors:
+        first = errors[0]
+        raise ConfigError(
+            f"config error at {first.key}: {first.problem}; {first.fix} (or accept the risk: "
+            f"--set 'run.allow_unsafe=[\"{first.rule}\"]'; docs/safety.md)"
+            + "".join(f"\n  also: {f.line()}" for f in errors[1:])
+        )
 
 
 def check_cuda(config: Config) -> None:

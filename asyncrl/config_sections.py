@@ -37,6 +37,9 @@ class RunConfig(_Section, frozen=True, kw_only=True):
     # torch, transformers and the worker modules while the launcher checked the config and task
     # (faster start-up; scheduler/spawner.py); "exec" runs each as a fresh `python -m` process.
     spawn: Literal["fork", "exec"] = "fork"
+    # Settings-linter rules (asyncrl/lint.py, docs/safety.md) whose errors this run accepts: each
+    # is reported as a warning instead of refusing the config.
+    allow_unsafe: list[str] = []
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True):

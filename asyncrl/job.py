@@ -18,6 +18,7 @@ from typing import Any
 import uvloop
 
 from asyncrl.config import Config, write_resolved_config
+from asyncrl.lint import lint
 from asyncrl.runtime import check_cpus
 from asyncrl.scheduler.records import Reporter
 from asyncrl.scheduler.service import Launcher, RunFailed
@@ -193,6 +194,9 @@ def run_job(
             (run_dir / "summary.json").rename(run_dir / f"summary-before-resume-{resume_version}.json")
         reporter.event(f"resuming at policy_version {resume_version}")
     reporter.event(f"run directory: {run_dir}")
+    warnings = [f for f in lint(config) if f.level == "warning"]
+    for finding in warnings:
+        reporter.event(f"settings: {finding.line()}")
     launcher = Launcher(
         config,
         run_dir,
@@ -285,6 +289,8 @@ def run_job(
             "launcher": int(state.metrics.get("launcher/auth_failures", 0)),
             "learner": int(state.metrics.get("learner/auth_failures", 0)),
         },
+        # The settings linter's warnings (asyncrl/lint.py, docs/safety.md).
+        "lint": [f.to_json() for f in warnings],
         "run_dir": str(run_dir),
     }
     if (position := getattr(task, "position", None)) is not None:

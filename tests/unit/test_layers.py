@@ -4,7 +4,7 @@
           __main__
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
-  leaves  messages, config, config_sections,        leaves only
+  leaves  messages, config, config_sections, lint,  leaves only
           plugins, lazy, tasks, rewards,
           kernels, staleness, buffer, models
 
@@ -34,6 +34,7 @@ LEAVES = frozenset(
         "messages",
         "config",
         "config_sections",
+        "lint",
         "plugins",
         "lazy",
         "tasks",
