@@ -151,6 +151,11 @@ class Config(_Section, frozen=True, kw_only=True):
                 "small, so use learner.sharding = 'none' (replicated ranks) with LoRA"
             )
         self._check_remote()
+        if self.auto_staleness and self.buffer.mode == "pool":
+            raise ValueError(
+                "staleness.max_staleness = 'auto' moves window admission's bound; buffer.mode = 'pool' "
+                "keeps its own (buffer.action): set a number, or buffer.mode = 'window'"
+            )
         for key, cpus in (("learner.cpus", lrn.cpus), ("generators.cpus", self.generators.cpus)):
             if len(set(cpus)) != len(cpus):
                 raise ValueError(f"{key} = {list(cpus)} lists a CPU twice; list each CPU once")
@@ -213,8 +218,17 @@ class Config(_Section, frozen=True, kw_only=True):
 
     @property
     def effective_max_staleness(self) -> int:
-        """`sync` mode is strictly on-policy whatever the configured bound."""
-        return 0 if self.mode == "sync" else self.staleness.max_staleness
+        """`sync` mode is strictly on-policy whatever the configured bound; with the closed-loop
+        bound (`staleness.max_staleness = "auto"`) this is its hard cap, which the learner asserts."""
+        if self.mode == "sync":
+            return 0
+        bound = self.staleness.max_staleness
+        return self.staleness.max_staleness_cap if bound == "auto" else bound
+
+    @property
+    def auto_staleness(self) -> bool:
+        """Whether the launcher moves the staleness bound (scheduler/control.py)."""
+        return self.mode != "sync" and self.staleness.max_staleness == "auto"
 
     @property
     def evaluates_in_learner(self) -> bool:

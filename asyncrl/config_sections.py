@@ -301,7 +301,11 @@ class OpdConfig(_Section, frozen=True, kw_only=True):
 
 
 class StalenessConfig(_Section, frozen=True, kw_only=True):
-    max_staleness: NonNegInt = 2  # versions between the token's policy and the step that trains on it
+    # Versions between the token's policy and the step that trains on it, at most. "auto": the
+    # launcher moves the bound between 0 and max_staleness_cap from the learner's idle time and
+    # the off-policy signal (scheduler/control.py, docs/safety.md "Closed-loop staleness").
+    max_staleness: NonNegInt | Literal["auto"] = 2
+    max_staleness_cap: NonNegInt = 4  # "auto": the hard cap (asserted where tokens are trained)
     policy: str = "none"  # off-policy correction; see docs/staleness.md for names and parameters
     params: dict[str, float | int | bool | str] = {}  # keyword parameters of the policy
     # Per-sample freshness score as a loss weight on top of the policy (docs/staleness.md):

@@ -57,7 +57,7 @@ def rule(name: str) -> Callable[[Rule], Rule]:
 
 
 def _stale_bound(config) -> int:
-    return 0 if config.mode == "sync" else config.staleness.max_staleness
+    return config.effective_max_staleness  # with "auto", its hard cap
 
 
 @rule("stale-uncorrected")

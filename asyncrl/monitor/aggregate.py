@@ -174,6 +174,8 @@ class RunView:
         self.losses.append(float(r.get("loss", 0.0)))
         max_st = int(r.get("max_staleness", 0))
         self.max_staleness = max(self.max_staleness, max_st)
+        if isinstance(r.get("staleness_bound"), int):  # the bound in force (moves when "auto")
+            self.staleness_bound = r["staleness_bound"]
         self.mean_staleness = r.get("mean_staleness")
         self.last_step = r
         stats = r.get("stats") or {}
@@ -359,7 +361,9 @@ class RunView:
         self.mode = self.mode or config.get("mode")
         self.policy = self.policy or config.get("staleness", {}).get("policy")
         if self.staleness_bound is None:
-            bound = config.get("staleness", {}).get("max_staleness")
+            section = config.get("staleness", {})
+            bound = section.get("max_staleness")
+            bound = section.get("max_staleness_cap") if bound == "auto" else bound
             self.staleness_bound = 0 if self.mode == "sync" else bound
 
     # ------------------------------------------------------------------ derived figures

@@ -25,6 +25,7 @@ from asyncrl.buffer.ledger import Ledger, LedgerSnapshot
 from asyncrl.config import Config
 from asyncrl.messages import GroupsLeft, StepDone
 from asyncrl.scheduler.admission import Admission, CreditAdmission, admission_limit, step_of
+from asyncrl.scheduler.control import ControlSettings, Signal, StalenessController
 from asyncrl.scheduler.tasks import TaskBook
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class AdmissionMode(Protocol):
         """Resume: the groups of a launcher checkpoint (decoded JSON) to admit again; advances
         the counters past every group that checkpoint had admitted."""
 
-    def on_step_done(self, book: TaskBook, msg: StepDone) -> None:
-        """Record in the ledger what the step trained."""
+    def on_step_done(self, book: TaskBook, msg: StepDone) -> str:
+        """Record in the ledger what the step trained; returns a decision this changed, in words
+        (the closed-loop staleness bound), or ""."""
 
     def on_groups_left(self, book: TaskBook, msg: GroupsLeft) -> None:
         """Groups left the learner's buffer: record the dropped ones, return their credits;
@@ -64,10 +66,19 @@ class WindowMode:
     trains_every_admitted_sample = True
 
     def __init__(
-        self, *, groups_per_step: int, max_staleness: int, total_steps: int, resume_version: int = 0
+        self,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        total_steps: int,
+        resume_version: int = 0,
+        control: StalenessController | None = None,
     ) -> None:
+        self.control = control  # staleness.max_staleness = "auto": it moves the bound
         self.admission = Admission(
-            groups_per_step=groups_per_step, max_staleness=max_staleness, total_steps=total_steps
+            groups_per_step=groups_per_step,
+            max_staleness=max_staleness if control is None else control.bound,
+            total_steps=total_steps,
         )
         # Resuming at version v: groups [0, v*B) were trained; every later one is admitted again.
         self.admission.num_admitted = resume_version * groups_per_step
@@ -84,11 +95,22 @@ class WindowMode:
         self.admission.num_admitted = max(self.admission.num_admitted, admitted)
         return again
 
-    def on_step_done(self, book: TaskBook, msg: StepDone) -> None:
+    def on_step_done(self, book: TaskBook, msg: StepDone) -> str:
         try:
             book.trained(msg.step)
         except ValueError as exc:  # a bookkeeping bug must show in the log, not stop training
             log.error("ledger: %s", exc)
+        if self.control is None:
+            return ""
+        signal = Signal.from_step(
+            step=msg.step, step_s=msg.step_s, idle_s=msg.idle_s, clip_fraction=msg.clip_fraction, stats=msg.stats
+        )
+        decision = self.control.observe(signal)
+        if decision is None:
+            return ""
+        # From now on; groups already admitted keep the bound they were admitted under.
+        self.admission.max_staleness = decision.new
+        return decision.line()
 
     def on_groups_left(self, book: TaskBook, msg: GroupsLeft) -> None:
         raise ValueError("GroupsLeft is not expected: the learner's buffer.mode is 'window'")
@@ -131,11 +153,12 @@ class PoolMode:
         self.admission.num_returned = admitted - len(again)
         return again
 
-    def on_step_done(self, book: TaskBook, msg: StepDone) -> None:
+    def on_step_done(self, book: TaskBook, msg: StepDone) -> str:
         try:
             book.trained_pool(msg.step, trained=msg.groups_trained, replayed=msg.groups_replayed)
         except ValueError as exc:  # a bookkeeping bug must show in the log, not stop training
             log.error("ledger: %s", exc)
+        return ""
 
     def on_groups_left(self, book: TaskBook, msg: GroupsLeft) -> None:
         try:
@@ -158,4 +181,11 @@ def make_mode(config: Config, *, resume_version: int = 0) -> AdmissionMode:
     }
     if config.buffer.mode == "pool":
         return PoolMode(**shape)
-    return WindowMode(**shape, resume_version=resume_version)
+    control = StalenessController(control_settings(config)) if config.auto_staleness else None
+    return WindowMode(**shape, resume_version=resume_version, control=control)
+
+
+def control_settings(config: Config) -> ControlSettings:
+    """The closed-loop bound's settings: from 1 (or the cap, if lower) within [0, cap]."""
+    cap = config.effective_max_staleness
+    return ControlSettings(cap=cap, start=min(1, cap))

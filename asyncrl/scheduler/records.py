@@ -152,7 +152,7 @@ def launcher_snapshot(
 ) -> LauncherSnapshot:
     """What only the launcher knows, as one value (pure)."""
     groups_per_step = config.learner.groups_per_step
-    bound = config.effective_max_staleness
+    bound = mode.admission.max_staleness  # in force now (moves with staleness.max_staleness = "auto")
     loaded = min((state.loaded_versions.get(g, 0) for g in generator_slots), default=0)
     used, free = mode.credits(steps_trained=state.step, loaded_version=loaded)
     status = ""

@@ -128,6 +128,7 @@ class Launcher:
             total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness
         )
         self.task = task if task is not None else make_task(config.task)
+        check_privileged(self.task, config.opd, tokenizer)  # opd.teacher = "self": before any process
         self.task_prepared = task is not None
         self.task_stats: dict[str, int] = {}
         # Resuming at version v: groups [0, v*B) were trained; the later ones the interrupted run
@@ -467,13 +468,16 @@ class Launcher:
         if st.rewards_tally.sums:  # each reward's running mean (task.rewards)
             record["rewards"] = st.rewards_tally.means()
         record["samples_per_s"] = st.trajectories_trained / max(1e-9, st.elapsed_s)
+        decision = self.mode.on_step_done(self.book, msg)
+        # The bound admission applies from now on (staleness.max_staleness = "auto" moves it).
+        st.max_staleness_bound = record["staleness_bound"] = self.mode.admission.max_staleness
         self.records.write("step", record)
-        if msg.note:
-            self.records.event(msg.note)
+        for note in (msg.note, decision):
+            if note:
+                self.records.event(note)
         total_steps = self.cfg.learner.steps
         if msg.step + 1 >= total_steps:
             self.finished.set()
-        self.mode.on_step_done(self.book, msg)
         if checkpoint_due(
             msg.step, msg.version, total_steps=total_steps, every=self.cfg.run.checkpoint_every
         ):
