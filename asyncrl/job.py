@@ -268,6 +268,8 @@ def run_job(
         "eval_rewards_before": rewards_before,
         "eval_rewards_after": rewards_after,
         **state.rewards_tally.summary(),
+        # Mean completion length of the samples generated, trained and dropped (length bias).
+        "completion_lengths": state.lengths.summary(),
         "task": task_stats,
         "wall_s": time.perf_counter() - t0,
         "train_wall_s": train_wall,

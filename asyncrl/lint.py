@@ -41,7 +41,13 @@ class Finding:
         return f"{self.level} [{self.rule}] at {self.key}: {self.problem}; {self.fix}"
 
     def to_json(self) -> dict[str, str]:
-        return {"rule": self.rule, "level": self.level, "key": self.key, "problem": self.problem, "fix": self.fix}
+        return {
+            "rule": self.rule,
+            "level": self.level,
+            "key": self.key,
+            "problem": self.problem,
+            "fix": self.fix,
+        }
 
 
 Rule = Callable[[Any], Iterator[Finding]]
@@ -240,9 +246,7 @@ def lint(config) -> list[Finding]:
     """Every finding for `config`, errors listed in `run.allow_unsafe` already turned into warnings."""
     allowed = set(config.run.allow_unsafe)
     found = [f for check in RULES.values() for f in check(config)]
-    return [
-        Finding(f.rule, "warning", f.key, f.problem, f.fix) if f.rule in allowed else f for f in found
-    ]
+    return [Finding(f.rule, "warning", f.key, f.problem, f.fix) if f.rule in allowed else f for f in found]
 
 
 def check_allowed(names) -> None:

@@ -78,6 +78,7 @@ class RunView:
         self.groups_per_step: int | None = None
         self.samples_per_group: int | None = None
         self.staleness_bound: int | None = None
+        self._length_sums: dict[str, tuple[float, int]] = {}  # kind -> (length x samples, samples)
         self.num_generators: int | None = None
         self.mode: str | None = None
         self.policy: str | None = None
@@ -176,6 +177,12 @@ class RunView:
         self.max_staleness = max(self.max_staleness, max_st)
         if isinstance(r.get("staleness_bound"), int):  # the bound in force (moves when "auto")
             self.staleness_bound = r["staleness_bound"]
+        counts = r.get("length_samples") or {}
+        for kind, value in (r.get("lengths") or {}).items():
+            if value is not None:  # the run's mean completion lengths, weighted by samples
+                total, count = self._length_sums.get(kind, (0.0, 0))
+                k = int(counts.get(kind, 0))
+                self._length_sums[kind] = (total + value * k, count + k)
         self.mean_staleness = r.get("mean_staleness")
         self.last_step = r
         stats = r.get("stats") or {}
@@ -367,6 +374,11 @@ class RunView:
             self.staleness_bound = 0 if self.mode == "sync" else bound
 
     # ------------------------------------------------------------------ derived figures
+    @property
+    def completion_lengths(self) -> dict[str, float]:
+        """Mean completion length generated / trained / evicted so far (from the step records)."""
+        return {k: total / count for k, (total, count) in self._length_sums.items() if count}
+
     @property
     def total_samples(self) -> int | None:
         if None in (self.total_steps, self.groups_per_step, self.samples_per_group):

@@ -180,10 +180,18 @@ def reward_panel(v: RunView, lay: Layout) -> Rows:
     return t
 
 
+LENGTH_ROW = (("gen", "generated"), ("train", "trained"), ("drop", "evicted"))
+
+
 def staleness_panel(v: RunView, lay: Layout) -> Rows:
     t = _grid()
     bound = v.staleness_bound
     t.add_row("max", f"{v.max_staleness} (bound {fmt(bound, 'd')})  mean {fmt(v.mean_staleness, '.2f')}")
+    lengths = v.completion_lengths  # length bias: what was generated vs trained vs dropped
+    t.add_row(
+        "length",
+        " ".join(f"{name} {fmt(lengths.get(kind), '.1f')}" for name, kind in LENGTH_ROW),
+    )
     hist = v.staleness_hist
     if not hist:
         t.add_row("histogram", DASH)

@@ -35,7 +35,9 @@ class Signal:
     clip_fraction: float = 0.0  # tokens clipped or masked by the correction, as a share
 
     @classmethod
-    def from_step(cls, *, step: int, step_s: float, idle_s: float, clip_fraction: float, stats: dict) -> Signal:
+    def from_step(
+        cls, *, step: int, step_s: float, idle_s: float, clip_fraction: float, stats: dict
+    ) -> Signal:
         """From a `StepDone`'s fields and its staleness-policy stats."""
         total = step_s + idle_s
         masked = stats.get("masked_fraction", 0.0)
@@ -112,7 +114,9 @@ class StalenessController:
             new, reason = self.bound - 1, why
         elif self._starving >= s.patience and self.bound < s.cap:
             new = self.bound + 1
-            reason = f"learner idle {sig.learner_idle:.0%} of its step for {self._starving} steps, signal healthy"
+            reason = (
+                f"learner idle {sig.learner_idle:.0%} of its step for {self._starving} steps, signal healthy"
+            )
         if new == self.bound:
             return None
         decision = Decision(step=sig.step, old=self.bound, new=new, reason=reason)
@@ -122,7 +126,9 @@ class StalenessController:
         return decision
 
 
-def admitted_bounds_hold(admitted: list[tuple[int, int]], trained: list[tuple[int, int, int]], cap: int) -> str:
+def admitted_bounds_hold(
+    admitted: list[tuple[int, int]], trained: list[tuple[int, int, int]], cap: int
+) -> str:
     """Checks a schedule: `admitted` = (group, bound in force at its admission); `trained` =
     (group, the step that trained it, the oldest version of its tokens). "" when every group
     trained within its admission bound and the cap, else what broke."""

@@ -24,6 +24,7 @@ import msgspec
 
 from asyncrl.config import Config
 from asyncrl.messages import LauncherSnapshot, TaskDone
+from asyncrl.scheduler.lengths import LengthTally
 from asyncrl.scheduler.modes import AdmissionMode
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class RunState:
     rejected_frames: int = 0  # on the launcher's control socket (malformed, unknown peer, ...)
     phase: str = "starting"
     rewards_tally: RewardTally = field(default_factory=lambda: RewardTally())
+    lengths: LengthTally = field(default_factory=LengthTally)  # generated / trained / evicted
     last_progress: float = field(default_factory=time.monotonic)  # the last TaskDone or StepDone
     last_progress_what: str = "nothing yet"
 

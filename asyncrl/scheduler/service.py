@@ -419,6 +419,7 @@ class Launcher:
             case Heartbeat():
                 pass
             case Fatal():
+                self.state.lengths.evicted(msg.evicted)
                 # The traceback is in the worker's log; the user gets the reason and where to look.
                 if is_learner:
                     self.fail(f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})")
@@ -444,6 +445,7 @@ class Launcher:
             self.fail(reason)
 
     def check_stalled(self) -> None:
+        self.state.lengths.generated(msg.task_id, tokens=msg.num_tokens, samples=msg.num_trajectories)
         """No silent stalls (`tasks.stall_reason`): the run stops, resumably, naming what it waits for."""
         live = [inc.peer_id for inc in self.pool.live()]
         timeout_s = self.cfg.monitor.stall_timeout_s
@@ -476,6 +478,9 @@ class Launcher:
             if note:
                 self.records.event(note)
         total_steps = self.cfg.learner.steps
+        st.lengths.trained(tokens=msg.num_tokens, samples=msg.num_trajectories)
+        # Mean completion lengths since the last step, and of how many samples.
+        record["lengths"], record["length_samples"] = st.lengths.step_record()
         if msg.step + 1 >= total_steps:
             self.finished.set()
         if checkpoint_due(

@@ -42,6 +42,8 @@ def test_two_generators_run_to_completion_with_nothing_lost(tiny_model_dir, tmp_
     assert summary["duplicates"] == 0
     assert 0 <= summary["max_staleness"] <= 1
     assert summary["lint"] == [] and "settings:" not in proc.stdout  # nothing unsafe in this config
+    lengths = summary["completion_lengths"]  # window admission trains every generated sample
+    assert lengths["evicted"] is None and lengths["trained"] == pytest.approx(lengths["generated"])
     for key in ("eval_before", "eval_after", "wall_s", "samples_per_s", "tokens_per_s"):
         assert summary[key] >= 0
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]

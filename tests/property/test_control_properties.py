@@ -57,7 +57,9 @@ signals = st.tuples(
     signal_seq=st.lists(signals, min_size=12, max_size=12),
     choices=st.lists(st.integers(0, 2), max_size=120),
 )
-def test_every_group_trains_within_its_admission_bound_and_the_cap(cap, groups_per_step, steps, signal_seq, choices):
+def test_every_group_trains_within_its_admission_bound_and_the_cap(
+    cap, groups_per_step, steps, signal_seq, choices
+):
     control = StalenessController(ControlSettings(cap=cap, start=min(1, cap), patience=1, cooldown=0))
     mode = WindowMode(groups_per_step=groups_per_step, max_staleness=cap, total_steps=steps, control=control)
     admitted: list[tuple[int, int]] = []  # (group, bound in force at admission)

@@ -132,6 +132,8 @@ def test_asyncrl_lint_lists_findings_and_fails_on_an_error():
     warned = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert warned.returncode == 0, warned.stderr
     assert "warning [epochs-stale-uncorrected] at learner.epochs" in warned.stdout
-    refused = subprocess.run([*run, "--set", "sampling.temperature=0"], capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [*run, "--set", "sampling.temperature=0"], capture_output=True, text=True, timeout=120
+    )
     assert refused.returncode == 1
     assert "error [greedy-groups] at sampling.temperature" in refused.stdout
