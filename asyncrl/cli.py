@@ -202,7 +202,9 @@ def report(
 
 @app.command()
 def lint(
-    config: Annotated[Path | None, typer.Argument(help="TOML config file (default: the embedded job)")] = None,
+    config: Annotated[
+        Path | None, typer.Argument(help="TOML config file (default: the embedded job)")
+    ] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Override a config key: --set learner.epochs=2")
     ] = None,
@@ -222,6 +224,38 @@ def lint(
     if not findings:
         typer.echo("no unsafe settings found")
     if any(f.level == "error" for f in findings):
+        raise typer.Exit(1)
+
+
+@app.command()
+def replay(
+    run_dir: Annotated[Path, typer.Argument(help="A run recorded with --set run.record_schedule=true")],
+    out: Annotated[Path | None, typer.Option("--out", help="Where to write (default RUN_DIR/replay)")] = None,
+    until: Annotated[
+        int | None, typer.Option("--until", help="Stop after this many steps, with a learner checkpoint")
+    ] = None,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue the replay checkpoint in this directory")
+    ] = None,
+) -> None:
+    """Re-run a recorded run's learner on its schedule; compare with the run (docs/safety.md)."""
+    from asyncrl.config import ConfigError, load_resolved_config
+    from asyncrl.job import compare_replay, model_path
+    from asyncrl.models.hf import quiet_offline
+
+    quiet_offline()
+    try:
+        config = load_resolved_config(run_dir / "config.json")
+        from asyncrl.learner.replay import run_replay
+
+        result = run_replay(
+            run_dir, out or run_dir / "replay", config, model_path(config), until=until, resume=resume
+        )
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    result.update(compare_replay(run_dir, Path(result["out_dir"]), last=until is None))
+    typer.echo(json.dumps(result, indent=2))
+    if result.get("identical_metrics") is False or result.get("identical_params") is False:
         raise typer.Exit(1)
 
 

@@ -309,3 +309,46 @@ def run_job(
 
 def _means(rewards: dict[str, float]) -> str:
     return "" if not rewards else " (" + ", ".join(f"{k} {v:.3f}" for k, v in rewards.items()) + ")"
+
+
+def compare_replay(run_dir: Path, replay_dir: Path, *, last: bool) -> dict:
+    """`asyncrl replay`'s verdict: the replayed steps' training values against the run's step
+    records, and (when the replay reached the end) its parameters against the run's final model,
+    bit for bit. None where the run has nothing to compare with (it stopped early)."""
+    from asyncrl.learner.replay import same_values
+
+    def steps(path: Path) -> dict[int, dict]:
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return {int(r["step"]): r for r in rows if r.get("type", "step") == "step"}
+
+    original, replayed = steps(run_dir / "metrics.jsonl"), steps(replay_dir / "metrics.jsonl")
+    differ = [s for s in sorted(replayed) if s not in original or not same_values(original[s], replayed[s])]
+    verdict: dict[str, Any] = {
+        "steps_compared": len(replayed),
+        "identical_metrics": not differ,
+        "first_differing_step": differ[0] if differ else None,
+        "identical_params": None,
+    }
+    final = run_dir / "final_model"
+    if last and final.is_dir():
+        verdict["identical_params"] = _same_tensors(final, replay_dir / "final_params.safetensors")
+    return verdict
+
+
+def _same_tensors(model_dir: Path, params_file: Path) -> bool:
+    """Every tensor of the HF directory's safetensors equals, bit for bit, the one of that name."""
+    import torch
+    from safetensors.torch import load_file
+
+    mine = load_file(str(params_file))
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return False
+    for f in files:
+        for name, theirs in load_file(str(f)).items():
+            ours = mine.get(name)
+            if ours is None or ours.shape != theirs.shape or ours.dtype != theirs.dtype:
+                return False
+            if not torch.equal(ours.view(torch.uint8), theirs.contiguous().view(torch.uint8)):
+                return False
+    return True
