@@ -43,3 +43,7 @@ bench_app.command("learner")(learner.command)
 from asyncrl.benchmarks import baseline  # noqa: E402
 
 bench_app.command("baseline")(baseline.command)
+
+from asyncrl.benchmarks import control  # noqa: E402
+
+bench_app.command("staleness")(control.command)
