@@ -1,5 +1,6 @@
 """`asyncrl bench weights`: time from publish to every generator holding the new weights, for
-safetensors shards and the broadcast group, with 1 and 2 generators, against the memcpy bandwidth
+safetensors shards and the broadcast group (by default through the shared-memory ring, and over
+gloo beside it), with 1 and 2 generators, against the memcpy bandwidth
 measured in the same run, and next to what bounds each transport on this machine (each checksum
 kind per core, zstd, file writes and reads, one loopback TCP stream, all measured in the same run);
 beside them sha256 shards, float32 shards, delta updates and shards served over the network to a
@@ -132,19 +133,32 @@ def command(
             f"generator takes it {vs(r['generator_gbps'])}"
         )
     gb = result["bytes"] / _GB
-    for n, r in result["detail"]["broadcast"].items():
-        bound = r["bound"]
-        typer.echo(
-            f"broadcast x{n}: {vs(r['gbps'])}; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, "
-            f"sender {r['sender_cpu_s']:.2f}: {r['cpu_bound_gbps']:.2f} GB/s with the cores to itself)"
-        )
-        typer.echo(
-            f"  as a generator takes it (fresh tensors, then copied into its parameters): "
-            f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
-        )
-        typer.echo(
-            f"  bound: {n} loopback TCP stream(s) from rank 0 ({bound['cpu_s']:.2f} CPU-s) -> {vs(bound['gbps'])}"
-        )
+    for key, label in (("broadcast", "broadcast"), ("broadcast_gloo", "gloo     ")):
+        for n, r in result["detail"].get(key, {}).items():
+            bound = r["bound"]
+            path = (
+                f"{r['ring_readers']} of {n} through the shared-memory ring"
+                if key == "broadcast"
+                else "every generator over gloo (loopback TCP)"
+            )
+            typer.echo(
+                f"{label} x{n}: {vs(r['gbps'])}, {path}; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} "
+                f"CPU-s/GB, sender {r['sender_cpu_s']:.2f}: {r['cpu_bound_gbps']:.2f} GB/s with the cores to itself)"
+            )
+            typer.echo(
+                f"  as a generator takes it (fresh tensors, then copied into its parameters): "
+                f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
+            )
+            if key == "broadcast":
+                typer.echo(
+                    f"  bound: {bound['num_copies']} memcpys (into the ring, out of it) on {cores} cores -> "
+                    f"{vs(bound['gbps'])}"
+                )
+            else:
+                typer.echo(
+                    f"  bound: {n} loopback TCP stream(s) from rank 0 ({bound['cpu_s']:.2f} CPU-s) -> "
+                    f"{vs(bound['gbps'])}"
+                )
     typer.echo(
         f"load average (1 min): {result['load_average_1min_start']:.2f} at the start, "
         f"{result['load_average_1min']:.2f} at the end, on {cores} CPUs"

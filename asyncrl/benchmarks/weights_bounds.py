@@ -1,12 +1,12 @@
 """What bounds weight sync on this machine, for `asyncrl bench weights`: single-core rates and limits.
 
 Place in the data flow: the weight paths under test are learner rank 0 -> generators, by safetensors
-shards (`asyncrl.transport.shards`, `shard_read`) or by the gloo broadcast group
-(`asyncrl.transport.broadcast`). `weights_run.py` measures those paths end to end; this module
-measures, in the same run, the machine work they are made of (memcpy, each checksum kind, zstd on
-XOR data, tmpfs file writes and reads, one loopback TCP stream) and turns those rates into what
-each transport could reach at best (`shards_bound`, `broadcast_bound`), so a figure can be read
-against its ceiling.
+shards (`asyncrl.transport.shards`, `shard_read`) or by the CPU broadcast group
+(`asyncrl.transport.broadcast`: the same-host shared-memory ring, or gloo). `weights_run.py`
+measures those paths end to end; this module measures, in the same run, the machine work they are
+made of (memcpy, each checksum kind, zstd on XOR data, tmpfs file writes and reads, one loopback
+TCP stream) and turns those rates into what each transport could reach at best (`shards_bound`,
+`ring_bound`, `broadcast_bound`), so a figure can be read against its ceiling.
 
 memcpy is a median (the reference the figures are divided by); every other rate is the fastest of
 its repeats, since a bound is what the machine can do and other load on it should not lower it.
@@ -35,6 +35,7 @@ __all__ = [
     "measure_file_gbps",
     "measure_loopback_tcp",
     "measure_memcpy_gbps",
+    "ring_bound",
     "shards_bound",
 ]
 
@@ -237,4 +238,15 @@ def broadcast_bound(bounds: dict[str, float], *, num_bytes: int, num_receivers: 
     return {
         "cpu_s": cpu_s,
         "gbps": min(bounds["loopback_tcp_gbps"], gb / (cpu_s / num_cpus)),
+    }
+
+
+def ring_bound(memcpy_gbps: float, *, num_receivers: int, num_cpus: int) -> dict:
+    """What the shared-memory ring can reach here: the sender copies every byte into the ring once
+    and every receiver copies it out once, each copy at the measured memcpy rate; the copies
+    overlap, but the sender's is serial and all of them share the cores."""
+    num_copies = 1 + num_receivers
+    return {
+        "num_copies": num_copies,
+        "gbps": memcpy_gbps / max(1.0, num_copies / num_cpus),
     }

@@ -19,7 +19,10 @@ Figures (GB/s = 1e9 bytes/s, one copy of the weights as the unit of work; median
                   bf16 serving dtype), `delta` versions that change as a small-lr Adam step does,
                   published with `weights.delta` and fetched as a generator does (the delta
                   applied to the version it holds), with the bytes of each delta
-  broadcast_gbps  bytes / (broadcast until every receiver holds all bytes, confirmed by an all-reduce)
+  broadcast_gbps  bytes / (broadcast until every receiver holds all bytes, confirmed by an all-reduce),
+                  sent as runs send by default: receivers on this host through the shared-memory
+                  ring (weights.broadcast_local = "shm"); `broadcast_gloo_gbps` the same over
+                  gloo's loopback TCP streams ("gloo", the broadcast figure before the ring)
   generator_gbps  (detail) the same, with each generator taking the weights as a real one does:
                   into fresh tensors (`WeightsReceiver.fetch` / `receive_tensors`), then copied
                   into its parameters, the fresh tensors dropped; the figures above load straight
@@ -41,7 +44,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -56,17 +58,10 @@ from asyncrl.benchmarks.weights_bounds import (
     broadcast_bound,
     measure_bounds,
     measure_memcpy_gbps,
+    ring_bound,
     shards_bound,
 )
-from asyncrl.messages import TensorMeta, WeightsPublished
-from asyncrl.transport.broadcast import (
-    broadcast_tensors,
-    destroy_weight_update_group,
-    init_weight_update_group,
-    receive_tensors,
-    tensor_metas,
-    uses_point_to_point,
-)
+from asyncrl.messages import WeightsPublished
 from asyncrl.transport.checksum import DEFAULT_CHECKSUM
 from asyncrl.transport.delta import DeltaBase
 from asyncrl.transport.publisher import MAX_SHARD_BYTES
@@ -81,8 +76,6 @@ HIDDEN = 1024
 MATRIX_PARAMS = 4 * HIDDEN * HIDDEN  # one [4096, 1024] bf16 matrix = 8 MiB, like a mid-size MLP weight
 DEFAULT_SHARD_BYTES = MAX_SHARD_BYTES  # what runs use (weights.max_shard_bytes)
 DEFAULT_BUCKET_BYTES = 4 << 20  # gloo: tensors of 4 MiB or more go alone, without copies
-GROUP_TIMEOUT_S = 300.0
-P2P = uses_point_to_point("gloo")  # as BroadcastPublisher and WeightsReceiver decide on a CPU group
 KEEP_LAST = 2  # weights.keep_last's default: retention as in a run
 # The delta row's learning rate: RL post-training of LLMs commonly uses 1e-6 (GRPO recipes).
 DEFAULT_DELTA_LR = 1e-6
@@ -153,44 +146,6 @@ def shard_reader(conn: Connection, root: str, reader_id: str) -> None:
                 del state  # as the generator drops it: freeing is part of the cost
             _send(conn, op="done", load_s=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
     except Exception:  # tell the parent instead of leaving it waiting
-        _send(conn, op="error", traceback=traceback.format_exc())
-        raise
-
-
-def broadcast_receiver(
-    conn: Connection, rank: int, world_size: int, port: int, group_name: str, bucket_bytes: int, rounds: int
-) -> None:
-    """A generator in the weight group: receives two updates per round, one into the tensors it
-    holds and one as a generator does (fresh tensors, as `WeightsReceiver` gets them, then copied
-    into its parameters); the first round's first update allocates."""
-    try:
-        torch.set_num_threads(1)
-        metas = msgspec.json.decode(conn.recv_bytes(), type=list[TensorMeta])
-        group = init_weight_update_group(
-            master_addr="127.0.0.1",
-            master_port=port,
-            rank=rank,
-            world_size=world_size,
-            group_name=group_name,
-            timeout_s=GROUP_TIMEOUT_S,
-        )
-        params = None
-        done = torch.zeros(1)
-        cpu_s, generator_cpu_s = [], []
-        for _ in range(rounds):
-            cpu0 = time.process_time()
-            params = receive_tensors(group, metas, bucket_bytes=bucket_bytes, out=params, p2p=P2P)
-            torch.distributed.all_reduce(done, group=group)  # tells rank 0 every byte has arrived
-            cpu1 = time.process_time()
-            state = receive_tensors(group, metas, bucket_bytes=bucket_bytes, p2p=P2P)
-            _apply(params, state)
-            del state
-            torch.distributed.all_reduce(done, group=group)
-            cpu_s.append(cpu1 - cpu0)
-            generator_cpu_s.append(time.process_time() - cpu1)
-        destroy_weight_update_group(group)
-        _send(conn, op="finished", cpu_s=cpu_s, generator_cpu_s=generator_cpu_s)
-    except Exception:
         _send(conn, op="error", traceback=traceback.format_exc())
         raise
 
@@ -353,77 +308,6 @@ def bench_shards(
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bench_broadcast(
-    sd: dict[str, torch.Tensor], *, num_receivers: int, repeats: int, bucket_bytes: int
-) -> dict:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    world_size = num_receivers + 1
-    group_name = f"bench-weights-{num_receivers}"
-    metas = msgspec.json.encode(tensor_metas(sd))
-    rounds = repeats + 1  # the first round warms up (receivers allocate their tensors)
-    started = [
-        _start(
-            ctx,
-            broadcast_receiver,
-            rank,
-            world_size,
-            port,
-            group_name,
-            bucket_bytes,
-            rounds,
-            name=f"receiver-{rank}",
-        )
-        for rank in range(1, world_size)
-    ]
-    procs, conns = [p for p, _ in started], [c for _, c in started]
-    num_bytes = num_bytes_of(sd)
-    times_s = []
-    try:
-        for conn in conns:
-            conn.send_bytes(metas)
-        group = init_weight_update_group(
-            master_addr="127.0.0.1",
-            master_port=port,
-            rank=0,
-            world_size=world_size,
-            group_name=group_name,
-            timeout_s=GROUP_TIMEOUT_S,
-        )
-        done = torch.zeros(1)
-        sender_cpu_s, generator_times_s, generator_sender_cpu_s = [], [], []
-        for _ in range(rounds):
-            for times, cpu_times in ((times_s, sender_cpu_s), (generator_times_s, generator_sender_cpu_s)):
-                t0, cpu0 = time.perf_counter(), time.process_time()
-                broadcast_tensors(group, sd, bucket_bytes=bucket_bytes, p2p=P2P)
-                torch.distributed.all_reduce(done, group=group)
-                times.append(time.perf_counter() - t0)
-                cpu_times.append(time.process_time() - cpu0)
-        destroy_weight_update_group(group)
-        finished = [_expect(conn, "finished") for conn in conns]
-    finally:
-        _stop(procs)
-
-    def total_cpu_s(sender: list[float], key: str) -> float:
-        return statistics.median(sender[i] + sum(m[key][i] for m in finished) for i in range(1, rounds))
-
-    return {
-        "gbps": num_bytes / statistics.median(times_s[1:]) / _GB,
-        "total_s": statistics.median(times_s[1:]),
-        "cpu_s": total_cpu_s(sender_cpu_s, "cpu_s"),
-        "sender_cpu_s": statistics.median(sender_cpu_s[1:]),
-        "generator_gbps": num_bytes / statistics.median(generator_times_s[1:]) / _GB,
-        "generator_cpu_s": total_cpu_s(generator_sender_cpu_s, "generator_cpu_s"),
-        "rounds_s": times_s[1:],
-    }
-
-
 def _extra_rows(
     sd: dict[str, torch.Tensor],
     root: Path,
@@ -483,6 +367,8 @@ def run_weights_bench(
     sha256, shards of the model in float32, and delta updates (`adam_like_states` at `delta_lr`)."""
     if repeats < 1 or not num_generators_list or min(num_generators_list) < 1:
         raise ValueError("repeats and every generator count must be >= 1")
+    from asyncrl.benchmarks.weights_broadcast import bench_broadcast  # it imports this module
+
     load_start = os.getloadavg()[0]
     torch.set_num_threads(1)  # copies and hashing here are single-stream, like the library's callers
     num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -490,7 +376,7 @@ def run_weights_bench(
     num_bytes = num_bytes_of(sd)
     memcpy = measure_memcpy_gbps(num_bytes, repeats=max(11, repeats))  # short: more samples
     base = shard_root or (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
-    detail: dict[str, dict[str, dict]] = {"shards": {}, "broadcast": {}}
+    detail: dict[str, dict[str, dict]] = {"shards": {}, "broadcast": {}, "broadcast_gloo": {}}
     root = Path(tempfile.mkdtemp(prefix="asyncrl-bench-weights-", dir=base))
     try:
         bounds = measure_bounds(num_bytes, root, bucket_bytes=bucket_bytes, repeats=max(5, repeats))
@@ -530,10 +416,16 @@ def run_weights_bench(
                         delta_lr=delta_lr,
                     )
                 )
+            # the default (receivers on this host take the shared-memory ring), then gloo's
+            # loopback TCP streams, the row's figure before the ring (weights_broadcast.py)
             detail["broadcast"][str(n)] = bench_broadcast(
-                sd, num_receivers=n, repeats=repeats, bucket_bytes=bucket_bytes
+                sd, num_receivers=n, repeats=repeats, bucket_bytes=bucket_bytes, local="shm"
             )
-            detail["broadcast"][str(n)]["bound"] = broadcast_bound(
+            detail["broadcast"][str(n)]["bound"] = ring_bound(memcpy, num_receivers=n, num_cpus=num_cpus)
+            detail["broadcast_gloo"][str(n)] = bench_broadcast(
+                sd, num_receivers=n, repeats=repeats, bucket_bytes=bucket_bytes, local="gloo"
+            )
+            detail["broadcast_gloo"][str(n)]["bound"] = broadcast_bound(
                 bounds, num_bytes=num_bytes, num_receivers=n, num_cpus=num_cpus
             )
     finally:
@@ -544,6 +436,7 @@ def run_weights_bench(
     first = str(num_generators_list[0])
     shards_gbps = detail["shards"][first]["gbps"]
     broadcast_gbps = detail["broadcast"][first]["gbps"]
+    broadcast_gloo_gbps = detail["broadcast_gloo"][first]["gbps"]
     return {
         "bytes": num_bytes,
         "num_params": sum(t.numel() for t in sd.values()),
@@ -553,6 +446,8 @@ def run_weights_bench(
         "broadcast_gbps": broadcast_gbps,
         "shards_vs_memcpy": shards_gbps / memcpy,
         "broadcast_vs_memcpy": broadcast_gbps / memcpy,
+        "broadcast_gloo_gbps": broadcast_gloo_gbps,
+        "broadcast_gloo_vs_memcpy": broadcast_gloo_gbps / memcpy,
         "bounds": bounds,
         "max_shard_bytes": max_shard_bytes,
         "bucket_bytes": bucket_bytes,

@@ -20,10 +20,17 @@ request from the bucket's entries, `generators/sglang/group.py`). A bucket of on
 On gloo (CPU) pick `bucket_bytes` around a few MiB so large tensors go without copies; for NCCL
 and SGLang larger buckets (hundreds of MiB) mean fewer calls.
 
+Receivers on the sender's host: with `p2p` on a CPU group and `local = "shm"` (the default,
+weights.broadcast_local) their bytes go through a shared-memory ring instead of gloo
+(`shm_ring.py`): the buckets as one stream of slot-sized chunks, copied in by the sender and out
+by each receiver at once. Which receivers take it is settled in each transfer's layout check
+(`pairwise.py`); the others (other hosts, `local = "gloo"`) get gloo's sends as before.
+
 Losing a peer: with `p2p` every receiver is its own pair of the group (gloo fails only that pair
 when a process dies: measured, a reset within milliseconds), the layout check is pairwise too, and
 the sender finishes the transfer to every other receiver before it raises `PeersLost` naming the
 ranks it lost, so no rank waits for a dead one. Later transfers leave those ranks out (`peers`).
+A ring reader has its own socket to the sender, which closes when either process dies: the same.
 A broadcast (NCCL, SGLang ranks) is a collective: a dead rank fails it on every rank only at the
 group's timeout.
 """
@@ -44,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from asyncrl.messages import TensorMeta
+from asyncrl.transport import pairwise
 from asyncrl.transport.manifest import dtype_from_name, dtype_name
 from asyncrl.transport.shard_io import fresh_cpu_bytes
 
@@ -59,6 +67,11 @@ _P2P_IN_FLIGHT = 8
 _P2P_BACKENDS = ("gloo",)
 # The layout fingerprint is the first 7 bytes of a sha256, so it and its negation fit in int64.
 _FINGERPRINT_BYTES = 7
+# How the bytes reach receivers on the sender's host (weights.broadcast_local): the shared-memory
+# ring (`shm_ring.py`) or gloo's sends, as for receivers elsewhere.
+LOCAL_PATHS = ("shm", "gloo")
+# A group whose timeout cannot be read: torch.distributed's default for gloo.
+_DEFAULT_TIMEOUT_S = 1800.0
 
 
 class PeersLost(RuntimeError):
@@ -261,7 +274,9 @@ def init_weight_update_group(
 
 
 def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
-    """Leave and free a group made by `init_weight_update_group` (the default group is untouched)."""
+    """Leave and free a group made by `init_weight_update_group` (the default group is untouched),
+    with this process's shared-memory ring of it, if any."""
+    pairwise.release(group)
     dist.destroy_process_group(group)
 
 
@@ -277,74 +292,22 @@ def _check_layout(
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, neg_low = both.tolist()
     if high != fingerprint or -neg_low != fingerprint:
-        raise ValueError(
-            "weight layout differs between ranks of the weight update group: sender and receivers "
-            "must use the same tensor metadata, in the same order, the same bucket_bytes and the "
-            "same p2p setting"
-        )
-
-
-_LAYOUT_OK, _LAYOUT_MISMATCH = 1, 0
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ValueError(pairwise.LAYOUT_ERROR)
 
 
 def _pairwise(device: torch.device) -> bool:
-    """Whether ranks check layouts pair by pair (CPU: gloo, whose pairs fail alone) rather than with
-    one all-reduce (NCCL). Decided by the device, never by `p2p`, so that a sender and a receiver
-    that disagree about `p2p` still run the same check and both raise."""
+    """Whether ranks check layouts pair by pair (CPU: gloo, whose pairs fail alone; `pairwise.py`)
+    rather than with one all-reduce (NCCL). Decided by the device, never by `p2p`, so that a sender
+    and a receiver that disagree about `p2p` still run the same check and both raise."""
     return device.type == "cpu"
 
 
-def _check_layout_pairwise(
-    group: dist.ProcessGroup, buckets: Sequence[Bucket], src: int, peers: Sequence[int], *, p2p: bool
-) -> dict[int, str]:
-    """Sender: each peer sends its fingerprint, each gets a verdict back (pairs only, so a dead
-    peer fails its own pair); returns the peers lost meanwhile. Raises ValueError on a mismatch
-    after every live peer has its verdict (then they raise too)."""
-    fingerprint = layout_fingerprint(buckets, p2p=p2p)
-    theirs = {peer: torch.zeros(1, dtype=torch.int64) for peer in peers}
-    works = {peer: dist.irecv(theirs[peer], src=peer, group=group) for peer in peers}
-    failed: dict[int, str] = {}
-    for peer, work in works.items():
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            failed[peer] = _first_line(exc)
-    live = [peer for peer in peers if peer not in failed]
-    ok = all(int(theirs[peer].item()) == fingerprint for peer in live)
-    verdict = torch.tensor([_LAYOUT_OK if ok else _LAYOUT_MISMATCH], dtype=torch.int64)
-    sends = {peer: dist.isend(verdict, dst=peer, group=group) for peer in live}
-    for peer, work in sends.items():
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            failed[peer] = _first_line(exc)
-    if not ok:
-        raise ValueError(
-            "weight layout differs between ranks of the weight update group: sender and receivers "
-            "must use the same tensor metadata, in the same order, the same bucket_bytes and the "
-            "same p2p setting"
-        )
-    return failed
-
-
-def _receive_layout_verdict(
-    group: dist.ProcessGroup, buckets: Sequence[Bucket], src: int, *, p2p: bool
-) -> None:
-    """Receiver side of `_check_layout_pairwise`."""
-    mine = torch.tensor([layout_fingerprint(buckets, p2p=p2p)], dtype=torch.int64)
-    dist.isend(mine, dst=src, group=group).wait()
-    verdict = torch.zeros(1, dtype=torch.int64)
-    dist.irecv(verdict, src=src, group=group).wait()
-    if int(verdict.item()) != _LAYOUT_OK:
-        raise ValueError(
-            "weight layout differs between ranks of the weight update group: sender and receivers "
-            "must use the same tensor metadata, in the same order, the same bucket_bytes and the "
-            "same p2p setting"
-        )
+def _group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The timeout the group was made with (bounds every wait on the shared-memory ring too)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return _DEFAULT_TIMEOUT_S
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -418,6 +381,7 @@ def broadcast_tensors(
     check_layout: bool = True,
     p2p: bool = False,
     peers: Sequence[int] | None = None,
+    local: str = "shm",
 ) -> int:
     """Send `tensors` (in order) to every other rank of `group`; returns the bytes sent.
 
@@ -427,9 +391,15 @@ def broadcast_tensors(
     as one broadcast. With `check_layout` all ranks first compare layout fingerprints (pairwise
     with `p2p`); turn it off only for receivers that do not do it (SGLang servers).
 
+    With `p2p` on a CPU group and `local = "shm"` (weights.broadcast_local), receivers on this host
+    get the bytes through the shared-memory ring instead (`shm_ring.py`; settled in the layout
+    check, `pairwise.py`); `"gloo"` sends to every receiver over the group.
+
     With `p2p`, `peers` (default: every other rank) are the receivers; one that fails (its process
     died) is dropped and the others still get everything, then `PeersLost` is raised.
     """
+    if local not in LOCAL_PATHS:
+        raise ValueError(f"local must be one of {', '.join(LOCAL_PATHS)}, got {local!r}")
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     if not items:
         raise ValueError("there are no tensors to broadcast")
@@ -441,10 +411,21 @@ def broadcast_tensors(
     elif not p2p:
         raise ValueError("peers is for p2p transfers (a broadcast reaches every rank)")
     failed: dict[int, str] = {}
+    ring, ring_ranks = None, ()
     if check_layout and _pairwise(device):
-        failed.update(_check_layout_pairwise(group, buckets, src, peers, p2p=p2p))
+        offer = pairwise.check_send(
+            group,
+            layout_fingerprint(buckets, p2p=p2p),
+            peers,
+            shm=p2p and local == "shm",
+            bucket_bytes=bucket_bytes,
+            timeout_s=_group_timeout_s(group),
+        )
+        failed.update(offer.failed)
+        ring, ring_ranks = offer.ring, offer.ring_ranks
     elif check_layout:
         _check_layout(group, buckets, device, p2p=p2p)
+    gloo_peers = [peer for peer in peers if peer not in failed and peer not in ring_ranks]
     max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
     staging = _Staging(_staging_bytes(buckets), device, max_in_flight)
     in_flight: collections.deque[list[tuple[int, dist.Work]]] = collections.deque()
@@ -456,27 +437,37 @@ def broadcast_tensors(
             except RuntimeError as exc:
                 if not p2p:
                     raise
-                failed.setdefault(peer, _first_line(exc))
+                failed.setdefault(peer, pairwise.first_line(exc))
 
-    for bucket in buckets:
-        if bucket.num_bytes == 0:
-            continue  # nothing to send; receivers skip it too
-        if len(in_flight) == max_in_flight:
-            wait(in_flight.popleft())  # frees the staging slot used below
-        only = by_name[bucket.entries[0].name].detach() if len(bucket.entries) == 1 else None
-        if only is not None and _direct(only, device):
-            flat = _flat_bytes(only)
-        else:
-            flat = staging.next_slot(bucket.num_bytes)
-            for entry in bucket.entries:
-                _entry_view(flat, entry).copy_(by_name[entry.name].detach())
-        if p2p:
-            live = [peer for peer in peers if peer not in failed]
-            in_flight.append([(peer, dist.isend(flat, dst=peer, group=group)) for peer in live])
-        else:
-            in_flight.append([(-1, dist.broadcast(flat, src=src, group=group, async_op=True))])
-    while in_flight:
-        wait(in_flight.popleft())
+    if ring is not None:
+        ring.begin()
+    try:
+        for bucket in buckets:
+            if bucket.num_bytes == 0:
+                continue  # nothing to send; receivers skip it too
+            if len(in_flight) == max_in_flight:
+                wait(in_flight.popleft())  # frees the staging slot used below
+            only = by_name[bucket.entries[0].name].detach() if len(bucket.entries) == 1 else None
+            if only is not None and _direct(only, device):
+                flat = _flat_bytes(only)
+            else:
+                flat = staging.next_slot(bucket.num_bytes)
+                for entry in bucket.entries:
+                    _entry_view(flat, entry).copy_(by_name[entry.name].detach())
+            if not p2p:
+                in_flight.append([(-1, dist.broadcast(flat, src=src, group=group, async_op=True))])
+            elif live := [peer for peer in gloo_peers if peer not in failed]:
+                in_flight.append([(peer, dist.isend(flat, dst=peer, group=group)) for peer in live])
+            if ring is not None:  # while the sends above go out on gloo's threads
+                ring.write(flat)
+        while in_flight:
+            wait(in_flight.popleft())
+        if ring is not None:
+            failed.update(ring.finish())
+    except BaseException:
+        if ring is not None:  # a ring left mid-stream is not reused: its readers see an end of file
+            pairwise.release(group)
+        raise
     num_bytes = sum(b.num_bytes for b in buckets)
     if failed:
         raise PeersLost(failed, num_bytes)
@@ -500,7 +491,9 @@ def receive_tensors(
     Without `out`, tensors are fresh, on `device` (views into one buffer per bucket). With `out`
     (name -> existing tensor for every name in `metas`, e.g. model parameters) the bytes land in
     those tensors: directly when a bucket holds one contiguous tensor on `device`, else through a
-    staging buffer on `device` and a copy.
+    staging buffer on `device` and a copy. Whether they come over gloo or through the sender's
+    shared-memory ring is the sender's choice, made in the layout check (`pairwise.py`); a ring
+    that breaks mid-transfer (the sender died) raises `shm_ring.RingBroken`, a RuntimeError.
     """
     device = _resolve_device(device)
     buckets = plan_buckets(metas, bucket_bytes=bucket_bytes)
@@ -514,8 +507,15 @@ def receive_tensors(
                     f"out[{meta.name!r}] is {dtype_name(dest.dtype)}{list(dest.shape)}, "
                     f"the sender sends {meta.dtype}{list(meta.shape)}"
                 )
+    ring = None
     if check_layout and _pairwise(device):
-        _receive_layout_verdict(group, buckets, src, p2p=p2p)
+        ring = pairwise.check_receive(
+            group,
+            layout_fingerprint(buckets, p2p=p2p),
+            src,
+            ring_capable=p2p,
+            timeout_s=_group_timeout_s(group),
+        )
     elif check_layout:
         _check_layout(group, buckets, device, p2p=p2p)
     max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
@@ -537,26 +537,42 @@ def receive_tensors(
         if flat is not None:
             unpack(bucket, flat)
 
-    for bucket in buckets:
-        if bucket.num_bytes == 0:  # only empty tensors: the sender sends nothing for it
-            unpack(bucket, torch.empty(0, dtype=torch.uint8, device=device))
-            continue
-        if len(in_flight) == max_in_flight:
+    if ring is not None:
+        ring.begin(sum(b.num_bytes for b in buckets))
+    try:
+        for bucket in buckets:
+            if bucket.num_bytes == 0:  # only empty tensors: the sender sends nothing for it
+                unpack(bucket, torch.empty(0, dtype=torch.uint8, device=device))
+                continue
+            if len(in_flight) == max_in_flight:
+                finish(*in_flight.popleft())
+            only = (
+                out[bucket.entries[0].name].detach() if out is not None and len(bucket.entries) == 1 else None
+            )
+            if only is not None and _direct(only, device):
+                target, flat = _flat_bytes(only), None
+            elif out is None:
+                target = flat = _fresh(bucket.num_bytes, device)
+            else:
+                target = flat = staging.next_slot(bucket.num_bytes)
+            if ring is not None:  # synchronous: the bytes are in `target` on return
+                ring.read_into(target)
+                if flat is not None:
+                    unpack(bucket, flat)
+                continue
+            if p2p:
+                work = dist.irecv(target, src=src, group=group)
+            else:
+                work = dist.broadcast(target, src=src, group=group, async_op=True)
+            in_flight.append((work, bucket, flat))
+        while in_flight:
             finish(*in_flight.popleft())
-        only = out[bucket.entries[0].name].detach() if out is not None and len(bucket.entries) == 1 else None
-        if only is not None and _direct(only, device):
-            target, flat = _flat_bytes(only), None
-        elif out is None:
-            target = flat = _fresh(bucket.num_bytes, device)
-        else:
-            target = flat = staging.next_slot(bucket.num_bytes)
-        if p2p:
-            work = dist.irecv(target, src=src, group=group)
-        else:
-            work = dist.broadcast(target, src=src, group=group, async_op=True)
-        in_flight.append((work, bucket, flat))
-    while in_flight:
-        finish(*in_flight.popleft())
+        if ring is not None:
+            ring.finish()
+    except BaseException:
+        if ring is not None:  # left mid-stream: closing it tells the sender at once; the next
+            pairwise.release(group)  # transfer joins a ring afresh (or takes gloo)
+        raise
     if out is not None:
         return {meta.name: out[meta.name] for meta in metas}
     return {meta.name: received[meta.name] for meta in metas}

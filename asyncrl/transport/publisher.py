@@ -456,7 +456,9 @@ class GroupPublisher(abc.ABC):
 
 class BroadcastPublisher(GroupPublisher):
     """The group's members are generator processes (docs/weights.md): bucketed broadcasts, or
-    point-to-point sends on gloo, received by `transport/receiver.py` in the generator service."""
+    point-to-point sends on gloo, received by `transport/receiver.py` in the generator service.
+    `local` (weights.broadcast_local): on gloo, members on this host read the bytes from a
+    shared-memory ring ("shm") or get gloo's sends ("gloo")."""
 
     def __init__(
         self,
@@ -468,7 +470,9 @@ class BroadcastPublisher(GroupPublisher):
         master_addr: str = "",
         group_name: str | None = None,
         deadline_s: float = UPDATE_DEADLINE_S,
+        local: str = "shm",
     ) -> None:
+        self.local = local
         super().__init__(
             members=generator_ids,
             bucket_bytes=bucket_bytes,
@@ -489,6 +493,7 @@ class BroadcastPublisher(GroupPublisher):
             bucket_bytes=self.bucket_bytes,
             p2p=p2p,
             peers=self.live_ranks if p2p else None,
+            local=self.local,
         )
 
 
@@ -565,4 +570,5 @@ def make_publisher(
         timeout_s=w.group_timeout_s,
         catchup=catchup,
         deadline_s=w.update_deadline_s,
+        local=w.broadcast_local,
     )

@@ -134,13 +134,16 @@ def metas_of(tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
     return tensor_metas(tensors)
 
 
-def run_exchange(pg: object, rank: int, *, bucket_bytes: int, into: bool, p2p: bool = False) -> list[str]:
-    """Rank 0 sends weights(); other ranks receive; returns the names that arrived wrong."""
+def run_exchange(
+    pg: object, rank: int, *, bucket_bytes: int, into: bool, p2p: bool = False, local: str = "shm"
+) -> list[str]:
+    """Rank 0 sends weights() (receivers on this host through the shared-memory ring unless
+    `local` is "gloo"); other ranks receive; returns the names that arrived wrong."""
     from asyncrl.transport.broadcast import broadcast_tensors, receive_tensors
 
     expected = weights()
     if rank == 0:
-        broadcast_tensors(pg, expected, bucket_bytes=bucket_bytes, p2p=p2p)
+        broadcast_tensors(pg, expected, bucket_bytes=bucket_bytes, p2p=p2p, local=local)
         return []
     if into:  # existing tensors, one of them non-contiguous (received through staging)
         out = {n: torch.full_like(t, 3) for n, t in expected.items()}
@@ -163,7 +166,7 @@ def worker(rank: int, port: int, dp_port: int | None, results: mp.Queue) -> None
 
     from asyncrl.transport.broadcast import init_weight_update_group
 
-    report: dict[str, object] = {"rank": rank}
+    report: dict[str, object] = {"rank": rank, "bad_p2p": []}
     in_dp = dp_port is not None and rank < 2
     if in_dp:  # default-group ranks are the reverse of weight-group ranks: `src` must be group-local
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dp_port}", rank=1 - rank, world_size=2)
@@ -187,12 +190,18 @@ def worker(rank: int, port: int, dp_port: int | None, results: mp.Queue) -> None
         report["dp_world"] = (dist.get_rank(), dist.get_world_size())
         report["name_taken"] = _group_name_is_taken("weight_update_group")
     report["bad_large_buckets"] = run_exchange(pg, rank, bucket_bytes=1 << 20, into=rank == 1)
-    # Point to point (what gloo groups use): more buckets in flight than staging slots, both ways.
+    # Point to point (what gloo groups use): more buckets in flight than staging slots, both ways,
+    # over gloo's sends and through the shared-memory ring (the default on one host).
     # Buckets of 256 bytes leave the non-contiguous tensor (396 bytes) alone in a staged bucket
     # larger than any shared one: regression, the staging buffer was sized by shared buckets only
     # and the view into it failed.
-    report["bad_p2p"] = run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES // 16, into=rank == 1, p2p=True)
-    report["bad_p2p"] += run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES, into=rank == 2, p2p=True)
+    for local in ("gloo", "shm"):
+        report["bad_p2p"] += run_exchange(
+            pg, rank, bucket_bytes=BUCKET_BYTES // 16, into=rank == 1, p2p=True, local=local
+        )
+        report["bad_p2p"] += run_exchange(
+            pg, rank, bucket_bytes=BUCKET_BYTES, into=rank == 2, p2p=True, local=local
+        )
     report["bad_p2p"] += run_exchange(pg, rank, bucket_bytes=BUCKET_BYTES // 16, into=rank == 2)
     # A receiver that broadcasts while the others send point to point: an error everywhere, no hang.
     try:

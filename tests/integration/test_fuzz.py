@@ -329,6 +329,9 @@ NOT_ZMQ_BINDS = {
     # Probes a free port for a launched SGLang server, then closes it; the server itself binds
     # cluster.bind_host and checks generators.options.api_key.
     "generators/sglang/launch.py": "sglang api key",
+    # The same-host weight ring's rendezvous: a Unix socket in the abstract namespace (no network),
+    # admitting only our uid (SO_PEERCRED) with the secret sent over the broadcast group's pair.
+    "transport/shm_ring.py": "unix socket, same uid and a secret",
 }
 
 

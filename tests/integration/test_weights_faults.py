@@ -2,9 +2,10 @@
 publisher in the test process, generator processes running the generator-side receiver, the test
 forwarding announcements as the launcher does. Faults are injected inside the generator processes:
 
-- a broadcast member that dies mid-transfer: the learner finishes the transfer to the others,
-  drops only that member (no rank waits for it), writes the catch-up shards, and the next version
-  still goes over the group; a restarted generator takes catch-up shards;
+- a broadcast member that dies mid-transfer, over gloo and through the same-host shared-memory
+  ring (weights.broadcast_local): the learner finishes the transfer to the others, drops only that
+  member (no rank waits for it), writes the catch-up shards, and the next version still goes over
+  the group; a restarted generator takes catch-up shards;
 - a generator killed mid-load of a delta update: the learner's deadline names it, retention keeps
   the version it holds, and the restarted generator loads the full version (not a delta whose
   base it does not hold), then takes deltas again;
@@ -60,14 +61,28 @@ def state(version: int) -> dict[str, torch.Tensor]:
 def generator(conn: Connection, generator_id: str, fault: dict) -> None:
     """Acts on each forwarded announcement in order and replies with a digest of what it fetched.
 
-    `fault`: {"die_in_receive": [version, n]}: exit at the n-th receive of that version's
-    broadcast; {"hang_in_read": version}: tell the test it is reading that version, then hang."""
+    `fault`: {"die_in_receive": [version, n]}: exit at the n-th gloo receive of that version's
+    broadcast; {"die_in_ring": [version, n]}: exit at the n-th chunk of that version taken from the
+    shared-memory ring; {"hang_in_read": version}: tell the test it is reading that version, then
+    hang."""
     import torch.distributed as dist
 
-    from asyncrl.transport import shard_read
+    from asyncrl.transport import shard_read, shm_ring
     from asyncrl.transport.receiver import WeightsReceiver
 
     current = {"version": -1, "receives": 0}
+    if "die_in_ring" in fault:
+        die_version, die_at = fault["die_in_ring"]
+        real_next_chunk = shm_ring.RecvRing._next_chunk
+
+        def next_chunk(self):
+            if current["version"] == die_version:
+                current["receives"] += 1
+                if current["receives"] == die_at:
+                    os._exit(DIED)  # dies mid-transfer, as a crash would: no cleanup
+            return real_next_chunk(self)
+
+        shm_ring.RecvRing._next_chunk = next_chunk
     if "die_in_receive" in fault:
         die_version, die_at = fault["die_in_receive"]
         real_irecv = dist.irecv
@@ -181,22 +196,28 @@ def shard_publisher(root: Path, **kwargs) -> ShardPublisher:
     )
 
 
-def test_a_broadcast_member_that_dies_mid_transfer_is_dropped_alone(tmp_path, gens, caplog) -> None:
+# gen-1's 3rd gloo receive of version 2 is its 2nd bucket (the 1st is the layout verdict); its 3rd
+# chunk from the ring starts 8 KiB into the version's 84 KB (slots of one 4 KiB bucket).
+@pytest.mark.parametrize(("local", "fault"), [("gloo", "die_in_receive"), ("shm", "die_in_ring")])
+def test_a_broadcast_member_that_dies_mid_transfer_is_dropped_alone(
+    tmp_path, gens, caplog, local, fault
+) -> None:
     async def scenario() -> None:
         gens.start("gen-0")
-        gens.start("gen-1", die_in_receive=[2, 3])
+        gens.start("gen-1", **{fault: [2, 3]})
         publisher = BroadcastPublisher(
             generator_ids=GENERATORS,
             bucket_bytes=4096,
             timeout_s=GROUP_TIMEOUT_S,
             catchup=shard_publisher(tmp_path, catchup=True),
+            local=local,
         )
         try:
             sent = await publish(publisher, gens, 1, list(GENERATORS))
             for gid in GENERATORS:  # broadcast taken, catch-up copy skipped
                 assert (await gens.reply(gid))["digest"] == digest(state(1))
                 assert (await gens.reply(gid))["skipped"] and len(sent) == 2
-            # gen-1 dies at its 3rd receive of version 2 (layout verdict, 3 buckets); the publish returns (nobody waits on it)
+            # gen-1 dies mid-transfer of version 2; the publish returns (nobody waits on it)
             await publish(publisher, gens, 2, list(GENERATORS))
             gens.procs["gen-1"].join(timeout=60)
             assert gens.procs["gen-1"].exitcode == DIED
