@@ -2,8 +2,9 @@
 distillation, and whether it streams.
 
 Place in the data flow: the learner's `Trainer` builds one `Objective` from `learner.*` (and
-`opd.*`) with `Objective.from_config`, which returns an `RLObjective` or a
-`DistillationObjective`; the trainer's recipe for that kind (`recipes.py`) asks it for group
+`opd.*`) with `Objective.from_config`, which returns an `RLObjective`, a
+`DistillationObjective`, or (`opd.reward` != "off") a `CombinedObjective`: the RL objective plus a
+distillation term; the trainer's recipe for that kind (`recipes.py`) asks it for group
 advantages and for the loss of a packed chunk of trajectories and, per arriving trajectory, for
 the sign-free streamed loss (`stream_loss`). The staleness policy describes itself
 (`asyncrl.staleness.base.StalenessPolicy`); nothing here lists policy names.
@@ -22,12 +23,21 @@ Whole-batch fallbacks (`fallback_reason`) cover what is never per-trajectory: ba
 corrections (`StalenessPolicy.batch_global`), MC-GRPO's median pivot, KL terms (they need the
 reference model's forward), several epochs per batch (`learner.epochs` > 1: an epoch's gradient
 depends on the update before it) and `learner.streaming = "off"`. Distillation's per-token teacher
-advantages need no group, so each of its trajectories streams on its own.
+advantages need no group, so each of its trajectories streams on its own; so does its gated,
+token-selected form (`opd_mix.py`), whose weights are the trajectory's own. In a combined objective
+the RL part streams into the group sums and the distillation part straight into the step's sum.
+
+`staleness.vcpo_baseline = "opob"` (VCPO's off-policy optimal baseline, ALGORITHMS.md 2.2) replaces
+the group mean by b_g = sum W_i R_i / sum W_i, W_i = ||h_i||^2: it needs each trajectory's own
+gradient, so every trajectory takes its own backward into the group sums (the accumulator keeps
+the norms) and the group folds with b_g when it closes; a batch-global correction whose only
+batch-global part is its learning-rate scale (VCPO's ESS) is then taken over the step at its end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +51,7 @@ from asyncrl.learner.advantages import (
 from asyncrl.learner.kl import kl_loss
 from asyncrl.learner.losses import LossStats, aggregate, cispo_loss, clipped_surrogate, gspo_loss
 from asyncrl.learner.opd import multi_sample_reverse_kl, pg_kl_loss
+from asyncrl.learner.opd_mix import outcome_gate, select_tokens, selection_scores
 from asyncrl.staleness.base import Correction, StalenessPolicy
 
 # Clip bounds that never bind: ratios live in (0, e^MAX_LOG_RATIO], so clip_low=1 and an infinite
@@ -49,6 +60,46 @@ NO_CLIP = (1.0, float("inf"))
 
 # Streaming estimators of `StreamingAccumulator` for each advantage (MC-GRPO never streams).
 STREAM_ESTIMATOR = {"grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
+
+
+def batch_global_lr_only(policy: StalenessPolicy) -> bool:
+    """Whether the policy's only batch-global part is its `lr_scale` (VCPO's ESS): its weights and
+    anchor are per trajectory. A policy says so itself (`batch_global_lr_only`); unknown: False."""
+    return bool(getattr(policy, "batch_global_lr_only", False))
+
+
+class DistillStats(NamedTuple):
+    """Detached sums of one distillation term (local to the call)."""
+
+    loss: float  # the term's unnormalised loss (kl_weight included)
+    kl: float  # mean divergence estimate over valid tokens
+    num_tokens: float  # valid tokens
+    num_selected: float  # valid tokens `opd.select` kept
+    num_distilled: float  # selected tokens whose trajectory's gate is > 0: their OPD term is used
+
+    def plus(self, other: DistillStats) -> DistillStats:
+        """The figures of both calls together (the KL estimate token-weighted)."""
+        num = self.num_tokens + other.num_tokens
+        kl = (self.kl * self.num_tokens + other.kl * other.num_tokens) / num if num > 0 else self.kl
+        return DistillStats(
+            self.loss + other.loss,
+            kl,
+            num,
+            self.num_selected + other.num_selected,
+            self.num_distilled + other.num_distilled,
+        )
+
+    def report(self) -> dict[str, float]:
+        """The step-stats entries: the KL estimate, the fraction of valid tokens `opd.select`
+        kept, and the fraction of the teacher's scores the loss did not use (tokens not selected,
+        or of trajectories whose gate is 0: a teacher placed after selection and gating could
+        have skipped them)."""
+        num = max(self.num_tokens, 1.0)
+        return {
+            "opd_kl": self.kl,
+            "opd_selected_fraction": self.num_selected / num,
+            "opd_teacher_scores_unused": 1.0 - self.num_distilled / num,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +111,11 @@ class Objective:
     streaming: str
     epochs: int = 1  # optimizer updates per batch
 
+    @property
+    def distills(self) -> bool:
+        """Whether a teacher's per-token signal is in the loss (its part is reported apart)."""
+        return False
+
     @staticmethod
     def from_config(config) -> Objective:
         """The configured objective: distillation when `opd.enabled`, RL otherwise."""
@@ -70,12 +126,21 @@ class Objective:
             streaming=lrn.streaming,
             epochs=lrn.epochs,
         )
-        if config.opd.enabled:
-            return DistillationObjective(
-                estimator=config.opd.estimator, clip_eps=config.opd.clip_eps, **common
+        opd = config.opd
+        distill = None
+        if opd.enabled:
+            distill = DistillationObjective(
+                estimator=opd.estimator,
+                clip_eps=opd.clip_eps,
+                select=opd.select,
+                select_fraction=opd.select_fraction,
+                kl_weight=opd.kl_weight,
+                **common,
             )
+            if opd.reward == "off":
+                return distill
         clip_low, clip_high = lrn.clip_range()
-        return RLObjective(
+        rl = dict(
             advantage=lrn.advantage,
             loss=lrn.loss,
             clip_low=clip_low,
@@ -85,7 +150,17 @@ class Objective:
             kl_coef=lrn.kl_coef,
             kl_estimator=lrn.kl_estimator,
             kl_placement=lrn.kl_placement,
+            baseline=config.staleness.vcpo_baseline,
             **common,
+        )
+        if distill is None:
+            return RLObjective(**rl)
+        return CombinedObjective(
+            **rl,
+            distill=distill,
+            reward_mode=opd.reward,
+            reward_weight=opd.reward_weight,
+            pass_reward=opd.pass_reward,
         )
 
     # -- units ---------------------------------------------------------------------------------
@@ -127,6 +202,12 @@ class RLObjective(Objective):
     kl_coef: float
     kl_estimator: str
     kl_placement: str
+    baseline: str = "group_mean"  # staleness.vcpo_baseline: group_mean, opob, opob_released
+
+    @property
+    def opob(self) -> bool:
+        """The off-policy optimal baseline: one backward per trajectory, folded per group."""
+        return self.baseline != "group_mean"
 
     # -- advantages ----------------------------------------------------------------------------
 
@@ -235,7 +316,7 @@ class RLObjective(Objective):
             return f"advantage {self.advantage!r} needs the whole group (median pivot)"
         if self.uses_reference:
             return "a KL term needs the reference model's log-probs and a second weighting of the scores"
-        if policy.batch_global:
+        if policy.batch_global and not (self.opob and batch_global_lr_only(policy)):
             return f"staleness policy {policy.name!r} uses batch-global statistics"
         if not policy.streamable and not policy.clip_only_sign_dependence:
             return f"staleness policy {policy.name!r} clips against an anchor other than the current policy (sign(A))"
@@ -262,10 +343,18 @@ class RLObjective(Objective):
 class DistillationObjective(Objective):
     """On-policy distillation (OPD, ALGORITHMS.md 6.2): the student's loss against a teacher's
     log-probs cached per position. Advantages are per token, so it needs no group; it applies
-    no staleness correction and no KL term to the initial model."""
+    no staleness correction and no KL term to the initial model. `select` keeps the OPD loss on
+    each sequence's top `select_fraction` of tokens (`opd_mix.py`); `kl_weight` scales it."""
 
     estimator: str  # config `opd.estimator`
     clip_eps: float = 0.2
+    select: str = "all"  # opd.select: all, disagreement, entropy
+    select_fraction: float = 1.0
+    kl_weight: float = 1.0
+
+    @property
+    def distills(self) -> bool:
+        return True
 
     def loss(
         self,
@@ -275,21 +364,30 @@ class DistillationObjective(Objective):
         behav_BLN: torch.Tensor,
         ids_BLN: torch.Tensor,
         mask_BL: torch.Tensor,
+        weight_BL: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Unnormalised OPD loss and its KL estimate (asyncrl/learner/opd.py, ALGORITHMS.md 6.2).
 
         reverse_kl: the clipped importance-weighted policy gradient at the sampled token, with the
         advantage log pi_T - sg(log pi) recomputed under the current student. mc_reverse_kl: its
         mean over the N cached tokens per position. forward_kl: sum over the *distinct* cached
-        tokens of p_T(y) (log p_T(y) - log pi(y)), the forward KL restricted to the cache."""
+        tokens of p_T(y) (log p_T(y) - log pi(y)), the forward KL restricted to the cache.
+        `weight_BL` (detached) multiplies each position's term; the KL estimate is over every
+        valid position whatever the weights."""
         common = dict(mode=self.agg, num_tokens_global=1.0, num_seqs_global=1.0, norm_constant=1.0)
         if self.estimator == "reverse_kl":
             loss, stats = pg_kl_loss(
-                logp_BL, behav_BLN[..., 0], teacher_BLN[..., 0], mask_BL, clip_eps=self.clip_eps, **common
+                logp_BL,
+                behav_BLN[..., 0],
+                teacher_BLN[..., 0],
+                mask_BL,
+                weight_BL,
+                clip_eps=self.clip_eps,
+                **common,
             )
         elif self.estimator == "mc_reverse_kl":
             loss, stats = multi_sample_reverse_kl(
-                logp_BLN, behav_BLN, teacher_BLN, mask_BL, clip_eps=self.clip_eps, **common
+                logp_BLN, behav_BLN, teacher_BLN, mask_BL, weight_BL, clip_eps=self.clip_eps, **common
             )
         else:
             # Keep the first occurrence of each id at a position (later duplicates are masked).
@@ -297,6 +395,83 @@ class DistillationObjective(Objective):
             first_BLN = ~torch.tril(same_BLNN, diagonal=-1).any(dim=-1)
             keep_BLN = first_BLN & mask_BL[..., None]
             per_BLN = torch.where(keep_BLN, teacher_BLN.exp() * (teacher_BLN - logp_BLN), 0.0)
-            loss = aggregate(per_BLN.sum(-1), mask_BL, **common)
+            per_BL = per_BLN.sum(-1)
+            if weight_BL is not None:
+                per_BL = per_BL * torch.where(mask_BL, weight_BL.detach(), 0.0)
+            loss = aggregate(per_BL, mask_BL, **common)
             return loss, float(per_BLN.detach().sum() / mask_BL.sum().clamp(min=1))
         return loss, float(stats.kl)
+
+    def term(
+        self,
+        logp_BLN: torch.Tensor,
+        teacher_BLN: torch.Tensor,
+        behav_BLN: torch.Tensor,
+        ids_BLN: torch.Tensor,
+        mask_BL: torch.Tensor,
+        gate_B: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, DistillStats]:
+        """kl_weight x the OPD loss on the selected tokens, each trajectory's weighted by its gate
+        (`opd_mix.outcome_gate`; None = 1). Selection reads the student's detached log-probs
+        `logp_BLN` (column 0: the sampled token), so it is recomputed under the student each pass.
+
+        A position outside the selection, or of a trajectory whose gate is 0, contributes exactly
+        nothing: its weight is 0, and a non-finite teacher score there is replaced by 0 first, so
+        it cannot turn into NaN. The KL estimate still covers every valid position."""
+        if self.select == "all":
+            selected_BL = mask_BL
+        else:
+            score_BL = selection_scores(logp_BLN, teacher_BLN, mask_BL, select=self.select)
+            selected_BL = select_tokens(score_BL, mask_BL, fraction=self.select_fraction)
+        weight_BL = selected_BL.to(logp_BLN.dtype)
+        if gate_B is not None:
+            weight_BL = weight_BL * gate_B.to(logp_BLN.dtype)[:, None]
+        used_BL = mask_BL & (weight_BL > 0)
+        if self.select == "all" and gate_B is None:
+            weight_BL = None  # every valid position at weight 1: today's arithmetic, unchanged
+        else:
+            teacher_BLN = torch.where(used_BL[..., None] | teacher_BLN.isfinite(), teacher_BLN, 0.0)
+        loss, kl = self.loss(logp_BLN[..., 0], logp_BLN, teacher_BLN, behav_BLN, ids_BLN, mask_BL, weight_BL)
+        loss = self.kl_weight * loss
+        stats = DistillStats(
+            loss=float(loss.detach()),
+            kl=kl,
+            num_tokens=float(mask_BL.sum()),
+            num_selected=float(selected_BL.sum()),
+            num_distilled=float(used_BL.sum()),
+        )
+        return loss, stats
+
+
+@dataclass(frozen=True, kw_only=True)
+class CombinedObjective(RLObjective):
+    """The task reward's RL objective and the distillation term in one loss (`opd.reward`):
+
+        L = reward_weight * L_RL + sum_i g_i * L_OPD,i      (L_OPD already carries kl_weight)
+
+    with g_i the trajectory's outcome gate (`opd_mix.outcome_gate`: 1 for "add"). Both parts share
+    the step's denominator Z (learner.agg). The RL part is this class's `RLObjective` behaviour
+    (advantages, staleness correction, streaming into the group sums); the distillation part is
+    per trajectory and streams straight into the step's sum."""
+
+    distill: DistillationObjective
+    reward_mode: str  # opd.reward: add, gate_failed, weight_failed
+    reward_weight: float = 1.0
+    pass_reward: float = 1.0
+
+    @property
+    def distills(self) -> bool:
+        return True
+
+    def gate(self, reward_B: torch.Tensor) -> torch.Tensor | None:
+        """Each trajectory's distillation weight from its task reward (None: all 1, "add")."""
+        if self.reward_mode == "add":
+            return None
+        return outcome_gate(reward_B, mode=self.reward_mode, pass_reward=self.pass_reward)
+
+    def policy_loss(
+        self, logp_BT: torch.Tensor, corr: Correction, adv_BT: torch.Tensor, mask_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, LossStats]:
+        """reward_weight x the RL policy loss (so the streamed l(+1) and its h_i carry it too)."""
+        loss, stats = super().policy_loss(logp_BT, corr, adv_BT, mask_BT)
+        return self.reward_weight * loss, stats

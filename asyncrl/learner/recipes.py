@@ -10,8 +10,15 @@ staleness policy's inputs, accounting, and the update itself (`finish_step`).
   group's S0/S1 sums (`StreamingAccumulator`) when its gradient is linear in its advantage;
   otherwise it waits for its group, whose waiting members then train in one backward with known
   advantages. The whole-batch path also carries the optional KL term to the initial model.
-* `DistillationRecipe`: per-token teacher advantages need no group, so every chunk of waiting
-  trajectories trains as it comes, and the whole-batch path is the same loss over the sorted step.
+  With a `CombinedObjective` (`opd.reward`) every forward is the distillation forward over the
+  cached ids (column 0 gives the RL part's log-probs) and each loss adds the trajectory's
+  distillation term; a streamed trajectory's term goes straight into `.grad` (the step's sum),
+  its RL part into the group sums. With the off-policy optimal baseline (`RLObjective.opob`)
+  every trajectory streams on its own, complete group or not, and the lr scale of a policy whose
+  only batch-global part it is (VCPO's ESS) is taken over the step's log-probs in `end_step`.
+* `DistillationRecipe` (`distill_recipe.py`): per-token teacher advantages need no group, so every
+  chunk of waiting trajectories trains as it comes, and the whole-batch path is the same loss over
+  the sorted step.
 
 A later epoch (`learner.epochs` > 1) re-runs what the recipe appended to `Trainer.epoch_plans`.
 
@@ -31,8 +38,16 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from asyncrl.learner.advantages import group_rewards
-from asyncrl.learner.objective import DistillationObjective, RLObjective
-from asyncrl.learner.step import TrainSample, pack, pack_opd
+from asyncrl.learner.distill_recipe import (
+    DistillationRecipe,
+    OpdArrays,
+    candidate_logp,
+    distill_term,
+    opd_arrays,
+)
+from asyncrl.learner.objective import CombinedObjective, DistillationObjective, DistillStats, RLObjective
+from asyncrl.learner.opob import baseline_scale, folded_loss, opob_step_lr_scale
+from asyncrl.learner.step import TrainSample, pack
 from asyncrl.learner.streaming import StreamingAccumulator
 from asyncrl.staleness.base import Correction
 
@@ -47,6 +62,10 @@ class Recipe(Protocol):
     acc: StreamingAccumulator | None
 
     def begin_step(self) -> None: ...
+
+    def end_step(self) -> None:
+        """Before the update: whatever needs the whole step (the OPOB path's learning-rate scale)."""
+        ...
 
     def has_work(self) -> bool:
         """Streaming work that can be done now."""
@@ -77,14 +96,26 @@ class RLRecipe:
         if self.objective.uses_reference:
             self.reference = copy.deepcopy(trainer.actor).eval().requires_grad_(False)
         self.acc: StreamingAccumulator | None = None
+        # The distillation part of a combined objective (opd.reward), None for RL alone.
+        self.distill: CombinedObjective | None = (
+            self.objective if isinstance(self.objective, CombinedObjective) else None
+        )
+        self.opob = self.objective.opob
+        if self.opob and trainer.lockstep:
+            raise ValueError(
+                "staleness.vcpo_baseline = 'opob' takes one backward per trajectory on one plain float32 "
+                "rank; lockstep ranks (learner.world_size > 1, fsdp or mixed precision) train complete groups"
+            )
 
     def begin_step(self) -> None:
         t = self.trainer
         self.deferred: set[int] = set()  # traj ids that tried to stream and could not
-        self.streamed_loss: dict[int, list[tuple[int, float]]] = defaultdict(list)  # gid -> (slot, l(+1))
+        # gid -> (slot, l(+1), reward) of its streamed members, valued once the group's advantages are known
+        self.streamed_loss: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
         self.acc = None
         self.trained_groups = 0  # lockstep: complete groups trained so far (t.completed order)
-        if not t.fallback and not t.lockstep:
+        self.opob_logp: list[tuple[TrainSample, torch.Tensor]] = []  # OPOB: step-start log-probs
+        if self.opob or (not t.fallback and not t.lockstep):
             self.acc = StreamingAccumulator(
                 t.params,
                 estimator=self.objective.stream_estimator,
@@ -94,7 +125,12 @@ class RLRecipe:
                 max_open_groups=t.max_open_groups,
                 norm_constant=1.0,
                 dtype=t.dtype,
+                baseline="opob" if self.opob else "mean",
             )
+
+    def end_step(self) -> None:
+        if self.opob:
+            opob_step_lr_scale(self.trainer, self.opob_logp)
 
     # ------------------------------------------------------------------ streaming
     def has_work(self) -> bool:
@@ -102,6 +138,8 @@ class RLRecipe:
             return not self.trainer.fallback and self._next_chunk() is not None
         if self.acc is None:
             return False
+        if self.opob:  # every trajectory streams on its own, complete group or not
+            return any(self._streamable_now(gid) for gid in self.trainer.waiting)
         return any(self._streamable_now(gid) for gid in self.trainer.waiting) or bool(self._closable())
 
     def _next_chunk(self) -> list[int] | None:
@@ -135,7 +173,7 @@ class RLRecipe:
             self._train_chunk(chunk)
             return True
         assert self.acc is not None, "work() is for streaming steps; use batch_backward"
-        closable = self._closable()
+        closable = [] if self.opob else self._closable()
         if closable:
             self._close_groups(closable)
             return True
@@ -151,29 +189,73 @@ class RLRecipe:
                 return True
         return False
 
-    def _stream_one(self, sample: TrainSample) -> bool:
+    def _forward(
+        self, ids_BL: torch.Tensor, opd: OpdArrays | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs of the sampled tokens [B, L] (with grad) and, for a combined
+        objective, of the cached ids [B, L, N] (the same forward: column 0 is the first)."""
         t = self.trainer
-        if sample.weight != 1.0:
+        if opd is None:
+            return t.logp(t.actor, ids_BL), None
+        logp_BLN = candidate_logp(t, ids_BL, opd)
+        return logp_BLN[..., 0], logp_BLN
+
+    def _opd_for(self, samples: Sequence[TrainSample], width: int) -> OpdArrays | None:
+        """The teacher arrays of a packed batch and each trajectory's gate (combined objective)."""
+        if self.distill is None:
+            return None
+        gate_B = self.distill.gate(torch.tensor([s.reward for s in samples], dtype=torch.float64))
+        return opd_arrays(samples, width, self.trainer, gate_B)
+
+    def _stream_one(self, sample: TrainSample, *, arrival: bool = True) -> bool:
+        """One trajectory's forward and backward into its group's sums (its distillation term, if
+        any, into `.grad`); False if its gradient is not linear in its advantage (it waits)."""
+        t = self.trainer
+        if sample.weight != 1.0 and not self.opob:
             return False  # a weighted group trains when complete (its advantages are scaled)
         batch = pack([sample], pad_token_id=t.pad_token_id).to(t.device)
-        logp_1L = t.logp(t.actor, batch.input_ids_BL)
+        opd = self._opd_for([sample], batch.input_ids_BL.shape[1])
+        logp_1L, logp_1LN = self._forward(batch.input_ids_BL, opd)
         corr = t.correct(batch, logp_1L.detach(), torch.ones(1, dtype=t.dtype, device=t.device))
         found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
         if found is None:
+            if self.opob:  # the config check admits only policies whose clip never binds at ratio 1
+                raise RuntimeError(
+                    f"trajectory {sample.traj_id}: its gradient is not linear in its advantage, which the "
+                    "optimal baseline (staleness.vcpo_baseline) needs; a staleness policy let a clip bind"
+                )
             return False
         loss_pos, stats = found
         # autograd.grad leaves `.grad` alone: it holds the step's sum over complete groups.
-        grads = torch.autograd.grad(loss_pos, t.params, allow_unused=True)
+        grads = torch.autograd.grad(loss_pos, t.params, allow_unused=True, retain_graph=opd is not None)
         h_P = torch.cat(
             [
                 (g if g is not None else torch.zeros_like(p)).reshape(-1)
                 for g, p in zip(grads, t.params, strict=True)
             ]
         ).neg_()
-        self.acc.add_trajectory(
-            h_P, num_tokens=trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
+        if sample.weight != 1.0:  # OPOB: the group's weight scales every member's gradient
+            h_P.mul_(sample.weight)
+        fold = self.acc.add_trajectory(
+            h_P,
+            num_tokens=trained_tokens(sample),
+            group_id=sample.group_id,
+            reward=sample.reward,
+            baseline_scale=baseline_scale(self.objective, batch, logp_1L),
         )
-        self.streamed_loss[sample.group_id].append((sample.sample_index, float(loss_pos.detach())))
+        loss_value = float(loss_pos.detach()) * sample.weight
+        self.streamed_loss[sample.group_id].append((sample.sample_index, loss_value, sample.reward))
+        if fold is not None and self.opob:
+            t.totals.loss += folded_loss(
+                fold, self.streamed_loss.pop(fold.group_id, []), self.objective.advantage, eps=self.acc.eps
+            )
+        if self.opob:
+            self.opob_logp.append((sample, logp_1L.detach()))
+        if logp_1LN is not None:  # the distillation term needs no group: straight into the step's sum
+            d_loss, d_stats = distill_term(self.distill.distill, logp_1LN, opd, batch.completion_mask_BL)
+            d_loss.backward()
+            t.totals.loss += d_stats.loss
+            t.totals.add_distill(d_stats)
         t.account(
             batch,
             [sample],
@@ -181,7 +263,7 @@ class RLRecipe:
             tokens=float(stats.num_tokens),
             clipped=float(stats.clip_fraction) * float(stats.num_tokens),
         )
-        t.totals.streamed += 1
+        t.totals.streamed += int(arrival)
         return True
 
     def _train_chunk(self, gids: list[int]) -> None:
@@ -209,7 +291,7 @@ class RLRecipe:
                 adv_of[s.traj_id] = float(adv_1N[0, k]) * s.weight
                 keep_of[s.traj_id] = bool(keep_1N[0, k])
             # Streamed members' loss value: A_i * l_i(+1), their gradient folds from S0/S1.
-            for slot, loss_pos in self.streamed_loss.pop(g, []):
+            for slot, loss_pos, _ in self.streamed_loss.pop(g, []):
                 k = [s.sample_index for s in members].index(slot)
                 t.totals.loss += float(adv_1N[0, k]) * loss_pos
         return adv_of, keep_of
@@ -248,13 +330,20 @@ class RLRecipe:
         adv_B = torch.tensor([adv_of[s.traj_id] for s in samples], dtype=t.dtype, device=t.device)
         keep_B = torch.tensor([keep_of[s.traj_id] for s in samples], device=t.device)
         mask = batch.completion_mask_BL & keep_B[:, None]
-        logp_BL = t.logp(t.actor, batch.input_ids_BL)
+        opd = self._opd_for(samples, batch.input_ids_BL.shape[1])
+        logp_BL, logp_BLN = self._forward(batch.input_ids_BL, opd)
         corr = t.correct(batch, logp_BL.detach(), adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
         loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
+        d_stats = None
+        if logp_BLN is not None:  # every trajectory's tokens, dropped (keep False) or not
+            d_loss, d_stats = distill_term(self.distill.distill, logp_BLN, opd, batch.completion_mask_BL)
+            loss = loss + d_loss
 
         def account() -> None:
             t.totals.loss += float(loss.detach())
+            if d_stats is not None:
+                t.totals.add_distill(d_stats)
             if self.acc is None:  # lockstep: no accumulator counts Z for these members
                 t.totals.units += self.objective.units(mask)
             tokens = float(stats.num_tokens)
@@ -267,6 +356,10 @@ class RLRecipe:
     # ------------------------------------------------------------------ whole batch
     def batch_backward(self, samples: Sequence[TrainSample]) -> None:
         t = self.trainer
+        if self.opob:  # one backward per trajectory, group by group (one group open at a time)
+            for sample in sorted(samples, key=lambda s: (s.group_id, s.sample_index)):
+                self._stream_one(sample, arrival=False)
+            return
         whole = pack(samples, pad_token_id=t.pad_token_id)
         rewards_B = whole.reward_B.double()
         # Lockstep ranks each train their share of the rows; advantages come from the whole batch.
@@ -278,16 +371,23 @@ class RLRecipe:
         single = len(parts) == 1 and parts[0] is not None and len(parts[0]) == len(mine)
         # (With data-parallel threads the rows train in pieces: an anchor forward, then each piece.)
         single = single and self.reference is None and not t.lockstep and t.threads == 1
+        opd = self._opd_for(mine, ids.shape[1]) if batch is not None else None
         with torch.no_grad():
             logp_ref_BL = None
             if self.reference is not None:
-                logp_ref_BL = _by_parts(lambda x: t.logp(self.reference, x), ids, parts, t)
+                logp_ref_BL = _by_parts(lambda sl: t.logp(self.reference, ids[sl]), ids, parts, t)
+        logp_BL = logp_BLN = None
         if single:
-            logp_BL = t.logp(t.actor, ids)
+            logp_BL, logp_BLN = self._forward(ids, opd)
             logp_now_BL = logp_BL.detach()
         else:
             with torch.no_grad():
-                logp_now_BL = _by_parts(lambda x: t.logp(t.actor, x), ids, parts, t)
+                logp_now_BL = _by_parts(
+                    lambda sl: self._forward(ids[sl], None if opd is None else opd.rows(sl, ids.shape[1]))[0],
+                    ids,
+                    parts,
+                    t,
+                )
         if logp_ref_BL is not None:
             rewards_B = (
                 rewards_B
@@ -300,7 +400,7 @@ class RLRecipe:
         )
         adv_GN, keep_GN = self.objective.group_advantages(rewards_GN)
         if batch is None:  # more ranks than rows: this rank only takes part in the collectives
-            plan = _EpochPlan(None, None, None, None, None, parts)
+            plan = _EpochPlan(None, None, None, None, None, parts, None, None)
             if t.epochs > 1:
                 t.epoch_plans.append(functools.partial(self._policy_backward, plan))
             self._policy_backward(plan)
@@ -315,48 +415,55 @@ class RLRecipe:
         mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(t.device)[:, None]
         corr = t.correct(batch, logp_now_BL, adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
-        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL, parts)
+        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL)
         if t.epochs > 1:
             t.epoch_plans.append(functools.partial(self._policy_backward, plan))
-        loss_sum, clipped, kl_values = self._policy_backward(plan, logp_BL if single else None)
-        t.totals.loss += loss_sum
+        sums = self._policy_backward(plan, logp_BL, logp_BLN)
+        t.totals.loss += sums.loss
         t.totals.units += self.objective.units(mask)
         t.totals.lr_scale = corr.lr_scale
         stats = stats_dict(corr)
-        if kl_values:
-            stats["kl"] = sum(kl_values) / len(kl_values)
-        t.account(batch, mine, stats, tokens=float(mask.sum()), clipped=clipped)
+        if sums.kl_values:
+            stats["kl"] = sum(sums.kl_values) / len(sums.kl_values)
+        if sums.distill is not None:
+            t.totals.add_distill(sums.distill)
+        t.account(batch, mine, stats, tokens=float(mask.sum()), clipped=sums.clipped)
 
     def _policy_backward(
-        self, plan: _EpochPlan, logp_BL: torch.Tensor | None = None
-    ) -> tuple[float, float, list[float]]:
+        self, plan: _EpochPlan, logp_BL: torch.Tensor | None = None, logp_BLN: torch.Tensor | None = None
+    ) -> _PolicySums:
         """Loss and backward of a packed batch, micro-batch by micro-batch, under the model as it
-        is now (`logp_BL`: its log-probs, with grad, when the caller already has them for the whole
-        batch). Returns the summed loss, the clipped token count and the KL values. A later epoch
-        re-runs it with the same anchors, corrections and advantages (PPO epochs)."""
+        is now (`logp_BL`, and `logp_BLN` for a combined objective: its log-probs, with grad, when
+        the caller already has them for the whole batch). Returns the summed loss, the clipped
+        token count, the KL values and the distillation term's figures. A later epoch re-runs it
+        with the same anchors, corrections and advantages (PPO epochs)."""
         t = self.trainer
-        ids, corr, adv_BL, mask, logp_ref_BL, parts = plan
+        ids, parts = plan.ids_BL, plan.parts
         sums = _PolicySums()
         for part in parts:
             if part is None:
                 t.dummy_backward()
             elif logp_BL is not None:  # the whole batch in one part, in row order
                 rows = torch.arange(ids.shape[0], device=ids.device)
-                loss, account = self._rows_loss(plan, sums, rows, ids.shape[1], logp_BL)
+                loss, account = self._rows_loss(plan, sums, rows, ids.shape[1], logp_BL, logp_BLN)
                 loss.backward()
                 account()
             else:
                 t.backward_pieces(part, functools.partial(self._piece_loss, plan, sums))
-        return sums.loss, sums.clipped, sums.kl_values
+        return sums
 
     def _piece_loss(self, plan: _EpochPlan, sums: _PolicySums, part: Sequence[int]):
-        return self._rows_loss(plan, sums, *_rows(part, plan.mask_BL))
+        return self._rows_loss(plan, sums, *_rows(part, plan.valid_BL))
 
-    def _rows_loss(self, plan: _EpochPlan, sums: _PolicySums, sl: torch.Tensor, width: int, logp_BL=None):
+    def _rows_loss(
+        self, plan: _EpochPlan, sums: _PolicySums, sl: torch.Tensor, width: int, logp_BL=None, logp_BLN=None
+    ):
         """The loss of rows `sl` of a packed batch (cut at `width`), and what adds its figures."""
-        t = self.trainer
-        ids, corr, adv_BL, mask, logp_ref_BL, _ = plan
-        logp_mb = logp_BL if logp_BL is not None else t.logp(t.actor, ids[sl, :width])
+        ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL = plan
+        opd = None if opd is None else opd.rows(sl, width)
+        if logp_BL is None:
+            logp_BL, logp_BLN = self._forward(ids[sl, :width], opd)
+        logp_mb = logp_BL
         part_corr = corr._replace(
             logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
             weight_BT=corr.weight_BT[sl, :width],
@@ -372,12 +479,18 @@ class RLRecipe:
                 part_corr.weight_BT * part_corr.mask_BT,
             )
             loss = loss + kl
+        d_stats = None
+        if logp_BLN is not None:
+            d_loss, d_stats = distill_term(self.distill.distill, logp_BLN, opd, valid_BL[sl, :width])
+            loss = loss + d_loss
 
         def account() -> None:
             sums.loss += float(loss.detach())
             sums.clipped += float(stats.clip_fraction) * float(stats.num_tokens)
             if kl_value is not None:
                 sums.kl_values.append(kl_value)
+            if d_stats is not None:
+                sums.distill = d_stats if sums.distill is None else sums.distill.plus(d_stats)
 
         return loss, account
 
@@ -389,6 +502,7 @@ class _PolicySums:
     loss: float = 0.0
     clipped: float = 0.0
     kl_values: list[float] = field(default_factory=list)
+    distill: DistillStats | None = None  # the distillation term's figures (`DistillStats.plus`)
 
 
 def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -401,109 +515,19 @@ def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _by_parts(fn, ids_BL: torch.Tensor | None, parts: list, t: Trainer) -> torch.Tensor | None:
-    """`fn` (a no-grad forward) over micro-batches of rows, reassembled in row order and padded
-    to the batch's width; `None` parts are a lockstep rank's empty turns."""
+    """`fn(rows)` (a no-grad forward of those rows of `ids_BL`) over micro-batches, reassembled
+    in row order and padded to the batch's width; `None` parts are a lockstep rank's empty turns."""
     out = None
     for part in parts:
         if part is None:
             t.logp(t.actor, torch.full((1, 2), t.pad_token_id, dtype=torch.long))
             continue
         sl = torch.tensor(part, dtype=torch.long, device=ids_BL.device)
-        values = fn(ids_BL[sl])
+        values = fn(sl)
         if out is None:
             out = values.new_zeros(ids_BL.shape)
         out[sl] = values
     return out
-
-
-class DistillationRecipe:
-    # No group buffers: every trajectory's gradient is complete on its own.
-    acc: StreamingAccumulator | None = None
-
-    def __init__(self, trainer: Trainer) -> None:
-        assert isinstance(trainer.objective, DistillationObjective)
-        self.trainer = trainer
-        self.objective: DistillationObjective = trainer.objective
-
-    def begin_step(self) -> None:
-        self.trained = 0  # lockstep: trajectories trained so far, in offer order
-
-    def has_work(self) -> bool:
-        t = self.trainer
-        if t.fallback:
-            return False
-        if t.lockstep:
-            return self._next_chunk() is not None
-        return any(t.waiting.values())
-
-    def _next_chunk(self) -> list[TrainSample] | None:
-        """Lockstep: the next `chunk_groups` x group_size trajectories in offer order (the step's
-        last chunk may be shorter): the same on every rank."""
-        t = self.trainer
-        ready = t.arrivals[self.trained :]
-        size = t.chunk_groups * t.group_size
-        if len(ready) >= size:
-            return ready[:size]
-        if ready and (t.window_groups is None or len(t.arrivals) >= t.window_groups * t.group_size):
-            return ready
-        return None
-
-    def work(self) -> bool:
-        t = self.trainer
-        assert not t.fallback, "work() is for streaming steps; use batch_backward"
-        if t.lockstep:
-            chunk = self._next_chunk() or []
-            self.trained += len(chunk)
-        else:
-            chunk = [s for w in t.waiting.values() for s in w][: t.micro_batch_size]
-        if not chunk:
-            return False
-        for s in chunk:
-            t.waiting[s.group_id].remove(s)
-        self._backward_parts(t.share(chunk))
-        return True
-
-    def batch_backward(self, samples: Sequence[TrainSample]) -> None:
-        t = self.trainer
-        mine = t.share(samples)
-        self._backward_parts(mine)
-        if t.epochs > 1:
-            t.epoch_plans.append(functools.partial(self._backward_parts, mine, account=False))
-
-    def _backward_parts(self, samples: Sequence[TrainSample], *, account: bool = True) -> None:
-        """A later epoch (`account=False`) runs the same loss under the updated model: the
-        per-token advantage log pi_T - sg(log pi) is recomputed under the student; the step
-        counted these samples and their loss already."""
-        t = self.trainer
-        for part in t.microbatches(samples):
-            if part is None:
-                t.dummy_backward()
-            else:
-                t.backward_pieces([samples[i] for i in part], functools.partial(self._loss, account=account))
-
-    def _loss(self, samples: Sequence[TrainSample], *, account: bool = True):
-        """OPD loss of these trajectories and what accounts for it (`Trainer.backward_pieces`)."""
-        t = self.trainer
-        if any(s.teacher_logprobs is None for s in samples):
-            raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
-        batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
-        teacher, ids, behav = (
-            (x.to(t.dtype) if x.is_floating_point() else x).to(t.device)
-            for x in pack_opd(samples, batch.input_ids_BL.shape[1])
-        )
-        mask = batch.completion_mask_BL
-        logp_BLN = t.actor(batch.input_ids_BL, temperature=t.temperature, candidates_BLN=ids)
-        loss, kl = self.objective.loss(logp_BLN[..., 0], logp_BLN, teacher, behav, ids, mask)
-
-        def accounted() -> None:
-            if not account:
-                return
-            tokens = float(mask.sum())
-            t.totals.loss += float(loss.detach())
-            t.totals.units += self.objective.units(mask)
-            t.account(batch, samples, {"opd_kl": kl}, tokens=tokens, clipped=0.0)
-
-        return loss, accounted
 
 
 class _EpochPlan(NamedTuple):
@@ -515,6 +539,8 @@ class _EpochPlan(NamedTuple):
     mask_BL: torch.Tensor
     logp_ref_BL: torch.Tensor | None
     parts: list  # row indices per micro-batch (`Trainer.microbatches`)
+    opd: OpdArrays | None  # a combined objective's teacher arrays and gates
+    valid_BL: torch.Tensor | None  # every trained completion token (the distillation term's mask)
 
 
 def trained_tokens(sample: TrainSample) -> int:

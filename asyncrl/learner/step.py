@@ -13,12 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import torch
 
 from asyncrl.messages import StepDone
+
+if TYPE_CHECKING:
+    from asyncrl.learner.objective import DistillStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +223,8 @@ _STEP_DONE_FIELDS = tuple(f.name for f in msgspec.structs.fields(StepDone))
 
 @dataclass
 class StepTotals:
-    """Per-step sums; the first seven (units .. staleness_sum) are all-reduced across ranks."""
+    """Per-step sums; the first seven (units .. staleness_sum) and `distill_loss` are all-reduced
+    across ranks."""
 
     units: float = 0.0
     loss: float = 0.0
@@ -235,12 +239,19 @@ class StepTotals:
     lr_scale: float = 1.0
     streamed: int = 0
     deferred: int = 0
+    distill_loss: float = 0.0  # the distillation term's part of `loss` (all-reduced with it)
+    distill: DistillStats | None = None  # the distillation term's figures (this rank's)
 
     def add_samples(self, samples: Sequence[TrainSample], stale_B: torch.Tensor) -> None:
         self.reward += sum(s.reward for s in samples)
         self.seqs += len(samples)
         self.staleness_sum += float(stale_B.sum())
         self.max_staleness = max(self.max_staleness, int(stale_B.max()))
+
+    def add_distill(self, stats: DistillStats) -> None:
+        """A distillation term's figures: its loss (already in `loss`) and its selection counts."""
+        self.distill_loss += stats.loss
+        self.distill = stats if self.distill is None else self.distill.plus(stats)
 
     def add_stats(self, stats: dict[str, float], tokens: float) -> None:
         for k, v in stats.items():

@@ -34,6 +34,16 @@ mu and sigma are the group's reward mean and std with the same `unbiased`/`eps` 
 `advantages.grpo_advantages`; as there, a group whose rewards are all equal (or a group of one)
 has A = 0 exactly. With `drop_degenerate_groups` (DAPO dynamic sampling) such a group is dropped
 at fold time: its tokens and sequences do not count in Z.
+
+Off-policy optimal baseline (`baseline="opob"`, VCPO, ALGORITHMS.md 2.2 and 5.3). The group mean
+mu is replaced by b = sum_i W_i r_i / sum_i W_i with W_i = ||h_i||^2 (times a per-trajectory
+`baseline_scale`, 1 for the proposal; the released code's L_i^2 w_i^2 for "opob_released"),
+recorded from h_i on arrival, before h_i enters the sums. The fold is the same with b for mu:
+    grpo     sum_i (r_i - b) / (sigma + eps) h_i = (S1 + (p - b) S0) / (sigma + eps)
+    dr_grpo  sum_i (r_i - b) h_i                = S1 + (p - b) S0
+so an open group holds the same buffers as with the mean, plus one float per member. It needs
+every member's own h_i: `close_with_known` (members trained together) is refused. The common
+factor 1/(sigma + eps) of the g_i = h_i/(sigma + eps) that multiplies (r_i - b) cancels in b.
 """
 
 from __future__ import annotations
@@ -49,11 +59,16 @@ import torch
 from asyncrl.kernels.logprobs import causal_lm_logprobs
 from asyncrl.learner.advantages import GRPO_EPS
 from asyncrl.learner.losses import check_agg_mode
+from asyncrl.staleness.vcpo import opob_baseline
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "opd"]
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
-# Parameter-sized buffers an open group holds, per estimator (ALGORITHMS.md 5.3).
+# Parameter-sized buffers an open group holds, per estimator (ALGORITHMS.md 5.3); the same with
+# the off-policy optimal baseline, which adds one float per member.
 BUFFERS_PER_OPEN_GROUP = {"grpo": 2, "dr_grpo": 1, "rloo": 1, "opd": 0}
+Baseline = Literal["mean", "opob"]
+# Estimators whose baseline the optimal baseline replaces (RLOO's is leave-one-out).
+OPOB_ESTIMATORS = ("grpo", "dr_grpo")
 
 
 class OpenGroupLimitError(RuntimeError):
@@ -67,6 +82,7 @@ class GroupFold(NamedTuple):
     num_samples: int
     reward_mean: float
     reward_std: float  # with the accumulator's `unbiased` choice; 0 for a single sample
+    baseline: float = math.nan  # the b the fold used: the mean, or the optimal baseline
 
 
 class StreamStats(NamedTuple):
@@ -86,6 +102,7 @@ class _OpenGroup:
     s0_P: torch.Tensor | None = None
     s1_P: torch.Tensor | None = None  # grpo only; allocated when a reward differs from the pivot
     num_tokens: int = 0
+    weights: list[float] = field(default_factory=list)  # opob: W_i per streamed member
 
 
 def token_weight(mode: str, num_tokens: int) -> float:
@@ -123,9 +140,16 @@ class StreamingAccumulator:
         max_open_groups: int | None = None,
         norm_constant: float | None = None,
         dtype: torch.dtype = torch.float32,
+        baseline: Baseline = "mean",
     ) -> None:
         if estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+        if baseline not in ("mean", "opob"):
+            raise ValueError(f"unknown baseline {baseline!r}; valid: mean, opob")
+        if baseline == "opob" and estimator not in OPOB_ESTIMATORS:
+            raise ValueError(
+                f"the optimal baseline replaces the group mean of {', '.join(OPOB_ESTIMATORS)}, not {estimator!r}"
+            )
         check_agg_mode(agg)
         if estimator != "opd" and (group_size is None or group_size < 1):
             raise ValueError(f"estimator {estimator!r} needs group_size >= 1, got {group_size}")
@@ -151,6 +175,7 @@ class StreamingAccumulator:
         self.drop_degenerate_groups = drop_degenerate_groups
         self.max_open_groups = max_open_groups
         self.norm_constant = norm_constant
+        self.baseline = baseline
         self._open: dict[Hashable, _OpenGroup] = {}
         self._reset_step()
 
@@ -237,11 +262,13 @@ class StreamingAccumulator:
         num_tokens: int,
         group_id: Hashable | None = None,
         reward: float | None = None,
+        baseline_scale: float = 1.0,
     ) -> GroupFold | None:
         """Add h_i = grad sum_t c_t logp_t (see `token_weight`; OPD: c_t A_t w_t) of one trajectory.
 
         `num_tokens` counts its completion tokens. Group estimators need `group_id` and `reward`;
-        OPD takes neither. Returns the fold record when this sample closes its group.
+        OPD takes neither. With the optimal baseline, W_i = ||h_i||^2 * `baseline_scale`.
+        Returns the fold record when this sample closes its group.
         Raises `OpenGroupLimitError` (and changes nothing) when it would open one group too many.
         """
         if h_P.shape != (self.num_params,):
@@ -272,6 +299,10 @@ class StreamingAccumulator:
         self._num_trajectories += 1
         group.rewards.append(float(reward))
         group.num_tokens += num_tokens
+        if self.baseline == "opob":  # before h_i enters the sums (it may be added in place)
+            if not (math.isfinite(baseline_scale) and baseline_scale >= 0):
+                raise ValueError(f"baseline_scale must be finite and >= 0, got {baseline_scale}")
+            group.weights.append(float(h_P.double().square().sum()) * baseline_scale)
         if group.s0_P is None:
             group.s0_P = h_P.to(dtype=self.dtype, copy=True)
         else:
@@ -308,6 +339,10 @@ class StreamingAccumulator:
         """
         if self.estimator == "opd":
             raise ValueError("estimator 'opd' has no groups")
+        if self.baseline == "opob":
+            raise ValueError(
+                "the optimal baseline needs every member's own gradient norm: add each with add_trajectory"
+            )
         if group_id in self._closed:
             raise ValueError(f"group {group_id!r} already closed this step")
         group = self._open.get(group_id)
@@ -341,6 +376,10 @@ class StreamingAccumulator:
         mean = float(rewards_N.mean())
         std = float(rewards_N.std(unbiased=self.unbiased)) if num_samples > 1 else 0.0
         degenerate = all(r == group.pivot for r in group.rewards)
+        baseline = mean
+        if self.baseline == "opob":
+            weights_N = torch.tensor(group.weights, dtype=torch.float64)
+            baseline = float(opob_baseline(weights_N, rewards_N))
         kept = not (degenerate and self.drop_degenerate_groups)
         if kept:
             self._num_groups_kept += 1
@@ -355,12 +394,12 @@ class StreamingAccumulator:
                 scale = 1.0 / (std + self.eps)
                 if group.s1_P is not None:
                     acc_P.add_(group.s1_P, alpha=scale)
-                acc_P.add_(group.s0_P, alpha=scale * (group.pivot - mean))
+                acc_P.add_(group.s0_P, alpha=scale * (group.pivot - baseline))
             else:
-                acc_P.add_(group.s0_P, alpha=self._mean_baseline_scale() * (group.pivot - mean))
+                acc_P.add_(group.s0_P, alpha=self._mean_baseline_scale() * (group.pivot - baseline))
         del self._open[group_id]
         self._closed.add(group_id)
-        return GroupFold(group_id, kept, degenerate, num_samples, mean, std)
+        return GroupFold(group_id, kept, degenerate, num_samples, mean, std, baseline)
 
     def finish(self, num_units_global: float | None = None) -> tuple[torch.Tensor, StreamStats]:
         """The step's flat loss gradient -sum_i A_i h_i / Z, and stats; then reset for the next step.

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.learner.cores import CoreShare
 from asyncrl.learner.microbatch import split_microbatches
-from asyncrl.learner.objective import Objective
+from asyncrl.learner.objective import CombinedObjective, Objective
 from asyncrl.learner.parallel import is_sharded
 from asyncrl.learner.recipes import Recipe, make_recipe
 from asyncrl.learner.step import PackedBatch, StepResult, StepTotals, TrainSample, staleness_B
@@ -405,6 +405,7 @@ class Trainer:
         t = self.totals
         if self.waiting and any(self.waiting.values()):
             raise RuntimeError(f"step {self.step}: trajectories still waiting at the step boundary")
+        self.recipe.end_step()
         if self.acc is not None:
             units_local = float(self.acc.num_units)
             grad_P, stream_stats = self.acc.finish(1.0)  # the streamed groups' summed loss gradient
@@ -415,14 +416,23 @@ class Trainer:
             units_local = t.units
             peak = 0
         summed = torch.tensor(
-            [units_local, t.loss, t.clipped_tokens, t.tokens, t.reward, t.seqs, t.staleness_sum],
+            [
+                units_local,
+                t.loss,
+                t.clipped_tokens,
+                t.tokens,
+                t.reward,
+                t.seqs,
+                t.staleness_sum,
+                t.distill_loss,
+            ],
             dtype=torch.float64,
         )
         if self.lockstep:  # the gradient was reduced by each backward; the sums meet here
             summed = summed.to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(summed)
             summed = summed.cpu()
-        units, loss, clipped, tokens, reward, seqs, stale_sum = summed.tolist()
+        units, loss, clipped, tokens, reward, seqs, stale_sum, distill_loss = summed.tolist()
         denominator = self.objective.denominator(units)
         scale = 1.0 / denominator if denominator > 0 else 0.0
         grad_norm, applied = self._apply_gradient(scale, t.lr_scale, loss)
@@ -437,6 +447,11 @@ class Trainer:
         if applied:
             self._after_update()
         stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
+        if self.objective.distills:  # the step's loss, split into its two parts (they add up to it)
+            stats |= t.distill.report() if t.distill is not None else {}
+            stats["opd_distill_loss"] = distill_loss * scale
+            if isinstance(self.objective, CombinedObjective):
+                stats["opd_reward_loss"] = (loss - distill_loss) * scale
         return StepResult(
             step=self.step,
             num_trajectories=int(seqs),

@@ -181,6 +181,11 @@ class FreshnessWeighted:
         return self.base.batch_global or self.self_normalize
 
     @property
+    def batch_global_lr_only(self) -> bool:
+        # Self-normalised weights are batch-global themselves; otherwise the base decides.
+        return bool(getattr(self.base, "batch_global_lr_only", False)) and not self.self_normalize
+
+    @property
     def clip_only_sign_dependence(self) -> bool:
         # Not delegated: a wrapped policy that does not stream trains whole batches. Delegating
         # would also be exact without self-normalisation (freshness weights never read sign(A)),

@@ -1,8 +1,12 @@
 """VCPO variance control (pure): ESS-based learning-rate scaling and the off-policy optimal baseline.
 
 Place in the data flow: the `VCPO` policy runs once per optimizer step and returns the sequence-level
-truncated IS weights plus `lr_scale` for that step; the learner's per-trajectory path calls
-`opob_weights` / `opob_baseline` when a group closes (it owns the per-trajectory gradient norms).
+truncated IS weights plus `lr_scale` for that step. With `staleness.vcpo_baseline = "opob"` the
+learner trains every trajectory with its own backward, and its streaming accumulator
+(`asyncrl.learner.streaming`, which owns the per-trajectory gradient norms) calls `opob_baseline`
+when a group closes; `learner/opob.py` weighs "opob_released" norms with `opob_released_scale`. The
+policy's weights are per trajectory (`batch_global_lr_only`), so the per-trajectory path calls it
+on each trajectory for its weights and once over the step's detached log-probs for `lr_scale`.
 
 Paper: Huang et al., *Stable Asynchrony*, arXiv 2602.17616; code mit-han-lab/vcpo (ALGORITHMS.md §2).
   w_i = exp(sum_t log(pi_theta/mu)),  rho = (sum w)^2 / (sum w^2) / B,  lr = lr0 * min(1, rho/base)^p
@@ -20,7 +24,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from asyncrl.lazy import lazy_module
-from asyncrl.staleness.base import Correction, Need, TokenBatch, clamped_exp, finish, log_ratio, seq_sum
+from asyncrl.staleness.base import (
+    MAX_LOG_RATIO,
+    Correction,
+    Need,
+    TokenBatch,
+    clamped_exp,
+    finish,
+    log_ratio,
+    seq_sum,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +114,17 @@ def opob_weights(
     return grad_sq_norm_N * length_N * length_N * is_weight_N * is_weight_N
 
 
+def opob_released_scale(log_w: float, num_tokens: int, *, token_weight: float) -> float:
+    """The released code's factor on ||h_i||^2 (ALGORITHMS.md 2.2): w_i^2 (w_i the unclipped
+    sequence IS weight, log clamped to +-MAX_LOG_RATIO as everywhere) times 1/c_i^2, which turns
+    the norm of h_i = w_clip sum_t c_i grad logp_t into that of the token-sum score. For
+    `seq-mean-token-mean` 1/c_i = L_i, as `opob_weights(released=True)` writes it."""
+    log_w = min(max(log_w, -MAX_LOG_RATIO), MAX_LOG_RATIO)
+    if num_tokens == 0 or token_weight <= 0:
+        return 0.0
+    return math.exp(2.0 * log_w) / (token_weight * token_weight)
+
+
 @dataclass(frozen=True, kw_only=True)
 class VCPO:
     """Bypass-mode sequence TIS (anchor = detached current log-probs, no eps-clip, weight
@@ -113,6 +137,9 @@ class VCPO:
     name: ClassVar[str] = "vcpo"
     # The ESS learning-rate scale could stream as running sums, but is taken from the batch here.
     batch_global: ClassVar[bool] = True
+    # ... and it is the only batch-global part: the weights min(w_i, cap) are per trajectory. The
+    # per-trajectory (OPOB) path recomputes lr_scale over the step's detached log-probs at its end.
+    batch_global_lr_only: ClassVar[bool] = True
     clip_only_sign_dependence: ClassVar[bool] = False  # no eps-clip; weights never read sign(A)
     ewma_decay: ClassVar[float | None] = None
 

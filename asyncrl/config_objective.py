@@ -1,0 +1,86 @@
+"""Cross-section checks of the learner's objective choices that one config section cannot make alone
+(no torch: the launcher runs them while it validates the config, before any process starts).
+
+Place in the data flow: `asyncrl.config.config_from_tree` builds the staleness policy once and hands
+it here with the whole config; the learner's `build_trainer` runs the same checks, so a config that
+skipped the loader still fails before the first step. Each error names the key and the fix.
+
+* `opd.reward` != "off" (distillation with the task reward): the RL part applies the staleness
+  policy, so the several-rank limits that distillation alone escapes apply again, and the RL
+  log-probs come from the distillation forward over the full vocabulary (sampling.top_p = 1).
+* `staleness.vcpo_baseline` = "opob"/"opob_released" (ALGORITHMS.md 2.2): the baseline needs each
+  trajectory's own gradient, so every trajectory takes its own backward on one plain float32
+  rank, its gradient must be linear in its advantage (no sign(A)-dependent clip), and it must be
+  the only gradient of the trajectory (no KL term, no distillation, one epoch).
+"""
+
+from __future__ import annotations
+
+from asyncrl.config_sections import ConfigError
+
+OPOB_ADVANTAGES = ("grpo", "dr_grpo")  # objective.OPOB_ADVANTAGES (this module imports no torch)
+
+
+def check_objective_config(config, policy) -> None:
+    """Raise `ConfigError` for an objective combination the learner cannot train exactly."""
+    _check_reward_mixing(config, policy)
+    _check_opob(config, policy)
+
+
+def _check_reward_mixing(config, policy) -> None:
+    opd, lrn = config.opd, config.learner
+    if not opd.enabled or opd.reward == "off":
+        return
+    if config.sampling.top_p != 1.0:
+        raise ConfigError(
+            f"config error at opd.reward: {opd.reward!r} takes the RL part's log-probs from the "
+            "distillation forward, over the full vocabulary; set sampling.top_p = 1 (as OPD wants anyway)"
+        )
+    kept = sorted({"ewma", "old_train"} & set(policy.needs))
+    if lrn.world_size > 1 and (kept or policy.batch_global):
+        what = f"keeps {' and '.join(kept)} copies of the weights" if kept else "takes batch-wide statistics"
+        raise ConfigError(
+            f"config error at learner.world_size: opd.reward = {opd.reward!r} applies staleness policy "
+            f"{policy.name!r} to the reward's part, and it {what}, which several learner ranks do not "
+            "support; use learner.world_size = 1 or another staleness.policy"
+        )
+
+
+def _check_opob(config, policy) -> None:
+    lrn, baseline = config.learner, config.staleness.vcpo_baseline
+    if baseline == "group_mean":
+        return
+    where = f"config error at staleness.vcpo_baseline: {baseline!r}"
+    if lrn.advantage not in OPOB_ADVANTAGES:
+        raise ConfigError(
+            f"{where} replaces the group mean of learner.advantage = 'grpo' or 'dr_grpo'; "
+            f"{lrn.advantage!r} has its own baseline: choose one of those, or vcpo_baseline = 'group_mean'"
+        )
+    if config.opd.enabled:
+        raise ConfigError(
+            f"{where} is a baseline for the task reward alone; with opd.enabled use vcpo_baseline = 'group_mean'"
+        )
+    if lrn.world_size > 1 or lrn.sharding != "none" or lrn.mixed_precision != "none":
+        raise ConfigError(
+            f"{where} takes one backward per trajectory on one plain float32 learner rank (lockstep ranks "
+            "train complete groups together, with no per-trajectory gradient): use learner.world_size = 1, "
+            "learner.sharding = 'none' and learner.mixed_precision = 'none'"
+        )
+    if lrn.epochs > 1:
+        raise ConfigError(f"{where} needs learner.epochs = 1 (one update per per-trajectory gradient)")
+    if lrn.kl_coef > 0:
+        raise ConfigError(
+            f"{where}: a KL term adds a second gradient per trajectory that the baseline does not multiply; "
+            "set learner.kl_coef = 0"
+        )
+    if not policy.streamable:
+        raise ConfigError(
+            f"{where} needs each trajectory's gradient linear in its advantage, and staleness policy "
+            f"{policy.name!r} clips against an anchor other than the current policy or couples "
+            "trajectories; use vcpo (the paper's), tis, icepop, decoupled, or none with params.anchor = 'current'"
+        )
+    if policy.batch_global and not getattr(policy, "batch_global_lr_only", False):
+        raise ConfigError(
+            f"{where}: staleness policy {policy.name!r} weighs each trajectory by statistics of the whole "
+            "batch, unknown when the trajectory trains; choose a policy with per-trajectory weights"
+        )

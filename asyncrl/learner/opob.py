@@ -1,0 +1,76 @@
+"""The learner's off-policy optimal baseline path (no sockets): what `RLRecipe` adds when
+`staleness.vcpo_baseline` is "opob" or "opob_released" (ALGORITHMS.md 2.2, 5.3).
+
+Place in the data flow: with the optimal baseline every trajectory of a step takes its own forward
+and backward (`RLRecipe._stream_one`, on arrival or, for whole-batch steps, group by group) into
+its group's sums of the `StreamingAccumulator`, which records W_i = ||h_i||^2 x `baseline_scale`
+and folds the group with b_g = sum W R / sum W when it closes. This module holds the three pieces
+around that: the released variant's factor on ||h_i||^2, the closed group's loss value, and the
+learning-rate scale of a policy whose only batch-global part it is (VCPO's ESS), taken over the
+whole step at its end from the log-probs each trajectory's forward recorded.
+
+Legend: B sequences, L packed length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncrl.learner.step import PackedBatch, TrainSample, pack
+from asyncrl.learner.streaming import GroupFold, token_weight
+from asyncrl.staleness.vcpo import opob_released_scale, sequence_log_weights
+
+if TYPE_CHECKING:
+    from asyncrl.learner.objective import RLObjective
+    from asyncrl.learner.trainer import Trainer
+
+
+def baseline_scale(objective: RLObjective, batch: PackedBatch, logp_1L: torch.Tensor) -> float:
+    """The factor on ||h_i||^2 in W_i of a one-trajectory batch: 1 ("opob"), or the released
+    code's w_i^2 / c_i^2 ("opob_released": unclipped sequence IS weight, token-sum score norm)."""
+    if objective.baseline != "opob_released":
+        return 1.0
+    mask = batch.completion_mask_BL
+    behav = batch.behavior_logp_BL.to(logp_1L.dtype)
+    log_w = float(sequence_log_weights(logp_1L.detach(), behav, mask)[0])
+    num = int(mask.sum())
+    return opob_released_scale(log_w, num, token_weight=token_weight(objective.agg, num))
+
+
+def folded_loss(
+    fold: GroupFold, streamed: Sequence[tuple[int, float, float]], advantage: str, *, eps: float
+) -> float:
+    """A closed group's loss value sum_i A_i l_i(+1) from its members' (slot, l_i(+1), reward):
+    A_i = (r_i - b) / (sigma + eps) for grpo, r_i - b for dr_grpo, b the fold's baseline (the
+    accumulator's sigma and eps); 0 for a degenerate group, as its gradient."""
+    if fold.degenerate:
+        return 0.0
+    total = 0.0
+    for _, loss_pos, reward in streamed:
+        adv = reward - fold.baseline
+        if advantage == "grpo":
+            adv /= fold.reward_std + eps
+        total += adv * loss_pos
+    return total
+
+
+def opob_step_lr_scale(trainer: Trainer, rows: Sequence[tuple[TrainSample, torch.Tensor]]) -> None:
+    """With a batch-global policy (admitted only if its lr scale is all that is batch-global:
+    `config_objective`), each trajectory's own correction saw a batch of one. Take the correction
+    over the step's trajectories and their recorded step-start log-probs [1, L_i] now, as the
+    whole-batch step would, and set the step's `lr_scale` (and its ESS statistic) from it."""
+    t = trainer
+    if not (rows and t.policy.batch_global):
+        return
+    rows = sorted(rows, key=lambda r: r[0].traj_id)
+    batch = pack([s for s, _ in rows], pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
+    logp_BL = torch.zeros(batch.input_ids_BL.shape, dtype=t.dtype, device=t.device)
+    for b, (_, logp_1L) in enumerate(rows):
+        logp_BL[b, : logp_1L.shape[1]] = logp_1L[0]
+    corr = t.correct(batch, logp_BL, torch.zeros(len(rows), dtype=t.dtype, device=t.device))
+    t.totals.lr_scale = corr.lr_scale
+    if "ess_ratio" in t.totals.stats:  # the token-weighted mean of the per-trajectory ratios (1 each)
+        t.totals.stats["ess_ratio"] = float(corr.stats.ess_ratio) * t.totals.stats_tokens
