@@ -16,6 +16,8 @@ Data flow (see asyncrl/__init__.py for the whole picture):
   worker    -> scheduler : Join (`asyncrl worker --join`, from another host); back: Welcome or JoinRefused
   generator -> scheduler : FileRequest on the launcher's file socket; back: FileChunk (the initial
                            model and weights versions for hosts without the weights root)
+  generator -> teacher   : TeacherRequest on the shared teacher's socket (opd.placement = "service");
+                           back: TeacherScores
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated; 4: Join, files
+# 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated; 4: Join, files; 5: the shared teacher
+# (TeacherRequest, TeacherScores), self-distillation (PromptTask.privileged_ids, Trajectory.teacher_version)
+PROTOCOL_VERSION = 5
 
 Role = Literal["scheduler", "generator", "learner", "monitor"]
 
@@ -78,6 +82,9 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
     answer: str  # what the task's verifier checks against
     extras: dict[str, Any] = {}  # the dataset row's extra fields, for the rewards (task.dataset.extra_fields)
     attempt: int = 0  # > 0: samples drawn again (a reward failed): seeds fold it in
+    # opd.teacher = "self": the privileged prompt (`Task.privileged_render`: the problem with, e.g.,
+    # its worked solution) under which the policy scores each completion; empty otherwise.
+    privileged_ids: list[int] = []
 
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):
@@ -119,6 +126,9 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     # bool [T]: tokens the learner trains on (multi-turn episodes mask tool output out); absent =
     # every token. Its frame follows the others.
     loss_mask: TensorRef | None = None
+    # The policy_version of the weights that computed `teacher_logprobs` when the teacher is the
+    # policy itself (opd.teacher = "self"); None for a teacher outside the policy.
+    teacher_version: int | None = None
 
 
 class Trajectories(_Msg, frozen=True, kw_only=True):
@@ -351,6 +361,27 @@ class FileChunk(_Msg, frozen=True, kw_only=True):
     error: str = ""
 
 
+class TeacherRequest(_Msg, frozen=True, kw_only=True):
+    """A generator asks the shared teacher (opd.placement = "service") to score completions:
+    sequence i is `prompt_ids[i]` followed by `lengths[i]` completion tokens, whose rows of the
+    frame `ids` ([sum of lengths, N] int64) are the N ids to score at each position (column 0 the
+    generated token, which is also the context of the positions after it)."""
+
+    request_id: int
+    prompt_ids: list[list[int]]
+    lengths: list[int]
+    ids: TensorRef  # int64 [sum(lengths), N]
+
+
+class TeacherScores(_Msg, frozen=True, kw_only=True):
+    """The answer to a TeacherRequest: log pi_T of each id of its `ids`, in the same layout, or
+    `error` (a request the teacher could not score) and no frame."""
+
+    request_id: int
+    logprobs: TensorRef | None = None  # float32 [sum(lengths), N]
+    error: str = ""
+
+
 class LauncherSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What only the launcher knows, for the monitor: run shape, phase, admission credits, health.
 
@@ -408,4 +439,6 @@ Message = (
     | JoinRefused
     | FileRequest
     | FileChunk
+    | TeacherRequest
+    | TeacherScores
 )

@@ -49,6 +49,9 @@ class Rollout:
     opd_ids: list[list[int]] | None = None
     opd_behavior_logprobs: list[list[float]] | None = None
     teacher_logprobs: list[list[float]] | None = None
+    # The policy_version of the weights that scored `teacher_logprobs` when the teacher is the
+    # policy itself (opd.teacher = "self"); None for a teacher outside the policy.
+    teacher_version: int | None = None
     # With task.rewards configured, the service scores (asyncrl/rewards/) and `reward` is NaN
     # until then: `RolloutBuilder` leaves the decoded texts here for it.
     prompt_text: str | None = None
@@ -68,6 +71,9 @@ class GeneratorContext:
     run_seed: int = 0  # run.seed: per-sample RNG seeds derive from (run_seed, group_id, sample_index)
     inflight: str = "keep"  # weights.inflight: keep, retract or abort (for generators that can)
     opd: Any = None  # asyncrl.config.OpdConfig: when enabled, rollouts carry the teacher's scores
+    # opd.placement = "service": the shared teacher (`teacher_client.TeacherClient`, made by the
+    # service), which the generator scores with instead of loading a teacher itself.
+    teacher: Any = None
     options: dict[str, Any] = field(default_factory=dict)
     run_dir: str = ""  # the run directory (logs/ for server logs); empty outside `asyncrl launch`
     # The dtype the learner publishes weights in (learner.serving_dtype): load the model in it.

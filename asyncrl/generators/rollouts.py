@@ -23,11 +23,13 @@ from asyncrl.tasks.base import Task, make_task
 
 
 class OpdArrays(NamedTuple):
-    """The on-policy distillation arrays of one sample, [T][N] each (`Rollout.opd_*`, docs/opd.md)."""
+    """The on-policy distillation arrays of one sample, [T][N] each (`Rollout.opd_*`, docs/opd.md),
+    and the teacher's policy_version when the teacher is the policy itself."""
 
     ids: list[list[int]]
     behavior_logprobs: list[list[float]]
     teacher_logprobs: list[list[float]]
+    teacher_version: int | None = None
 
 
 class RolloutBuilder:
@@ -91,5 +93,6 @@ class RolloutBuilder:
             opd_ids=None if opd is None else opd.ids,
             opd_behavior_logprobs=None if opd is None else opd.behavior_logprobs,
             teacher_logprobs=None if opd is None else opd.teacher_logprobs,
+            teacher_version=None if opd is None else opd.teacher_version,
             **texts,
         )

@@ -54,6 +54,7 @@ from asyncrl.generators.base import (
 )
 from asyncrl.generators.feed import SampleFeed, batch_stream
 from asyncrl.generators.scoring import SampleScorer
+from asyncrl.generators.teacher_client import open_teacher
 from asyncrl.messages import (
     DataEndpoint,
     Metrics,
@@ -174,6 +175,7 @@ def trajectory_frames(
         finish_reason=r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "stop",
         generator_id=generator_id,
         generate_s=generate_s,
+        teacher_version=r.teacher_version if num_opd_samples > 0 else None,
         **opd_refs,
         **mask_ref,
     )
@@ -186,6 +188,7 @@ class GeneratorService:
         cfg = ctx.config
         self.gen = resolve_generator(cfg.generators.kind)()
         model_path = ctx.extra["model"]
+        self.teacher = open_teacher(ctx)  # opd.placement = "service": the shared teacher, else None
         self.gen.setup(
             GeneratorContext(
                 generator_id=ctx.peer_id,
@@ -197,12 +200,13 @@ class GeneratorService:
                 run_seed=cfg.run.seed,
                 inflight=cfg.weights.inflight,
                 opd=cfg.opd,
+                teacher=self.teacher,
                 options=dict(cfg.generators.options),
                 run_dir=str(ctx.run_dir),
                 dtype=cfg.learner.publish_dtype,
                 device=device_setting(cfg.generators.device),
                 batching=cfg.generators.batching,
-                max_batch_groups=cfg.generators.max_batch_groups,
+                max_batch_groups=cfg.batch_groups,
             )
         )
         self.staged = isinstance(self.gen, StagedWeights)
@@ -455,7 +459,7 @@ class GeneratorService:
         """The generator's stream over the feed: its own, or batches through `generate`."""
         if self.streams:
             return self.gen.generate_stream(self.feed)
-        max_groups = self.ctx.config.generators.max_batch_groups
+        max_groups = self.ctx.config.batch_groups
         return batch_stream(self.gen, self.feed, max_groups=max_groups, generator_id=self.ctx.peer_id)
 
     async def run_stream(self) -> None:
@@ -563,6 +567,7 @@ class GeneratorService:
                     "gen/weights_network_bytes": float(getattr(self.receiver.remote, "bytes_fetched", 0)),
                     "gen/inflight_updates": float(getattr(self.gen, "num_inflight_updates", 0)),
                     "gen/teacher_s": float(getattr(self.gen, "teacher_s", 0.0)),
+                    "gen/teacher_version": float(getattr(self.gen, "teacher_version", -1)),
                 },
             )
         )
@@ -585,6 +590,8 @@ class GeneratorService:
             self.data.close()
             await self.scorer.close()  # its reward worker processes
             await self.gen.close()  # also on failure: a generator may own server processes
+            if self.teacher is not None:
+                self.teacher.close()
 
 
 async def main(ctx: ChildContext) -> None:

@@ -14,11 +14,13 @@ for the new ones to ride along), so a finished sample's slot soon holds a new on
 groups at a time, run until its last sample is done. `generate(tasks)` (the plugin API) samples
 whole groups in one batch.
 
-With `opd.enabled` the generator also loads the teacher (`opd.teacher`, or the shipped
-`asyncrl/assets/teacher_model`) once, samples N - 1 extra tokens per position next to each
-generated one, and scores all N with one batched teacher forward per batch, so every rollout
-carries the [T, N] arrays of on-policy distillation (`generators/opd.py`, docs/opd.md). The
-teacher is never updated.
+With `opd.enabled` the generator also samples N - 1 extra tokens per position next to each
+generated one and has a teacher (`teachers.py`) score all N with one batched forward per batch,
+so every rollout carries the [T, N] arrays of on-policy distillation (`generators/opd.py`,
+docs/opd.md). The teacher is a directory loaded here once and never updated (`opd.teacher`, or
+the shipped `asyncrl/assets/teacher_model`), the teacher process every generator shares
+(`opd.placement = "service"`, `teacher_client.py`), or the policy itself on the task's privileged
+prompts (`opd.teacher = "self"`), whose weights follow the updates this generator applies.
 
 Weights arrive verified in fresh CPU tensors (`offer_weights`, from the service's fetcher, or
 `load_weights` from a shard directory) and are copied into the model's parameters only when
@@ -38,12 +40,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.generators.base import GeneratorContext, Rollout
 from asyncrl.generators.feed import Draw, SampleFeed
 from asyncrl.generators.refill import RefillPolicy
 from asyncrl.generators.rollouts import OpdArrays, RolloutBuilder
 from asyncrl.messages import PromptTask
+
+if TYPE_CHECKING:  # at run time in `_make_teacher`: resolving the class must not import torch
+    from asyncrl.generators.teachers import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +104,7 @@ class TorchGenerator:
         self._lock = threading.Lock()  # guards _pending (offered from the loop, applied by the sampler)
         self._pending: tuple[int, Mapping, Callable[[int], None] | None] | None = None
         self.num_inflight_updates = 0
-        self._teacher = None
+        self._teacher: Teacher | None = None
         self._opd_samples = 0  # N cached ids per position; 0 = OPD off
         self.teacher_s = 0.0  # time spent in teacher forwards
         self._refill: RefillPolicy | None = None  # continuous batching: when to take samples
@@ -121,10 +127,30 @@ class TorchGenerator:
         self._inflight = ctx.inflight
         self._rollouts = RolloutBuilder.for_task(ctx.task, self._tokenizer)
         if ctx.opd is not None and ctx.opd.enabled:
-            self._teacher = load_teacher(
-                ctx.opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype
-            )
+            self._teacher = self._make_teacher(ctx, device)
             self._opd_samples = ctx.opd.num_samples
+
+    def _make_teacher(self, ctx: GeneratorContext, device) -> Teacher:
+        from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
+
+        opd, pad = ctx.opd, self._tokenizer.pad_token_id
+        if opd.teacher == "self":
+            return SelfTeacher(
+                self._model,
+                weights=opd.self_weights,
+                lag=opd.self_lag,
+                ewma_decay=opd.self_ewma_decay,
+                pad_token_id=pad,
+            )
+        if opd.placement == "service":
+            if ctx.teacher is None:
+                raise ValueError(
+                    "opd.placement = 'service': this generator was given no shared teacher "
+                    "(GeneratorContext.teacher); `asyncrl launch` starts one and connects every generator"
+                )
+            return ctx.teacher
+        model = load_teacher(opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype)
+        return ModelTeacher(model, pad_token_id=pad)
 
     @property
     def version(self) -> int:
@@ -135,8 +161,13 @@ class TorchGenerator:
         return self._model
 
     @property
-    def teacher(self):
+    def teacher(self) -> Teacher | None:
         return self._teacher
+
+    @property
+    def teacher_version(self) -> int:
+        """The self-teacher's policy_version now; -1 for a teacher outside the policy (or none)."""
+        return getattr(self._teacher, "version", -1)
 
     @property
     def tokenizer(self):
@@ -249,7 +280,7 @@ class TorchGenerator:
         opd = None
         if self._teacher is not None:
             opd = self._score_with_teacher(
-                [d.task.prompt_ids for d in draws],
+                [d.task for d in draws],
                 [f.completion_ids for f in finished],
                 [f.logprobs for f in finished],
                 [f.extra_ids for f in finished],
@@ -305,7 +336,7 @@ class TorchGenerator:
         if self._teacher is not None:
             num = len(prompts)
             opd = self._score_with_teacher(
-                prompts,
+                [task for task, _ in owners],
                 out.completion_ids,
                 out.logprobs,
                 out.extra_ids or [None] * num,
@@ -328,21 +359,18 @@ class TorchGenerator:
             )
         ]
 
-    def _score_with_teacher(self, prompts, ids, logps, extra_ids, extra_logps) -> list[OpdArrays]:
-        """The [T][N] arrays of on-policy distillation, per sample (one teacher forward)."""
-        from asyncrl.generators.opd import cache_arrays, teacher_logprobs
+    def _score_with_teacher(self, tasks, ids, logps, extra_ids, extra_logps) -> list[OpdArrays]:
+        """The [T][N] arrays of on-policy distillation, per sample (one teacher call); sample i
+        is a completion of `tasks[i]`."""
+        from asyncrl.generators.opd import cache_arrays
 
+        assert self._teacher is not None
         start = time.perf_counter()
         caches = [cache_arrays(*sample) for sample in zip(ids, logps, extra_ids, extra_logps, strict=True)]
-        scores = teacher_logprobs(
-            self._teacher,
-            prompts,
-            [ids_TN for ids_TN, _ in caches],
-            pad_token_id=self._tokenizer.pad_token_id,
-        )
+        scores, version = self._teacher.score(tasks, [ids_TN for ids_TN, _ in caches])
         self.teacher_s += time.perf_counter() - start
         return [
-            OpdArrays(ids_TN.tolist(), behav_TN.tolist(), teacher_TN.tolist())
+            OpdArrays(ids_TN.tolist(), behav_TN.tolist(), teacher_TN.tolist(), version)
             for (ids_TN, behav_TN), teacher_TN in zip(caches, scores, strict=True)
         ]
 
@@ -406,6 +434,8 @@ class TorchGenerator:
                 if target is not None:
                     target.copy_(tensor)
         self._version = version
+        if (follow := getattr(self._teacher, "on_weights", None)) is not None:
+            follow(version, state)  # a self-teacher's weights follow the policy's (opd.self_weights)
         if on_applied is not None:
             on_applied(version)
         return True

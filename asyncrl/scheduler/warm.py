@@ -21,6 +21,7 @@ PRELOAD = (
     "asyncrl.learner.service",
     "asyncrl.generators.service",
     "asyncrl.generators.torch_gen",
+    "asyncrl.generators.teacher_service",
     "asyncrl.models.sampling",
 )
 

@@ -17,7 +17,16 @@ from asyncrl.scheduler.spawner import Spawner
 # How long workers told to shut down get before they are terminated.
 STOP_GRACE_S = 10.0
 # The module each role runs (`python -m`); a launcher's `role_modules` replaces any of them.
-DEFAULT_ROLE_MODULES = {"learner": "asyncrl.learner.service", "generator": "asyncrl.generators.service"}
+# "teacher": the OPD teacher every generator shares (opd.placement = "service", `TEACHER_PEER`).
+DEFAULT_ROLE_MODULES = {
+    "learner": "asyncrl.learner.service",
+    "generator": "asyncrl.generators.service",
+    "teacher": "asyncrl.generators.teacher_service",
+}
+TEACHER_PEER = "opd-teacher"
+# Roles told to stop only once every other worker has gone: generators finishing their last
+# samples still ask the shared teacher for scores.
+STOPPED_LAST = frozenset({"teacher"})
 
 
 class Workers:
@@ -55,11 +64,15 @@ class Workers:
         await child.handle.wait()
 
     async def stop(self, shutdown: Callable[[Child], Awaitable[object]]) -> None:
-        """`shutdown` every running worker (send it Shutdown), then terminate, then kill."""
+        """`shutdown` every running worker (send it Shutdown), then terminate, then kill; the
+        roles in `STOPPED_LAST` once the others have gone."""
         for child in self.children.values():
-            child.stopping = True
-            if child.handle.exit_code() is None:
-                await shutdown(child)
-                if getattr(child.handle, "remote", False):
-                    child.handle.terminate()  # on another host: told to stop, nothing here to wait for
-        await stop_all(self.children.values(), grace_s=STOP_GRACE_S)
+            child.stopping = True  # supervision leaves them all alone from here on
+        for last in (False, True):
+            group = [c for c in self.children.values() if (c.role in STOPPED_LAST) == last]
+            for child in group:
+                if child.handle.exit_code() is None:
+                    await shutdown(child)
+                    if getattr(child.handle, "remote", False):
+                        child.handle.terminate()  # on another host: told to stop, nothing here to wait for
+            await stop_all(group, grace_s=STOP_GRACE_S)

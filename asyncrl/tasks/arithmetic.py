@@ -2,7 +2,8 @@
 
 Prompts are `"<a>+<b>="`, the answer is the decimal sum, rendered as raw text. Registered as the
 task `addition` (entry point `asyncrl.tasks`); the launcher, generators and evaluation reach it
-only through the `Task` seam (`tasks/base.py`).
+only through the `Task` seam (`tasks/base.py`). Its privileged prompt (self-distillation,
+`privileged_render`) is the problem worked once, then asked again: `<bos>12+39=51<eos>12+39=`.
 
 The warm-start corpus ends with demonstrations from a deliberately sloppy teacher that usually
 appends a stray 0 to its answer (`12+39=510`). A model fine-tuned on it can add (it learned from
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from asyncrl.tasks.base import Problem, raw_prompt_ids
@@ -25,7 +27,7 @@ def make_problem(index: int, *, seed: int, max_operand: int) -> Problem:
     rng = random.Random(f"{seed}:{index}")
     a = rng.randint(0, max_operand)
     b = rng.randint(0, max_operand)
-    return Problem(index=index, prompt=f"{a}+{b}=", answer=str(a + b))
+    return Problem(index=index, prompt=f"{a}+{b}=", answer=str(a + b), solution=str(a + b))
 
 
 def problems(start: int, count: int, *, seed: int, max_operand: int) -> list[Problem]:
@@ -62,11 +64,22 @@ class AdditionTask:
         while True:
             p = make_problem(index, seed=self.seed * 1_000_003 + attempt, max_operand=self.max_operand)
             if p.prompt not in self.held_out:
-                return Problem(index=index, prompt=p.prompt, answer=p.answer)
+                return Problem(index=index, prompt=p.prompt, answer=p.answer, solution=p.solution)
             attempt += 1
 
     def render(self, problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
         return raw_prompt_ids(problems, tokenizer)
+
+    def privileged_render(self, problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
+        """The worked answer in context: each problem solved once and ended (eos), then asked
+        again, so the completion follows the same prompt text: `<bos>12+39=51<eos>12+39=`."""
+        if not problems:
+            return []
+        worked = raw_prompt_ids(
+            [replace(p, prompt=p.prompt + (p.solution or p.answer)) for p in problems], tokenizer
+        )
+        asked = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+        return [w + [tokenizer.eos_token_id] + a for w, a in zip(worked, asked, strict=True)]
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
         return exact_match(completion, answer)

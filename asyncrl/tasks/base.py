@@ -11,7 +11,10 @@ A task answers four questions, and nothing else in asyncrl knows which task it s
 
 Optionally a task may also have `prepare(tokenizer) -> dict` (render and check every prompt once,
 before any is admitted; returns counts for summary.json) and `num_train` (the training rows; a
-run needs at least one step's worth): the dataset task (`tasks/dataset.py`) has both.
+run needs at least one step's worth): the dataset task (`tasks/dataset.py`) has both. A task that
+has `privileged_render(problems, tokenizer)` (the prompt ids of each problem with privileged
+context, e.g. its worked solution, ending as the plain prompt does) can be its own teacher:
+self-distillation (`opd.teacher = "self"`, docs/opd.md) scores every completion under it.
 
 Who calls it: the launcher (prompt stream and rendering), every generator backend (scoring, via
 `generators/rollouts.py`), evaluation (`asyncrl/job.py`) and distillation (privileged context).
@@ -44,6 +47,9 @@ class Problem:
     answer: str
     extras: Mapping[str, Any] = field(default_factory=dict)
     messages: tuple[Mapping[str, str], ...] | None = None
+    # A worked solution (the addition task: the sum; the dataset task: task.dataset.solution_field):
+    # privileged context for self-distillation (`privileged_render`), never shown to the student.
+    solution: str | None = None
 
 
 @runtime_checkable
@@ -86,6 +92,33 @@ def make_task(section: Any) -> Task:
             "(it needs eval_problems, train_problem, render and score; asyncrl/tasks/base.py)"
         )
     return task
+
+
+@runtime_checkable
+class PrivilegedTask(Protocol):
+    """A task that can be its own teacher (`opd.teacher = "self"`)."""
+
+    def privileged_render(self, problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
+        """Per problem, the prompt ids with privileged context (its solution) that the policy
+        scores the student's completion under; each ends as `render` of the same problem does,
+        so the completion reads on from the same text. ValueError naming the key to set when a
+        problem has no privileged context."""
+
+
+def check_privileged(task: Task, opd: Any, tokenizer: Any = None) -> None:
+    """ValueError, before any process starts, when `opd` (the `opd` section) asks for
+    self-distillation and `task` cannot build privileged prompts; with `tokenizer`, the first
+    training problem is rendered too, so a task configured without its solutions fails here."""
+    if not (opd.enabled and opd.teacher == "self"):
+        return
+    if not isinstance(task, PrivilegedTask):
+        raise ValueError(
+            f"opd.teacher = 'self' needs a task that builds privileged prompts (a "
+            f"privileged_render method, asyncrl/tasks/base.py), and {type(task).__name__} has none; "
+            "use a teacher directory for opd.teacher, or a task with worked solutions"
+        )
+    if tokenizer is not None:
+        task.privileged_render([task.train_problem(0)], tokenizer)
 
 
 def prepare_task(task: Task, tokenizer: Any, *, groups_per_step: int) -> dict[str, int]:

@@ -12,6 +12,11 @@ The training stream is epochs over the training rows: index i is row `order(epoc
 epoch `i // N`, the order a permutation seeded by (task.seed, epoch) when `dataset.shuffle` is on,
 else file order; the same i always gives the same prompt, so a resumed run admits exactly what
 it would have. `fingerprint()` identifies the rows and their order for that resume check.
+
+Self-distillation (`opd.teacher = "self"`, docs/opd.md): with `task.dataset.solution_field` the
+column of each row's worked solution is loaded too (checked like the answers), and
+`privileged_render` puts it in the prompt through `task.dataset.privileged_template`: raw text as
+a whole, or a chat prompt's last user turn.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncrl.tasks.base import Problem
@@ -29,6 +34,9 @@ from asyncrl.tasks.dataset_files import Table, describe_type, load_tables
 from asyncrl.tasks.rendering import PromptCache, render_problems
 
 EPOCH_CACHE = 2  # shuffled epoch orders kept (a run asks epochs in order; retries may reach back one)
+# The privileged prompt of self-distillation: the solution, then the prompt the student saw (a
+# chat prompt: its last user turn), so the completion reads on from the same text.
+PRIVILEGED_TEMPLATE = "Reference solution:\n{solution}\n\n{prompt}"
 
 # -- rows -------------------------------------------------------------------------------------
 
@@ -42,10 +50,16 @@ class Row:
     extras: dict[str, Any]
     messages: tuple[dict[str, Any], ...] | None
     where: str  # "data.jsonl line 7", "data.csv row 3"
+    solution: str | None = None  # task.dataset.solution_field, when set
 
     def problem(self, index: int) -> Problem:
         return Problem(
-            index=index, prompt=self.prompt, answer=self.answer, extras=self.extras, messages=self.messages
+            index=index,
+            prompt=self.prompt,
+            answer=self.answer,
+            extras=self.extras,
+            messages=self.messages,
+            solution=self.solution,
         )
 
 
@@ -92,14 +106,17 @@ def _messages(value: Any, where: str, field: str) -> tuple[tuple[dict[str, Any],
     return tuple(messages), users[-1]
 
 
-def table_rows(table: Table, dataset: Any, *, use_messages: bool) -> list[Row]:
-    """Every row of `table` as a `Row`, with the fields of `task.dataset` mapped and checked."""
+def table_rows(table: Table, dataset: Any, *, use_messages: bool, solution_field: str = "") -> list[Row]:
+    """Every row of `table` as a `Row`, with the fields of `task.dataset` (and the solution
+    column, `task.dataset.solution_field`) mapped and checked."""
     columns = table.data.column_names
     text_field = dataset.messages_field if use_messages else dataset.prompt_field
     text_key = "task.dataset.messages_field" if use_messages else "task.dataset.prompt_field"
     wanted = [(text_field, text_key)]
     if dataset.answer_field:
         wanted.append((dataset.answer_field, "task.dataset.answer_field"))
+    if solution_field:
+        wanted.append((solution_field, "task.dataset.solution_field"))
     wanted += [(name, "task.dataset.extra_fields") for name in dataset.extra_fields]
     for name, key in wanted:
         if name not in columns:
@@ -117,6 +134,7 @@ def table_rows(table: Table, dataset: Any, *, use_messages: bool) -> list[Row]:
     data = table.data.select_columns(names)[:]
     texts = data[text_field]
     answers = data[dataset.answer_field] if dataset.answer_field else None
+    solutions = data[solution_field] if solution_field else None
     extra_columns = [(name, data[name]) for name in dataset.extra_fields]
     rows = []
     for k, text in enumerate(texts):
@@ -152,8 +170,30 @@ def table_rows(table: Table, dataset: Any, *, use_messages: bool) -> list[Row]:
                     'task.dataset.answer_field = "" when your rewards need no answer)'
                 )
         extras = {name: column[k] for name, column in extra_columns}
-        rows.append(Row(prompt=prompt, answer=answer, extras=extras, messages=messages, where=where))
+        solution = None if solutions is None else _solution(solutions[k], where, solution_field)
+        rows.append(
+            Row(
+                prompt=prompt, answer=answer, extras=extras, messages=messages, where=where, solution=solution
+            )
+        )
     return rows
+
+
+def _solution(raw: Any, where: str, field: str) -> str:
+    """A row's worked solution as text; ValueError naming the row when it is missing or not text."""
+    text = _answer_text(raw)
+    if text is None and raw is not None:
+        raise ValueError(
+            f"{where}: the solution {field!r} (task.dataset.solution_field) must be a string or a number, "
+            f"got {describe_type(raw)}. Fix the row"
+        )
+    if not text or not text.strip():
+        raise ValueError(
+            f"{where}: the solution {field!r} (task.dataset.solution_field) is "
+            f"{'null or missing' if raw is None else 'empty'}; self-distillation needs every row's "
+            "solution: fix or remove the row"
+        )
+    return text
 
 
 def _check_section(section: Any) -> None:
@@ -189,6 +229,25 @@ def _check_section(section: Any) -> None:
         )
 
 
+def _privileged_options(section: Any) -> tuple[str, str]:
+    """(solution column, privileged template) from `task.dataset`; ValueError naming the key."""
+    field, template = section.dataset.solution_field, section.dataset.privileged_template
+    if not isinstance(template, str) or "{solution}" not in template or not template.endswith("{prompt}"):
+        raise ValueError(
+            "task.dataset.privileged_template must be a string that contains {solution} and ends with "
+            "{prompt} (the completion follows the prompt the student saw), e.g. "
+            f"{PRIVILEGED_TEMPLATE!r}"
+        )
+    try:
+        template.format(solution="", prompt="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"task.dataset.privileged_template: {exc!r}; use only {{solution}} and {{prompt}} "
+            "(write {{ and }} for literal braces)"
+        ) from None
+    return field, template
+
+
 def _split(tables: dict[str, Table], name: str, *, path: str, key: str) -> Table:
     if name not in tables:
         raise ValueError(
@@ -197,14 +256,16 @@ def _split(tables: dict[str, Table], name: str, *, path: str, key: str) -> Table
     return tables[name]
 
 
-def _load(section: Any) -> tuple[list[Row], list[Row]]:
+def _load(section: Any, solution_field: str = "") -> tuple[list[Row], list[Row]]:
     """(training rows, held-out rows), checked, in file order (held-out: the order they are evaluated).
     An eval_fraction is held out of training even with task.num_eval = 0, so the training rows do
     not depend on whether a run evaluates; eval_split/eval_path are not read then."""
     dataset = section.dataset
     use_messages = bool(dataset.messages_field)
     text_fields = [
-        name for name in ("" if use_messages else dataset.prompt_field, dataset.answer_field) if name
+        name
+        for name in ("" if use_messages else dataset.prompt_field, dataset.answer_field, solution_field)
+        if name
     ]
     tables, has_splits = load_tables(
         dataset.path, dataset.format, key="task.dataset.path", text_fields=text_fields
@@ -218,7 +279,8 @@ def _load(section: Any) -> tuple[list[Row], list[Row]]:
         )
     else:
         train_table = tables["train"]
-    train = table_rows(train_table, dataset, use_messages=use_messages)
+    # The solutions of the training rows only: the held-out rows are never distilled on.
+    train = table_rows(train_table, dataset, use_messages=use_messages, solution_field=solution_field)
     held: list[Row] = []
     if dataset.eval_fraction:
         count = math.ceil(dataset.eval_fraction * len(train))
@@ -274,7 +336,8 @@ class DatasetTask:
         self._shuffle = section.dataset.shuffle
         self._num_eval = section.num_eval
         self._prompt = section.prompt
-        self._all_train, self._held = _load(section)
+        self._solution_field, self._privileged_template = _privileged_options(section)
+        self._all_train, self._held = _load(section, self._solution_field)
         self._set_rows(self._all_train, self._held[: self._num_eval])
         self._cache: PromptCache | None = None  # filled by `prepare`
 
@@ -314,6 +377,32 @@ class DatasetTask:
             return self._cache.render(problems)
         prompt = self._prompt
         return render_problems(problems, tokenizer, template=prompt.template, system=prompt.system)
+
+    def privileged_render(self, problems: Sequence[Problem], tokenizer: Any) -> list[list[int]]:
+        """Prompt ids of `problems` with their worked solution in context (module docstring),
+        rendered with the prompt's template; never cached (only self-distillation asks)."""
+        if not self._solution_field:
+            raise ValueError(
+                "opd.teacher = 'self' shows the teacher each row's worked solution, and the dataset task "
+                'knows no solution column: set task.dataset.solution_field = "<column>"'
+            )
+        shown = [self._privileged_problem(p) for p in problems]
+        prompt = self._prompt
+        return render_problems(shown, tokenizer, template=prompt.template, system=prompt.system)
+
+    def _privileged_problem(self, problem: Problem) -> Problem:
+        """`problem` with its solution put in by the privileged template (chat: the last user turn)."""
+        if problem.solution is None:
+            raise ValueError(
+                f"problem {problem.index} of {self.path} has no solution (task.dataset.solution_field)"
+            )
+        fill = lambda text: self._privileged_template.format(solution=problem.solution, prompt=text)  # noqa: E731
+        if problem.messages is None:
+            return replace(problem, prompt=fill(problem.prompt))
+        messages = [dict(m) for m in problem.messages]
+        last = max(k for k, m in enumerate(messages) if m["role"] == "user")
+        messages[last]["content"] = fill(messages[last]["content"])
+        return replace(problem, prompt=messages[last]["content"], messages=tuple(messages))
 
     def score(self, prompt: str, completion: str, answer: str) -> float:
         """Fallback exact match (stripped); the real scoring is the configured task.rewards."""

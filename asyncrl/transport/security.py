@@ -76,6 +76,9 @@ SENDERS: dict[str, frozenset[str]] = {
     "JoinRefused": frozenset({"launcher"}),
     "FileRequest": _GENERATORS | _LEARNER,
     "FileChunk": frozenset({"launcher", "learner"}),
+    # The shared OPD teacher (opd.placement = "service") runs with the generator key.
+    "TeacherRequest": _GENERATORS,
+    "TeacherScores": frozenset({"generator"}),
 }
 # What a key role may call itself in a message's `role` field (Hello, Fatal).
 SPEAKS_AS: dict[str, frozenset[str]] = {
