@@ -25,6 +25,7 @@ Data flow (one machine by default; every socket on loopback):
 | generator work | PromptTasks, WeightsPublished, DataEndpoint | Trajectories (the samples that finished together) and TasksDone (the tasks they completed), WeightsLoaded | a pending task | PromptTasks |
 | learner train | Trajectories (or a lone Trajectory) | StepDone, WeightsPublished (while the next step trains) | a trajectory of the current step (the whole window when the objective cannot stream) | the next Trajectory |
 | learner ctrl | WeightsLoaded, Shutdown | deletions of unused versions | a control message | the launcher |
+| teacher (opd.placement = "service") | TeacherRequest | TeacherScores | a request | a generator's batch |
 
 Admission (scheduler/admission.py): group j is trained at step j // B and is admitted only
 when every generator holds a version >= j // B - max_staleness, so no token is ever more than

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 
+from asyncrl.config_objective import check_objective_config
 from asyncrl.config_sections import (
     LOOPBACK_HOSTS,
     BufferConfig,
@@ -160,6 +161,11 @@ class Config(_Section, frozen=True, kw_only=True):
             if len(set(cpus)) != len(cpus):
                 raise ValueError(f"{key} = {list(cpus)} lists a CPU twice; list each CPU once")
         self._check_buffer()
+        if self.run.record_schedule and (lrn.world_size > 1 or self.buffer.mode == "pool"):
+            raise ValueError(
+                "run.record_schedule records one learner rank's window steps: use learner.world_size = 1 "
+                "and buffer.mode = 'window' (or leave run.record_schedule off)"
+            )
 
     def _check_remote(self) -> None:
         gen = self.generators
@@ -224,6 +230,14 @@ class Config(_Section, frozen=True, kw_only=True):
             return 0
         bound = self.staleness.max_staleness
         return self.staleness.max_staleness_cap if bound == "auto" else bound
+
+    @property
+    def batch_groups(self) -> int:
+        """`generators.max_batch_groups` resolved: "auto" = ceil(groups_per_step / num_generators)."""
+        gen = self.generators
+        if gen.max_batch_groups == "auto":
+            return -(-self.learner.groups_per_step // gen.num_generators)
+        return gen.max_batch_groups
 
     @property
     def auto_staleness(self) -> bool:
@@ -341,6 +355,7 @@ def config_from_tree(
     check_cuda(config)
     check_cluster(config.cluster)
     policy = check_staleness_policy(config.staleness)
+    check_objective_config(config, policy)  # distillation mixing, OPOB (config_objective.py)
     if config.buffer.action == "downweight" and "old_train" in policy.needs:
         raise ConfigError(
             f"config error at buffer.action: staleness policy {policy.name!r} keeps the last "

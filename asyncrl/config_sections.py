@@ -40,6 +40,10 @@ class RunConfig(_Section, frozen=True, kw_only=True):
     # Settings-linter rules (asyncrl/lint.py, docs/safety.md) whose errors this run accepts: each
     # is reported as a warning instead of refusing the config.
     allow_unsafe: list[str] = []
+    # Record the learner's schedule (each step's trajectories in offer order, its work calls and
+    # thread count) under <run>/schedule/, so that `asyncrl replay RUN_DIR` reproduces the run's
+    # parameters bitwise (asyncrl/learner/replay.py). One plain learner rank, window admission.
+    record_schedule: bool = False
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True):
@@ -57,6 +61,10 @@ class DatasetConfig(_Section, frozen=True, kw_only=True):
     messages_field: str = ""  # a chat list [{"role", "content"}, ...] instead; needs prompt.template = "chat"
     answer_field: str = "answer"  # the ground truth the rewards check
     extra_fields: list[str] = []  # passed through to every reward (RewardInput.extras)
+    # Self-distillation (opd.teacher = "self", docs/opd.md): the column of each row's worked
+    # solution, and how it is put in the teacher's prompt ({solution} somewhere, ending {prompt}).
+    solution_field: str = ""
+    privileged_template: str = "Reference solution:\n{solution}\n\n{prompt}"
     shuffle: bool = True  # a fresh seeded order (task.seed, epoch) every epoch
     # The held-out split (evaluated before and after training; at most task.num_eval rows), one of:
     eval_path: str = ""  # a separate file or save_to_disk directory
@@ -137,7 +145,11 @@ class SamplingConfig(_Section, frozen=True, kw_only=True):
 class GeneratorConfig(_Section, frozen=True, kw_only=True):
     kind: str = "torch"  # registry name (entry point `asyncrl.generators`) or `pkg.mod:obj`
     num_generators: PosInt = 1
-    max_batch_groups: PosInt = 16  # groups sampled together in one batched generate call
+    # Groups sampled together (one batched generate call, or the slots of continuous batching).
+    # "auto": one learner step's groups shared by the generators (ceil(groups_per_step /
+    # num_generators)), so a generator never leaves admitted work of the step in progress waiting
+    # for a slot (docs/safety.md, "Closed-loop staleness").
+    max_batch_groups: PosInt | Literal["auto"] = 16
     # How the built-in torch generator batches samples (docs in torch_gen.py): "continuous" (a
     # finished sample leaves the decoding batch and new samples take its slot, as inference
     # servers do) or "batch" (up to max_batch_groups groups at a time, each run to its end).
@@ -292,12 +304,98 @@ class OpdConfig(_Section, frozen=True, kw_only=True):
     """On-policy distillation: a teacher scores the student's tokens (docs/algorithms.md)."""
 
     enabled: bool = False  # train on the teacher's per-token signal instead of the task reward
-    teacher: str = ""  # local Hugging Face directory; empty = the shipped teacher checkpoint
+    # A local Hugging Face directory; empty = the shipped teacher checkpoint; "self" = the policy
+    # itself scores each completion under a privileged prompt the task builds (self-distillation,
+    # docs/opd.md; the task must have `privileged_render`).
+    teacher: str = ""
+    # opd.teacher = "self": whose weights score: "initial" (a frozen copy of the weights the run
+    # starts from), "current" (the weights that sampled the trajectory), "lagged" (self_lag
+    # versions behind them), "ewma" (an EWMA, decay self_ewma_decay, of the versions received).
+    self_weights: Literal["initial", "current", "lagged", "ewma"] = "initial"
+    self_lag: PosInt = 1
+    self_ewma_decay: Annotated[float, Meta(gt=0, lt=1)] = 0.9
+    # Where a teacher directory runs: "generator" = a copy in every generator process; "service" =
+    # one teacher process, started by the launcher and shared by every generator, which scores the
+    # requests that arrive within service_window_ms in one forward (docs/opd.md).
+    placement: Literal["generator", "service"] = "generator"
+    service_window_ms: Annotated[float, Meta(ge=0)] = 2.0
+    # A generator waits this long for the service's scores, then fails naming the teacher.
+    service_timeout_s: PosFloat = 60.0
     # reverse_kl: A_t = log pi_T - sg(log pi) at the sampled token; forward_kl: token-level
     # forward KL over the N cached tokens; mc_reverse_kl: multi-sample Monte Carlo reverse KL.
     estimator: Literal["reverse_kl", "forward_kl", "mc_reverse_kl"] = "reverse_kl"
     num_samples: PosInt = 1  # N tokens per position in the cache (>= 2 for mc_reverse_kl)
     clip_eps: PosFloat = 0.2  # AsyncOPD's pg_clip_eps on pi / mu
+    # Distillation with the task reward (docs/opd.md, "Distillation with rewards and token
+    # selection"): "off" = the distillation signal replaces the reward; "add" = reward_weight x the
+    # RL objective (learner.*, staleness.*) + kl_weight x the distillation loss; "gate_failed" =
+    # distil only trajectories with reward < pass_reward; "weight_failed" = distil each with weight
+    # clamp((pass_reward - reward) / pass_reward, 0, 1). Both parts are reported in the step stats.
+    reward: Literal["off", "add", "gate_failed", "weight_failed"] = "off"
+    reward_weight: Annotated[float, Meta(ge=0)] = 1.0  # the RL part's weight (opd.reward != "off")
+    kl_weight: Annotated[float, Meta(ge=0)] = 1.0  # the distillation part's weight
+    pass_reward: PosFloat = 1.0  # gate_failed / weight_failed: a reward >= this passed
+    # Token-selective distillation: the OPD loss on each sequence's top select_fraction of tokens by
+    # teacher-student "disagreement" or student "entropy" (the rest are not distilled); "all" = every token.
+    select: Literal["all", "disagreement", "entropy"] = "all"
+    select_fraction: Probability = 1.0
+
+    def __post_init__(self) -> None:
+        self._check_mixing()
+        self._check_teacher()
+
+    def _check_mixing(self) -> None:
+        """The reward-mixing and token-selection keys (cross-section checks: `config_objective.py`)."""
+        on = [k for k, off in (("reward", self.reward == "off"), ("select", self.select == "all")) if not off]
+        if on and not self.enabled:
+            raise ValueError(
+                f"opd.{on[0]} = {getattr(self, on[0])!r} changes the distillation objective, which needs "
+                "opd.enabled = true; enable it or remove the key"
+            )
+        if self.reward == "off" and self.reward_weight != 1.0:
+            raise ValueError(
+                "opd.reward_weight weighs the task reward's part: set opd.reward (e.g. 'add') or remove it"
+            )
+        if self.reward not in ("gate_failed", "weight_failed") and self.pass_reward != 1.0:
+            raise ValueError(
+                "opd.pass_reward applies with opd.reward = 'gate_failed' or 'weight_failed' only"
+            )
+        if self.select == "all" and self.select_fraction != 1.0:
+            raise ValueError(
+                "opd.select_fraction applies with opd.select = 'disagreement' or 'entropy' only; set one or remove it"
+            )
+        if self.enabled and self.kl_weight == 0.0:
+            raise ValueError(
+                "opd.kl_weight = 0 leaves no distillation: use opd.enabled = false to train on the reward alone"
+            )
+        if self.reward == "add" and self.reward_weight == 0.0:
+            raise ValueError(
+                "opd.reward = 'add' with opd.reward_weight = 0 is plain distillation: use opd.reward = 'off'"
+            )
+
+    def _check_teacher(self) -> None:
+        """The self-distillation and teacher-placement keys (the task's side: `tasks.base.check_privileged`)."""
+        changed = {f.name for f in msgspec.structs.fields(self) if getattr(self, f.name) != f.default}
+        if self.teacher == "self":
+            if self.placement == "service":
+                raise ValueError(
+                    "opd.teacher = 'self' scores with the policy's own weights inside each generator, and "
+                    "opd.placement = 'service' holds one fixed teacher: set opd.placement = 'generator'"
+                )
+        elif stray := sorted(changed & {"self_weights", "self_lag", "self_ewma_decay"}):
+            raise ValueError(
+                f"opd.{stray[0]} applies with opd.teacher = 'self' only; set it or remove the key"
+            )
+        if self.self_weights != "lagged" and "self_lag" in changed:
+            raise ValueError("opd.self_lag applies with opd.self_weights = 'lagged' only")
+        if self.self_weights != "ewma" and "self_ewma_decay" in changed:
+            raise ValueError("opd.self_ewma_decay applies with opd.self_weights = 'ewma' only")
+        if self.placement != "service" and (
+            stray := sorted(changed & {"service_window_ms", "service_timeout_s"})
+        ):
+            raise ValueError(
+                f"opd.{stray[0]} applies with opd.placement = 'service' only; set it or remove the key"
+            )
 
 
 class StalenessConfig(_Section, frozen=True, kw_only=True):
@@ -311,6 +409,11 @@ class StalenessConfig(_Section, frozen=True, kw_only=True):
     # Per-sample freshness score as a loss weight on top of the policy (docs/staleness.md):
     # None = off; {} = on with defaults; keys lambda_roll, lambda_sup, f_min, self_normalize.
     freshness: dict[str, float | bool] | None = None
+    # The policy-gradient baseline of each group (docs/staleness.md, "Off-policy optimal baseline"):
+    # "group_mean" (GRPO's mean reward); "opob" = VCPO's off-policy optimal baseline
+    # sum W R / sum W with W_i = ||g_i||^2, g_i trajectory i's weighted score gradient (one backward
+    # per trajectory, streamed exactly); "opob_released" = the released code's W_i (IS weight twice).
+    vcpo_baseline: Literal["group_mean", "opob", "opob_released"] = "group_mean"
 
 
 class BufferConfig(_Section, frozen=True, kw_only=True):
@@ -351,6 +454,11 @@ class WeightsConfig(_Section, frozen=True, kw_only=True):
     # broadcast: also write shards after each broadcast, so a generator that joins late catches up.
     catchup_shards: bool = True
     group_timeout_s: PosFloat = 300.0  # broadcast: rendezvous and collective timeout
+    # broadcast on CPU (gloo): how generators on the learner's host get the bytes. "shm": through a
+    # shared-memory ring (two memcpys that overlap), falling back to gloo where it cannot be set up;
+    # "gloo": gloo's point-to-point sends, one loopback TCP stream each. Generators on other hosts
+    # always take gloo, NCCL groups NCCL. docs/weights.md, "Speed".
+    broadcast_local: Literal["shm", "gloo"] = "shm"
     # Weights that land mid-generation: keep (continue on the KV cache), retract (recompute the
     # prefix under the new weights, then continue), abort (restart unfinished samples).
     inflight: Literal["keep", "retract", "abort"] = "keep"

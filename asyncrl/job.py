@@ -103,11 +103,12 @@ def load_task(config: Config, path: Path) -> tuple[Task, Any, dict[str, int]]:
     """The run's task and tokenizer, prepared (every prompt rendered and checked once) before
     any process starts: bad data fails here, with one line."""
     from asyncrl.models.hf import load_tokenizer
-    from asyncrl.tasks.base import make_task, prepare_task
+    from asyncrl.tasks.base import check_privileged, make_task, prepare_task
 
     task = make_task(config.task)
     tokenizer = load_tokenizer(path)
     stats = prepare_task(task, tokenizer, groups_per_step=config.learner.groups_per_step)
+    check_privileged(task, config.opd, tokenizer)  # self-distillation: the task builds privileged prompts
     return task, tokenizer, stats
 
 

@@ -34,6 +34,7 @@ import torch
 
 from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
 from asyncrl.learner.cores import resolve_threads
+from asyncrl.learner.replay import ScheduleRecorder
 from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import StepResult, Trainer
 from asyncrl.models.policy import PolicyLM
@@ -102,14 +103,17 @@ def config_gradient_mode(config) -> str:
 
 def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
     from asyncrl.config import check_staleness_policy
+    from asyncrl.config_objective import check_objective_config
     from asyncrl.learner.objective import Objective
 
     lrn = config.learner
+    policy = check_staleness_policy(config.staleness)
+    check_objective_config(config, policy)  # also at load; here for a config that skipped it
     objective = Objective.from_config(config)
     return Trainer(
         actor,
         objective,
-        check_staleness_policy(config.staleness),
+        policy,
         lr=lrn.lr,
         optimizer=lrn.optimizer,
         weight_decay=lrn.weight_decay,
@@ -156,6 +160,7 @@ class StepLoop:
         before_update: Callable[[], Awaitable[None]] | None = None,
         min_chunk: int = 1,
         chunking: ChunkChoice | None = None,
+        recorder: ScheduleRecorder | None = None,
     ) -> None:
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
@@ -181,6 +186,8 @@ class StepLoop:
         self.idle_s = 0.0
         self.busy_s = 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-compute")
+        # run.record_schedule: each step's offers, work calls and threads, for `asyncrl replay`.
+        self.recorder = recorder
 
     def add(self, step: int, sample: TrainSample) -> None:
         """Loop thread: a validated, deduplicated trajectory of `step` arrived."""
@@ -256,6 +263,8 @@ class StepLoop:
         trainer.begin_step(step, window_groups=expected // trainer.group_size)
         self.taken_step, self.taken = step, []
         whole_window = self.sink is not None or bool(trainer.fallback)
+        threads = trainer.active_threads if self.recorder is not None else 0
+        calls: list[int] = []  # the offered count at each `work()` call (the replay schedule)
         min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
         begin = time.perf_counter()
         offered = 0
@@ -283,6 +292,7 @@ class StepLoop:
                     or expected - offered < min_chunk
                 ):
                     draining = True
+                    calls.append(offered)
                     if await self._busy(trainer.work):
                         continue
                 draining = False
@@ -294,6 +304,15 @@ class StepLoop:
         if self.before_update is not None:
             await self.before_update()
         result = await self._busy(trainer.finish_step)
+        if self.recorder is not None:
+            await asyncio.to_thread(
+                self.recorder.write,
+                step,
+                samples=self.taken,
+                calls=calls,
+                whole=whole_window,
+                threads=threads,
+            )
         if self.chunking is not None and (choice := self.chunking.observe(time.perf_counter() - begin)):
             log.info("%s", choice)
             self.note = choice

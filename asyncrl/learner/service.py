@@ -42,6 +42,7 @@ from asyncrl.learner.ranks import (
     keep_before_fault,
     publish_state,
 )
+from asyncrl.learner.replay import ScheduleRecorder
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
 from asyncrl.messages import Evaluated, GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
@@ -71,6 +72,10 @@ class LearnerService:
         self.seen: set[int] = set()
         self.num_duplicates = 0
         self.num_invalid = 0
+        # Self-distillation (opd.teacher = "self"): the teacher's staleness, version trained at
+        # (its step, or later) minus Trajectory.teacher_version, of the trajectories received
+        # since the last report.
+        self.teacher_staleness: list[int] = []
         self.restored: set[int] = set()  # traj ids put back from the checkpoint on resume
         self.num_regenerated = 0  # re-admitted copies of restored trajectories, dropped
         self.start_version = int(ctx.extra.get("resume_version", "0"))
@@ -114,6 +119,7 @@ class LearnerService:
                     if self.cfg.min_chunk == "auto" and self.trainer.streams_per_trajectory
                     else None
                 ),
+                recorder=ScheduleRecorder(self.ctx.run_dir) if cfg.run.record_schedule else None,
             )
         )
         if is_wrapped(self.cfg):
@@ -168,6 +174,8 @@ class LearnerService:
             log.error("learner: trajectory %d rejected: %s", msg.traj_id, problem)
             return
         self.seen.add(msg.traj_id)
+        if msg.teacher_version is not None:
+            self.teacher_staleness.append(max(self.version, msg.step) - msg.teacher_version)
         if self.ranks is not None:
             await self.ranks.forward(msg, tensors)  # every rank sees every trajectory, in this order
         self.loop.add(msg.step, sample_from_message(msg, tensors))
@@ -312,9 +320,20 @@ class LearnerService:
                     "buffer/held_trajectories": float(held),
                     "buffer/held_windows": float(windows),
                     **loop.metrics(),
+                    **self.teacher_metrics(),
                 },
             )
         )
+
+    def teacher_metrics(self) -> dict[str, float]:
+        """`opd/teacher_staleness_{mean,max}` since the last report (self-distillation only)."""
+        lags, self.teacher_staleness = self.teacher_staleness, []
+        if not lags:
+            return {}
+        return {
+            "opd/teacher_staleness_mean": sum(lags) / len(lags),
+            "opd/teacher_staleness_max": float(max(lags)),
+        }
 
     def evaluate(self) -> tuple[float, float]:
         """(greedy held-out accuracy of the model as it is now, seconds): the launcher's

@@ -14,7 +14,9 @@ with none serving it waits in the re-queue. Every choice is recorded before the 
 send, so a generator restarted meanwhile is never picked and its tasks are re-queued exactly once.
 
 Prompts come from the task seam (`asyncrl/tasks/base.py`): group j is `task.train_problem(j)`,
-rendered to token ids by `task.render`, a whole dispatch in one call.
+rendered to token ids by `task.render`, a whole dispatch in one call; with `privileged`
+(self-distillation, opd.teacher = "self") also by `task.privileged_render`, for the policy to
+score its completions under (`PromptTask.privileged_ids`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Dispatcher:
         sampling: SamplingParams,
         max_staleness: int,
         tokenizer: Any = None,
+        privileged: bool = False,
     ) -> None:
         self.book = book
         self.mode = mode
@@ -56,15 +59,41 @@ class Dispatcher:
         self.sampling = sampling
         self.max_staleness = max_staleness
         self.tokenizer = tokenizer  # set before the first admission (the launcher loads it)
+        self.privileged = privileged  # PromptTasks carry privileged prompts (opd.teacher = "self")
         self.outstanding: dict[str, int] = {}  # serving generator -> tasks sent and not done
+        # The staleness bound in force when each open task was admitted (it moves with
+        # staleness.max_staleness = "auto"): a re-queued task is sent again only within it.
+        self.admitted_bound: dict[int, int] = {}
+
+    @classmethod
+    def for_run(
+        cls, config, *, book: TaskBook, mode: AdmissionMode, task: Task, tokenizer: Any
+    ) -> Dispatcher:
+        """The launcher's dispatcher: the config's sampling and bound."""
+        s = config.sampling
+        return cls(
+            book=book,
+            mode=mode,
+            task=task,
+            sampling=SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_new_tokens=s.max_new_tokens,
+                ignore_eos=s.ignore_eos,
+            ),
+            max_staleness=config.effective_max_staleness,
+            tokenizer=tokenizer,
+            privileged=config.opd.enabled and config.opd.teacher == "self",
+        )
 
     def plan(self, *, loaded_version: int, serving: Sequence[str]) -> Plan:
         """Re-queued tasks that fit the bound, then the groups admitted at `loaded_version` (the
         oldest version a serving generator holds), each assigned to one of `serving`."""
-        max_step = loaded_version + self.max_staleness
         book = self.book
         tasks = []
-        while book.requeued and book.open[book.requeued[0]].step <= max_step:
+        while book.requeued and book.open[book.requeued[0]].step <= loaded_version + self.bound_of(
+            book.requeued[0]
+        ):
             tasks.append(book.pop_requeued())
         admitted = self.admit(self.mode.admit(loaded_version), loaded_version=loaded_version)
         return Plan(self.assign([*tasks, *admitted], serving), len(admitted))
@@ -75,8 +104,11 @@ class Dispatcher:
             return []
         problems = [self.task.train_problem(j) for j in groups]
         prompt_ids = self.task.render(problems, self.tokenizer)
+        privileged: list[list[int]] = [[] for _ in problems]
+        if self.privileged:
+            privileged = self.task.privileged_render(problems, self.tokenizer)  # type: ignore[attr-defined]
         tasks = []
-        for j, problem, ids in zip(groups, problems, prompt_ids, strict=True):
+        for j, problem, ids, privileged_ids in zip(groups, problems, prompt_ids, privileged, strict=True):
             task = PromptTask(
                 task_id=j,
                 group_id=j,
@@ -87,10 +119,17 @@ class Dispatcher:
                 step=self.mode.task_step(j, loaded_version=loaded_version),
                 answer=problem.answer,
                 extras=dict(problem.extras),
+                privileged_ids=privileged_ids,
             )
             self.book.admit(task)
+            self.admitted_bound[j] = self.mode.admission.max_staleness
             tasks.append(task)
         return tasks
+
+    def bound_of(self, task_id: int) -> int:
+        """The bound a task may be generated within: the one it was admitted under (a task
+        re-admitted on resume: the configured one)."""
+        return self.admitted_bound.get(task_id, self.max_staleness)
 
     def assign(self, tasks: Sequence[PromptTask], serving: Sequence[str]) -> dict[str, list[PromptTask]]:
         """Each task to the serving generator with the fewest outstanding tasks; with none
@@ -110,6 +149,7 @@ class Dispatcher:
         """TaskDone from `peer`; ValueError (nothing changed) if the task is not in flight there."""
         task = self.book.done(task_id, peer)
         self.outstanding[peer] -= 1
+        self.admitted_bound.pop(task_id, None)
         return task
 
     def generator_failed(self, peer: str) -> list[int]:

@@ -103,7 +103,11 @@ class WindowMode:
         if self.control is None:
             return ""
         signal = Signal.from_step(
-            step=msg.step, step_s=msg.step_s, idle_s=msg.idle_s, clip_fraction=msg.clip_fraction, stats=msg.stats
+            step=msg.step,
+            step_s=msg.step_s,
+            idle_s=msg.idle_s,
+            clip_fraction=msg.clip_fraction,
+            stats=msg.stats,
         )
         decision = self.control.observe(signal)
         if decision is None:

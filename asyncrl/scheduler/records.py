@@ -23,7 +23,7 @@ from typing import Protocol
 import msgspec
 
 from asyncrl.config import Config
-from asyncrl.messages import LauncherSnapshot, TaskDone
+from asyncrl.messages import LauncherSnapshot, StepDone, TaskDone
 from asyncrl.scheduler.lengths import LengthTally
 from asyncrl.scheduler.modes import AdmissionMode
 
@@ -70,6 +70,38 @@ class RunState:
     def progressed(self, what: str) -> None:
         self.last_progress = time.monotonic()
         self.last_progress_what = what
+
+    def task_done(self, msg: TaskDone, peer_id: str) -> None:
+        """A generator finished a group: its counts, lengths and rewards."""
+        self.groups_in_flight -= 1
+        self.trajectories_generated += msg.num_trajectories
+        self.tokens_generated += msg.num_tokens
+        self.progressed(f"TaskDone of group {msg.task_id} from {peer_id}")
+        self.lengths.generated(msg.task_id, tokens=msg.num_tokens, samples=msg.num_trajectories)
+        self.rewards_tally.add(msg)
+
+    def step_done(self, msg: StepDone) -> dict:
+        """The learner finished a step: the state moves on; returns the step's metrics record
+        (the StepDone, the rewards' running means, samples/s, the completion lengths since the
+        last step)."""
+        self.step = msg.step + 1
+        self.policy_version = msg.version
+        self.trajectories_trained += msg.num_trajectories
+        self.steps_skipped_nonfinite += int(msg.skipped_nonfinite)
+        self.max_staleness = max(self.max_staleness, msg.max_staleness)
+        self.last_reward = msg.mean_reward
+        self.last_loss = msg.loss
+        self.last_clip_fraction = msg.clip_fraction
+        self.rewards.append(msg.mean_reward)
+        self.progressed(f"StepDone {msg.step}")
+        record = msgspec.to_builtins(msg)
+        if self.rewards_tally.sums:  # each reward's running mean (task.rewards)
+            record["rewards"] = self.rewards_tally.means()
+        record["samples_per_s"] = self.trajectories_trained / max(1e-9, self.elapsed_s)
+        self.lengths.trained(tokens=msg.num_tokens, samples=msg.num_trajectories)
+        # Mean completion lengths since the last step, and of how many samples.
+        record["lengths"], record["length_samples"] = self.lengths.step_record()
+        return record
 
 
 @dataclass

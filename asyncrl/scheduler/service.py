@@ -53,7 +53,6 @@ from asyncrl.messages import (
     LauncherSnapshot,
     Metrics,
     PromptTasks,
-    SamplingParams,
     Shutdown,
     StepDone,
     TaskDone,
@@ -71,8 +70,8 @@ from asyncrl.scheduler.remote import JoinDesk
 from asyncrl.scheduler.spawner import ForkSpawner, JoinSpawner, LocalSpawner, Spawner
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
 from asyncrl.scheduler.tasks import TaskBook, stall_reason
-from asyncrl.scheduler.workers import Workers
-from asyncrl.tasks.base import Task, make_task, prepare_task
+from asyncrl.scheduler.workers import TEACHER_PEER, Workers
+from asyncrl.tasks.base import Task, check_privileged, make_task, prepare_task
 from asyncrl.transport import security, zap
 from asyncrl.transport.zmq_io import Endpoint
 
@@ -144,22 +143,14 @@ class Launcher:
         )
         self.book.num_steps_trained = resume_version
         self.state.step = self.state.policy_version = resume_version
-        s = config.sampling
-        self.dispatcher = Dispatcher(
-            book=self.book,
-            mode=self.mode,
-            task=self.task,
-            sampling=SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_new_tokens=s.max_new_tokens,
-                ignore_eos=s.ignore_eos,
-            ),
-            max_staleness=config.effective_max_staleness,
+        self.dispatcher = Dispatcher.for_run(
+            config, book=self.book, mode=self.mode, task=self.task, tokenizer=tokenizer
         )
-        self.dispatcher.tokenizer = tokenizer
         self.last_published: WeightsPublished | None = None
         self.ctrl_address = ""
+        # opd.placement = "service": the shared teacher's worker and the address it scores on.
+        self.teacher: Child | None = None
+        self.teacher_endpoint = ""
         self.rejected_by_reason: dict[str, int] = {}
         self.learner_endpoint = ""
         # The learner's held-out evaluations (`Config.evaluates_in_learner`): phase -> (accuracy, means).
@@ -191,6 +182,8 @@ class Launcher:
     # ------------------------------------------------------------------ workers
     def spawn_generator(self, inc: Incarnation) -> Child:
         extra = {"model": str(self.model_path), "data": self.learner_endpoint, "index": str(inc.index)}
+        if self.teacher_endpoint:
+            extra["teacher"] = self.teacher_endpoint
         child = self.workers.spawn(inc.peer_id, "generator", ctrl_address=self.ctrl_address, extra=extra)
         child.slot = inc.slot
         return child
@@ -370,7 +363,9 @@ class Launcher:
                 if child.ready:
                     raise ValueError(f"{peer} said Hello twice")
                 child.ready = True
-                if is_learner:
+                if child.role == "teacher":
+                    self.teacher_endpoint = msg.endpoint
+                elif is_learner:
                     self.learner_endpoint = msg.endpoint
                     if msg.note:
                         self.records.event(msg.note)
@@ -411,6 +406,7 @@ class Launcher:
                 self.on_step_done(msg)
             case GroupsLeft() if is_learner:
                 self.mode.on_groups_left(self.book, msg)  # ValueError when not in pool mode
+                self.state.lengths.evicted(msg.evicted)
                 self.records.write("left", msgspec.to_builtins(msg))
                 await self.dispatch(ctrl)
             case Metrics():
@@ -419,7 +415,6 @@ class Launcher:
             case Heartbeat():
                 pass
             case Fatal():
-                self.state.lengths.evicted(msg.evicted)
                 # The traceback is in the worker's log; the user gets the reason and where to look.
                 if is_learner:
                     self.fail(f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})")
@@ -427,25 +422,20 @@ class Launcher:
                     # Supervision kills it if it has not exited, and restarts it (or, past its
                     # budget, ends the run).
                     child.last_error = f"{msg.error} (details: {child.log_path})"
-                    self.records.event(f"generator {peer} failed: {msg.error}")
+                    self.records.event(f"{child.role} {peer} failed: {msg.error}")
             case _:
                 raise ValueError(f"{type(msg).__name__} from {child.role} {peer} is not expected")
 
     def on_task_done(self, child: Child, msg: TaskDone) -> None:
         self.dispatcher.done(msg.task_id, child.peer_id)
-        self.state.groups_in_flight -= 1
-        self.state.trajectories_generated += msg.num_trajectories
-        self.state.tokens_generated += msg.num_tokens
-        self.state.progressed(f"TaskDone of group {msg.task_id} from {child.peer_id}")
-        tally = self.state.rewards_tally
-        tally.add(msg)
+        self.state.task_done(msg, child.peer_id)
         self.records.write("task", msgspec.to_builtins(msg))
         scoring = self.cfg.task.scoring
+        tally = self.state.rewards_tally
         if reason := tally.over_budget(scoring.failure_budget, scoring.failure_budget_min_samples):
             self.fail(reason)
 
     def check_stalled(self) -> None:
-        self.state.lengths.generated(msg.task_id, tokens=msg.num_tokens, samples=msg.num_trajectories)
         """No silent stalls (`tasks.stall_reason`): the run stops, resumably, naming what it waits for."""
         live = [inc.peer_id for inc in self.pool.live()]
         timeout_s = self.cfg.monitor.stall_timeout_s
@@ -455,32 +445,15 @@ class Launcher:
             )
 
     def on_step_done(self, msg: StepDone) -> None:
-        st = self.state
-        st.step = msg.step + 1
-        st.policy_version = msg.version
-        st.trajectories_trained += msg.num_trajectories
-        st.steps_skipped_nonfinite += int(msg.skipped_nonfinite)
-        st.max_staleness = max(st.max_staleness, msg.max_staleness)
-        st.last_reward = msg.mean_reward
-        st.last_loss = msg.loss
-        st.last_clip_fraction = msg.clip_fraction
-        st.rewards.append(msg.mean_reward)
-        st.progressed(f"StepDone {msg.step}")
-        record = msgspec.to_builtins(msg)
-        if st.rewards_tally.sums:  # each reward's running mean (task.rewards)
-            record["rewards"] = st.rewards_tally.means()
-        record["samples_per_s"] = st.trajectories_trained / max(1e-9, st.elapsed_s)
+        record = self.state.step_done(msg)
         decision = self.mode.on_step_done(self.book, msg)
         # The bound admission applies from now on (staleness.max_staleness = "auto" moves it).
-        st.max_staleness_bound = record["staleness_bound"] = self.mode.admission.max_staleness
+        self.state.max_staleness_bound = record["staleness_bound"] = self.mode.admission.max_staleness
         self.records.write("step", record)
         for note in (msg.note, decision):
             if note:
                 self.records.event(note)
         total_steps = self.cfg.learner.steps
-        st.lengths.trained(tokens=msg.num_tokens, samples=msg.num_trajectories)
-        # Mean completion lengths since the last step, and of how many samples.
-        record["lengths"], record["length_samples"] = st.lengths.step_record()
         if msg.step + 1 >= total_steps:
             self.finished.set()
         if checkpoint_due(
@@ -522,6 +495,7 @@ class Launcher:
                 self.task, self.dispatcher.tokenizer, groups_per_step=self.cfg.learner.groups_per_step
             )
             self.task_prepared = True
+            check_privileged(self.task, self.cfg.opd, self.dispatcher.tokenizer)
         if self.resume_version:
             self.readmit_checkpointed()
         loop = asyncio.get_running_loop()
@@ -547,6 +521,13 @@ class Launcher:
             # From here on events and `launcher` snapshots are records; the monitor gets them all.
             self.records.open(self.open_stream(zctx) if self.open_stream is not None else None)
             self.set_phase("starting learner")
+            if self.cfg.opd.enabled and self.cfg.opd.placement == "service":  # first: generators need it
+                self.teacher = self.workers.spawn(
+                    TEACHER_PEER,
+                    "teacher",
+                    ctrl_address=self.ctrl_address,
+                    extra={"model": str(self.model_path)},
+                )
             learner_extra = {
                 "model": str(self.model_path),
                 "generators": ",".join(self.generator_ids),
@@ -562,8 +543,14 @@ class Launcher:
                 )
             startup_s = self.cfg.learner.startup_timeout_s
             # The generators start with the learner (imports and model loads overlap); they get the
-            # learner's endpoint once it says Hello.
-            for g in self.generator_ids:
+            # learner's endpoint once it says Hello, and the shared teacher's on their command line.
+            if self.teacher is not None and not await inbox.wait_until(
+                lambda: self.teacher.ready, timeout_s=STARTUP_TIMEOUT_S
+            ):
+                self.fail(
+                    f"the OPD teacher did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.teacher.log_path}"
+                )
+            for g in [] if self.finished.is_set() else self.generator_ids:
                 self.spawn_generator(self.pool.start(g))
             if not await inbox.wait_until(lambda: learner.ready, timeout_s=startup_s):
                 self.fail(

@@ -88,3 +88,17 @@ def test_a_cpu_listed_twice_is_refused():
     with pytest.raises(ConfigError, match=r"learner\.cpus = \[0, 0\] lists a CPU twice"):
         load_config(overrides=["learner.cpus=[0, 0]"])
     assert load_config(overrides=["generators.cpus=[0]"]).generators.cpus == [0]
+
+
+def test_auto_batch_groups_share_one_step_between_the_generators():
+    cfg = load_config(overrides=["generators.max_batch_groups=auto", "generators.num_generators=3"])
+    assert cfg.batch_groups == 11  # ceil(32 / 3)
+    assert load_config(overrides=["generators.max_batch_groups=5"]).batch_groups == 5
+
+
+def test_auto_staleness_bound_asserts_its_cap_and_refuses_pool_mode():
+    cfg = load_config(overrides=["staleness.max_staleness=auto", "staleness.max_staleness_cap=3"])
+    assert cfg.auto_staleness and cfg.effective_max_staleness == 3
+    assert load_config(overrides=["staleness.max_staleness=auto", "mode=sync"]).effective_max_staleness == 0
+    with pytest.raises(ConfigError, match="staleness.max_staleness = 'auto'.*pool"):
+        load_config(overrides=["staleness.max_staleness=auto", "buffer.mode=pool"])

@@ -171,3 +171,22 @@ def step_done(step: int, *, trained: list[int] | None = None) -> StepDone:
         idle_s=0.0,
         groups_trained=trained or [],
     )
+
+
+def test_a_requeued_task_keeps_the_bound_it_was_admitted_under():
+    """staleness.max_staleness = "auto": a task admitted under bound 0 and re-queued (its
+    generator died) is sent again only within 0, also after the bound rose to 2."""
+    from asyncrl.scheduler.control import ControlSettings, StalenessController
+
+    control = StalenessController(ControlSettings(cap=3, start=0))
+    mode = WindowMode(groups_per_step=B, max_staleness=3, total_steps=STEPS, control=control)
+    d = dispatcher(mode)
+    mode.admission.num_admitted = 2 * B  # steps 0 and 1 trained
+    plan = d.plan(loaded_version=2, serving=["a"])  # bound 0 at version 2: step 2's groups
+    assert ids(plan.by_peer) == {"a": [4, 5]} and d.bound_of(4) == 0
+    mode.admission.max_staleness = 2  # the controller raised the bound
+    assert d.generator_failed("a") == [4, 5]
+    # A generator serving an older version (1): step 2 is within the new bound, not within 0.
+    sent = ids(d.plan(loaded_version=1, serving=["b"]).by_peer)["b"]
+    assert 4 not in sent and 5 not in sent and list(d.book.requeued) == [4, 5]
+    assert ids(d.plan(loaded_version=2, serving=["b"]).by_peer)["b"][:2] == [4, 5]

@@ -4,7 +4,8 @@
           __main__
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
-  leaves  messages, config, config_sections, lint,  leaves only
+  leaves  messages, config, config_sections,        leaves only
+          config_objective, lint,
           plugins, lazy, tasks, rewards,
           kernels, staleness, buffer, models
 
@@ -34,6 +35,7 @@ LEAVES = frozenset(
         "messages",
         "config",
         "config_sections",
+        "config_objective",
         "lint",
         "plugins",
         "lazy",
