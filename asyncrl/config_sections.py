@@ -400,7 +400,7 @@ class OpdConfig(_Section, frozen=True, kw_only=True):
 
 class StalenessConfig(_Section, frozen=True, kw_only=True):
     # Versions between the token's policy and the step that trains on it, at most. "auto": the
-    # launcher moves the bound between 0 and max_staleness_cap from the learner's idle time and
+    # launcher moves the bound between 1 and max_staleness_cap from the learner's idle time and
     # the off-policy signal (scheduler/control.py, docs/safety.md "Closed-loop staleness").
     max_staleness: NonNegInt | Literal["auto"] = 2
     max_staleness_cap: NonNegInt = 4  # "auto": the hard cap (asserted where tokens are trained)

@@ -2,7 +2,8 @@
 the same job in the same run (bench/README.md, "Closed-loop staleness").
 
 Variants: `staleness.max_staleness = K` for each K of `--bounds` (default 0 1 2 4), and "auto"
-(with `staleness.max_staleness_cap` = the largest K). Every repeat runs them all, the order rotated
+(`staleness.max_staleness = "auto"` with `staleness.max_staleness_cap` = the largest K, and
+`generators.max_batch_groups = "auto"`); a `--set` applies to all of them. Every repeat runs them all, the order rotated
 by one each repeat. Figures per run, as `asyncrl bench baseline` defines them: training-phase
 samples/s and held-out accuracy after training. Reported: each variant's medians, the best fixed
 bound (highest median samples/s), `auto_vs_best` (auto's median over the best's) and
@@ -28,8 +29,12 @@ def variant_name(bound: int | str) -> str:
 
 
 def variant_sets(bound: int | str, *, cap: int) -> list[str]:
-    if bound == AUTO:
-        return ["staleness.max_staleness=auto", f"staleness.max_staleness_cap={cap}"]
+    if bound == AUTO:  # both closed-loop knobs
+        return [
+            "staleness.max_staleness=auto",
+            f"staleness.max_staleness_cap={cap}",
+            "generators.max_batch_groups=auto",
+        ]
     return [f"staleness.max_staleness={bound}"]
 
 

@@ -190,6 +190,7 @@ def make_mode(config: Config, *, resume_version: int = 0) -> AdmissionMode:
 
 
 def control_settings(config: Config) -> ControlSettings:
-    """The closed-loop bound's settings: from 1 (or the cap, if lower) within [0, cap]."""
+    """The closed-loop bound's settings: from 1 within [1, cap] (0 is `mode = "sync"`, a choice of
+    its own: the controller keeps the pipeline overlapped); a cap of 0 pins it at 0."""
     cap = config.effective_max_staleness
-    return ControlSettings(cap=cap, start=min(1, cap))
+    return ControlSettings(cap=cap, start=min(1, cap), floor=min(1, cap))

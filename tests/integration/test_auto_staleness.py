@@ -1,5 +1,5 @@
 """`staleness.max_staleness = "auto"` in a real run: the bound in force is on every step record,
-moves only within [0, cap], every trained token stays within the cap (the learner asserts it),
+moves only within [1, cap], every trained token stays within the cap (the learner asserts it),
 and each move is a run event with the signal that caused it."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_auto_bound_runs_within_its_cap(tiny_model_dir, tmp_path):
     records = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["type"] == "step"]
     bounds = [r["staleness_bound"] for r in steps]
-    assert len(bounds) == 8 and all(0 <= b <= cap for b in bounds)
+    assert len(bounds) == 8 and all(1 <= b <= cap for b in bounds)  # 0 would be mode = "sync"
     moves = [r["text"] for r in records if r["type"] == "event" and "staleness bound" in r.get("text", "")]
     changes = sum(a != b for a, b in zip([1, *bounds[:-1]], bounds, strict=True))  # the bound starts at 1
     assert len(moves) == changes

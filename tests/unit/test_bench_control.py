@@ -27,7 +27,11 @@ def test_summary_picks_the_best_fixed_bound_and_compares_auto_with_it():
 
 
 def test_variants_and_order():
-    assert variant_sets("auto", cap=4) == ["staleness.max_staleness=auto", "staleness.max_staleness_cap=4"]
+    assert variant_sets("auto", cap=4) == [
+        "staleness.max_staleness=auto",
+        "staleness.max_staleness_cap=4",
+        "generators.max_batch_groups=auto",
+    ]
     assert variant_sets(1, cap=4) == ["staleness.max_staleness=1"]
     assert rotated([0, 1, "auto"], 1) == [1, "auto", 0]
     assert math.isnan(summarize([{"k0": _fig(0, 0.5), "auto": _fig(1, 0.5)}], [0])["auto_vs_best"])
