@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -275,8 +275,8 @@ from asyncrl.generators.torch_gen import TorchGenerator
 class GatedGenerator(TorchGenerator):
     async def generate(self, tasks):
         gate = Path(os.environ["ASYNCRL_TEST_GATE"])
-        while any(t.group_id >= 4 for t in tasks) and not gate.exists():
-            await asyncio.sleep(0.05)  # a file the test never creates: the run cannot finish
+        if any(t.group_id >= 4 for t in tasks) and not gate.exists():
+            await asyncio.Event().wait()  # never set (the test opens no gate): the run cannot finish
         return await super().generate(tasks)
 """
 
@@ -297,31 +297,28 @@ def test_a_teacher_killed_mid_run_stops_the_run_naming_it(tiny_model_dir, teache
         name="t",
     )
     run_dir = tmp_path / "t"
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pid = None
     try:
-        deadline = time.monotonic() + 150
-        pid = None
-        while time.monotonic() < deadline and proc.poll() is None:  # progress, read from the run's records
-            if (run_dir / "metrics.jsonl").is_file():
-                records = read_records(run_dir)
-                done = [r for r in records if r["type"] == "task"]
-                spawned = [r for r in records if r["type"] == "spawn" and r["peer_id"] == "opd-teacher"]
-                if done and spawned:
-                    pid = spawned[0]["pid"]
-                    break
-            time.sleep(0.1)  # polling the records file; nothing to wait on
-        assert pid is not None, "the teacher never served a group"
+        # Readiness by message: the launcher prints "started <peer> (pid N)" and a line per step;
+        # step 1 is the last one the gate lets through, so by then the teacher has served groups.
+        for line in proc.stdout:
+            if m := re.search(r"started opd-teacher \(pid (\d+)\)", line):
+                pid = int(m.group(1))
+            if line.startswith("step 1/"):
+                break
+        assert pid is not None, "the teacher never started"
         # This run's teacher: its output goes to the run's log of it (a forked worker's command
         # line is the fork server's).
         assert Path(os.readlink(f"/proc/{pid}/fd/1")) == (run_dir / "logs" / "opd-teacher.log").resolve()
         os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=120)
+        out = proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 1, out + err
-    assert "teacher opd-teacher exited with code -9" in err
+    assert proc.returncode == 1, out
+    assert "teacher opd-teacher exited with code -9" in out
     assert not pid_alive(pid)
     for record in read_records(run_dir, "spawn"):
         assert not pid_alive(record["pid"]), f"{record['peer_id']} outlived the run"
