@@ -37,8 +37,14 @@ class _Mean:
 class LengthTally:
     KINDS = ("generated", "trained", "evicted")
 
-    def __init__(self) -> None:
-        self.groups: dict[int, tuple[int, int]] = {}  # group -> (tokens, samples) as generated
+    def __init__(self, *, tracks_groups: bool = False) -> None:
+        # Pool mode: group -> (tokens, samples) as generated, until it leaves the buffer (the
+        # launcher `forget`s it): what an eviction is counted with. Window mode evicts nothing.
+        self.groups: dict[int, tuple[int, int]] = {}
+        self.tracks_groups = tracks_groups
+        # Evicted before their TaskDone arrived (the learner's GroupsLeft and a generator's
+        # TaskDone travel on different sockets): counted when it does.
+        self.evicted_early: set[int] = set()
         self.run = {k: _Mean() for k in self.KINDS}
         self.since_step = {k: _Mean() for k in self.KINDS}
 
@@ -47,7 +53,11 @@ class LengthTally:
         self.since_step[kind].add(tokens, samples)
 
     def generated(self, group_id: int, *, tokens: int, samples: int) -> None:
-        self.groups[group_id] = (tokens, samples)
+        if group_id in self.evicted_early:
+            self.evicted_early.discard(group_id)
+            self._add("evicted", tokens, samples)
+        elif self.tracks_groups:
+            self.groups[group_id] = (tokens, samples)
         self._add("generated", tokens, samples)
 
     def trained(self, *, tokens: int, samples: int) -> None:
@@ -56,8 +66,15 @@ class LengthTally:
     def evicted(self, by_reason: Mapping[str, Iterable[int]]) -> None:
         for groups in by_reason.values():
             for group in groups:
-                tokens, samples = self.groups.get(group, (0, 0))
-                self._add("evicted", tokens, samples)
+                if group in self.groups:
+                    self._add("evicted", *self.groups[group])
+                else:
+                    self.evicted_early.add(group)
+
+    def forget(self, groups: Iterable[int]) -> None:
+        """Groups that left the buffer for good (GroupsLeft.released, after `evicted`)."""
+        for group in groups:
+            self.groups.pop(group, None)
 
     def step_record(self) -> tuple[dict[str, float | None], dict[str, int]]:
         """(means, sample counts) since the previous call (mean None where nothing happened),

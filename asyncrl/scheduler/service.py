@@ -126,6 +126,7 @@ class Launcher:
         self.state = RunState(
             total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness
         )
+        self.state.lengths.tracks_groups = config.buffer.mode == "pool"  # only the pool evicts
         self.task = task if task is not None else make_task(config.task)
         check_privileged(self.task, config.opd, tokenizer)  # opd.teacher = "self": before any process
         self.task_prepared = task is not None
@@ -407,6 +408,7 @@ class Launcher:
             case GroupsLeft() if is_learner:
                 self.mode.on_groups_left(self.book, msg)  # ValueError when not in pool mode
                 self.state.lengths.evicted(msg.evicted)
+                self.state.lengths.forget(msg.released)
                 self.records.write("left", msgspec.to_builtins(msg))
                 await self.dispatch(ctrl)
             case Metrics():

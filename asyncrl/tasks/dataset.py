@@ -156,21 +156,21 @@ def table_rows(table: Table, dataset: Any, *, use_messages: bool, solution_field
             )
         answer = ""
         if answers is not None:
-            raw = answers[k]
-            answer = _answer_text(raw)
-            if answer is None and raw is not None:
-                raise ValueError(
-                    f"{where}: the answer {dataset.answer_field!r} (task.dataset.answer_field) must be a "
-                    f"string or a number, got {describe_type(raw)}. Fix the row"
-                )
-            if not answer or not answer.strip():
-                raise ValueError(
-                    f"{where}: the answer {dataset.answer_field!r} (task.dataset.answer_field) is "
-                    f"{'null or missing' if raw is None else 'empty'}; fix or remove the row (or set "
-                    'task.dataset.answer_field = "" when your rewards need no answer)'
-                )
+            answer = _text_cell(
+                answers[k],
+                where,
+                f"the answer {dataset.answer_field!r} (task.dataset.answer_field)",
+                'fix or remove the row (or set task.dataset.answer_field = "" when your rewards need no answer)',
+            )
         extras = {name: column[k] for name, column in extra_columns}
-        solution = None if solutions is None else _solution(solutions[k], where, solution_field)
+        solution = None
+        if solutions is not None:
+            solution = _text_cell(
+                solutions[k],
+                where,
+                f"the solution {solution_field!r} (task.dataset.solution_field)",
+                "self-distillation needs every row's solution: fix or remove the row",
+            )
         rows.append(
             Row(
                 prompt=prompt, answer=answer, extras=extras, messages=messages, where=where, solution=solution
@@ -179,20 +179,16 @@ def table_rows(table: Table, dataset: Any, *, use_messages: bool, solution_field
     return rows
 
 
-def _solution(raw: Any, where: str, field: str) -> str:
-    """A row's worked solution as text; ValueError naming the row when it is missing or not text."""
+def _text_cell(raw: Any, where: str, what: str, fix: str) -> str:
+    """An answer or solution cell as text; ValueError naming the row when it is missing, empty or
+    not a string or number (`what` names the field and its key, `fix` what to do when empty)."""
     text = _answer_text(raw)
     if text is None and raw is not None:
         raise ValueError(
-            f"{where}: the solution {field!r} (task.dataset.solution_field) must be a string or a number, "
-            f"got {describe_type(raw)}. Fix the row"
+            f"{where}: {what} must be a string or a number, got {describe_type(raw)}. Fix the row"
         )
     if not text or not text.strip():
-        raise ValueError(
-            f"{where}: the solution {field!r} (task.dataset.solution_field) is "
-            f"{'null or missing' if raw is None else 'empty'}; self-distillation needs every row's "
-            "solution: fix or remove the row"
-        )
+        raise ValueError(f"{where}: {what} is {'null or missing' if raw is None else 'empty'}; {fix}")
     return text
 
 

@@ -54,6 +54,15 @@ def test_pool_job_accounts_for_every_sample(run_short_job, case):
             evicted.setdefault(reason, []).extend(groups)
     assert not set(first_uses) & {g for gs in evicted.values() for g in gs}  # dropped = never trained
     assert summary["evicted_by_reason"] == {k: len(v) * N for k, v in evicted.items()}
+    # The dropped samples' mean completion length (length bias), from their groups' TaskDones.
+    tasks = {r["task_id"]: r for r in read_records(run_dir, "task")}
+    dropped = [tasks[g] for gs in evicted.values() for g in gs]
+    lengths = summary["completion_lengths"]
+    if dropped:
+        mean = sum(t["num_tokens"] for t in dropped) / sum(t["num_trajectories"] for t in dropped)
+        assert lengths["evicted"] == pytest.approx(mean)
+    else:
+        assert lengths["evicted"] is None
     # Every admitted sample is trained, evicted or pending (the buffer's lead at the end).
     admitted = {r["task_id"] for r in read_records(run_dir, "task")}
     assert set(first_uses) <= admitted

@@ -22,7 +22,7 @@ def length_of(group: int) -> int:
 def simulate(mode: str, *, groups_per_step: int = 3, max_staleness: int = 1, steps: int = 30) -> LengthTally:
     """Time in ticks: every admitted group generates at once (one slot each) and finishes after
     `length_of` ticks at the version it started on; a learner step takes 3 ticks."""
-    tally = LengthTally()
+    tally = LengthTally(tracks_groups=mode == "pool")
     version, tick, busy_until, training = 0, 0, 0, None
     in_flight: dict[int, tuple[int, int]] = {}  # group -> (finish tick, version it started on)
     shape = dict(groups_per_step=groups_per_step, max_staleness=max_staleness, total_steps=steps)
@@ -98,7 +98,7 @@ def test_window_admission_trains_what_was_generated():
 
 
 def test_the_tally_per_step_and_over_the_run():
-    tally = LengthTally()
+    tally = LengthTally(tracks_groups=True)
     tally.generated(0, tokens=12, samples=3)
     tally.generated(1, tokens=30, samples=3)
     tally.trained(tokens=12, samples=3)
@@ -111,3 +111,10 @@ def test_the_tally_per_step_and_over_the_run():
         {"generated": 0, "trained": 0, "evicted": 0},
     )
     assert tally.summary() == {"generated": 7.0, "trained": 4.0, "evicted": 10.0}
+    tally.evicted({"stale": [2]})  # its TaskDone comes after the learner's GroupsLeft
+    assert tally.step_record()[0]["evicted"] is None
+    tally.generated(2, tokens=6, samples=3)
+    assert tally.step_record()[0] == {"generated": 2.0, "trained": None, "evicted": 2.0}
+    tally.forget([0, 1, 2])  # they left the buffer: nothing is kept for them
+    assert tally.groups == {}
+    assert LengthTally().groups == {} and not LengthTally().tracks_groups  # window mode keeps none
