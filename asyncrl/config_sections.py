@@ -261,6 +261,10 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
     # Tokens per chunk of [tokens, vocab] logits in every learner forward (training, entropy,
     # the distillation teacher's scores): the full-vocabulary logits of a micro-batch never exist.
     logprob_chunk_size: PosInt = 256
+    # Rows of a micro-batch that begin with the same tokens (a group's prompt) run those tokens
+    # once, and padding not at all (models/shared_prefix.py; exact: the same log-probs and
+    # gradient up to summation order). Needs the model's "sdpa" attention, no sliding window.
+    shared_prefix: bool = True
     # A step whose loss, gradient norm or updated parameters are not finite is skipped (no update,
     # optimizer state untouched, counted); this many consecutive skips end the run with a checkpoint
     # from before the fault.

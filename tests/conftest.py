@@ -15,6 +15,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def float64_rms_norms():
+    """Float64 models compute their RMSNorm in float64 in the tests. Hugging Face's RMSNorm runs
+    in float32 whatever the model's dtype, so a float64 model is float32 there, and the exactness
+    tests (streamed == batch, micro-batching changes nothing, ...) would compare float32
+    roundings: the learner's shared-prefix forward sums a prefix's gradient over rows before the
+    norm, the padded forward after it (docs/learner.md, "Shared prefixes"). Other dtypes take
+    the original forward unchanged."""
+    import torch
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    patched = []
+    for cls in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm):
+        original = cls.forward
+
+        def forward(self, hidden, _original=original):
+            if hidden.dtype != torch.float64:
+                return _original(self, hidden)
+            variance = hidden.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+        cls.forward = forward
+        patched.append((cls, original))
+    yield
+    for cls, original in patched:
+        cls.forward = original
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from asyncrl.models.hf import quiet_offline

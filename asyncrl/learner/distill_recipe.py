@@ -59,10 +59,15 @@ def opd_arrays(
     return OpdArrays(teacher, ids, behav, None if gate_B is None else gate_B.to(trainer.device))
 
 
-def candidate_logp(trainer: Trainer, ids_BL: torch.Tensor, opd: OpdArrays) -> torch.Tensor:
+def candidate_logp(
+    trainer: Trainer, ids_BL: torch.Tensor, opd: OpdArrays, lengths_B: torch.Tensor | None = None
+) -> torch.Tensor:
     """The student's log-probs of the cached ids [B, L, N] (column 0: the sampled tokens)."""
     return trainer.actor(
-        ids_BL.to(trainer.device), temperature=trainer.temperature, candidates_BLN=opd.ids_BLN
+        ids_BL.to(trainer.device),
+        temperature=trainer.temperature,
+        candidates_BLN=opd.ids_BLN,
+        lengths_B=lengths_B,
     )
 
 
@@ -146,7 +151,8 @@ class DistillationRecipe:
         batch = pack(samples, pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
         opd = opd_arrays(samples, batch.input_ids_BL.shape[1], t)
         mask = batch.completion_mask_BL
-        loss, stats = distill_term(self.objective, candidate_logp(t, batch.input_ids_BL, opd), opd, mask)
+        logp_BLN = candidate_logp(t, batch.input_ids_BL, opd, batch.lengths_B)
+        loss, stats = distill_term(self.objective, logp_BLN, opd, mask)
 
         def accounted() -> None:
             if not account:

@@ -65,7 +65,7 @@ def load_policy_model(path: Path, config) -> tuple[PolicyLM, object]:
         from asyncrl.learner.lora import apply_lora
 
         lm = apply_lora(lm, lrn.lora, seed=config.run.seed)
-    policy = PolicyLM(lm, chunk_size=lrn.logprob_chunk_size)
+    policy = PolicyLM(lm, chunk_size=lrn.logprob_chunk_size, share_prefixes=lrn.shared_prefix)
     device = parallel.resolve_device(lrn.device, local_rank=parallel.local_rank())
     if parallel.is_wrapped(lrn):
         parallel.init_single_rank_group(device, config.monitor.heartbeat_timeout_s)  # no-op with ranks

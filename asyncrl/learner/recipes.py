@@ -190,14 +190,14 @@ class RLRecipe:
         return False
 
     def _forward(
-        self, ids_BL: torch.Tensor, opd: OpdArrays | None
+        self, ids_BL: torch.Tensor, opd: OpdArrays | None, lengths_B: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's log-probs of the sampled tokens [B, L] (with grad) and, for a combined
         objective, of the cached ids [B, L, N] (the same forward: column 0 is the first)."""
         t = self.trainer
         if opd is None:
-            return t.logp(t.actor, ids_BL), None
-        logp_BLN = candidate_logp(t, ids_BL, opd)
+            return t.logp(t.actor, ids_BL, lengths_B), None
+        logp_BLN = candidate_logp(t, ids_BL, opd, lengths_B)
         return logp_BLN[..., 0], logp_BLN
 
     def _opd_for(self, samples: Sequence[TrainSample], width: int) -> OpdArrays | None:
@@ -331,7 +331,7 @@ class RLRecipe:
         keep_B = torch.tensor([keep_of[s.traj_id] for s in samples], device=t.device)
         mask = batch.completion_mask_BL & keep_B[:, None]
         opd = self._opd_for(samples, batch.input_ids_BL.shape[1])
-        logp_BL, logp_BLN = self._forward(batch.input_ids_BL, opd)
+        logp_BL, logp_BLN = self._forward(batch.input_ids_BL, opd, batch.lengths_B)
         corr = t.correct(batch, logp_BL.detach(), adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
         loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
@@ -400,7 +400,7 @@ class RLRecipe:
         )
         adv_GN, keep_GN = self.objective.group_advantages(rewards_GN)
         if batch is None:  # more ranks than rows: this rank only takes part in the collectives
-            plan = _EpochPlan(None, None, None, None, None, parts, None, None)
+            plan = _EpochPlan(None, None, None, None, None, parts, None, None, None)
             if t.epochs > 1:
                 t.epoch_plans.append(functools.partial(self._policy_backward, plan))
             self._policy_backward(plan)
@@ -415,7 +415,9 @@ class RLRecipe:
         mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(t.device)[:, None]
         corr = t.correct(batch, logp_now_BL, adv_B)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
-        plan = _EpochPlan(ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL)
+        plan = _EpochPlan(
+            ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL, batch.lengths_B
+        )
         if t.epochs > 1:
             t.epoch_plans.append(functools.partial(self._policy_backward, plan))
         sums = self._policy_backward(plan, logp_BL, logp_BLN)
@@ -459,10 +461,11 @@ class RLRecipe:
         self, plan: _EpochPlan, sums: _PolicySums, sl: torch.Tensor, width: int, logp_BL=None, logp_BLN=None
     ):
         """The loss of rows `sl` of a packed batch (cut at `width`), and what adds its figures."""
-        ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL = plan
+        ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL, lengths_B = plan
         opd = None if opd is None else opd.rows(sl, width)
         if logp_BL is None:
-            logp_BL, logp_BLN = self._forward(ids[sl, :width], opd)
+            lengths = lengths_B[sl.cpu()].clamp(max=width)
+            logp_BL, logp_BLN = self._forward(ids[sl, :width], opd, lengths)
         logp_mb = logp_BL
         part_corr = corr._replace(
             logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
@@ -541,6 +544,7 @@ class _EpochPlan(NamedTuple):
     parts: list  # row indices per micro-batch (`Trainer.microbatches`)
     opd: OpdArrays | None  # a combined objective's teacher arrays and gates
     valid_BL: torch.Tensor | None  # every trained completion token (the distillation term's mask)
+    lengths_B: torch.Tensor | None  # real tokens per row (on the CPU)
 
 
 def trained_tokens(sample: TrainSample) -> int:

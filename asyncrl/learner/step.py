@@ -57,6 +57,7 @@ class PackedBatch(NamedTuple):
     slot_B: torch.Tensor  # sample index within the group
     num_groups: int
     group_size: int
+    lengths_B: torch.Tensor | None = None  # real tokens per row (prompt + completion)
 
     def to(self, device: torch.device) -> PackedBatch:
         """The same batch with its tensors on `device` (no copy when they are there already)."""
@@ -140,7 +141,9 @@ def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete:
     if require_complete and any(n != group_size for n in sizes.values()):
         raise ValueError(f"incomplete groups in batch: sizes {sorted(set(sizes.values()))}")
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return PackedBatch(ids, mask, behav, versions, rewards, group_B, slot_B, len(group_index), group_size)
+    return PackedBatch(
+        ids, mask, behav, versions, rewards, group_B, slot_B, len(group_index), group_size, prompt_N + comp_N
+    )
 
 
 def _spans(start_N: torch.Tensor, count_N: torch.Tensor) -> torch.Tensor:

@@ -289,9 +289,14 @@ class Trainer:
         self.totals.clipped_tokens += clipped
         self.totals.add_stats(stats, tokens)
 
-    def logp(self, actor: PolicyLM, ids_BL: torch.Tensor) -> torch.Tensor:
-        """log pi(x_t | x_<t) under `actor` (a `PolicyLM`), on the learner's device."""
-        out = actor(ids_BL.to(self.device), temperature=self.temperature, top_p=self.top_p)
+    def logp(
+        self, actor: PolicyLM, ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """log pi(x_t | x_<t) under `actor` (a `PolicyLM`), on the learner's device (`lengths_B`:
+        real tokens per row, so the forward can skip the padding)."""
+        out = actor(
+            ids_BL.to(self.device), temperature=self.temperature, top_p=self.top_p, lengths_B=lengths_B
+        )
         return out.logp
 
     def microbatches(self, samples: Sequence[TrainSample]) -> list[list[int]]:

@@ -117,7 +117,8 @@ def _pad_left(t: torch.Tensor, num: int, dim_from_end: int) -> torch.Tensor:
 class DecodeBatch:
     """A batch's KV cache, attention mask, next positions and last logits, on `device` (the
     model's). Built by prefilling `seqs` (each at least one token); `params` are the model's
-    `forward_parameters` when the caller has them."""
+    `forward_parameters` when the caller has them. Equal sequences (a group's samples share
+    their prompt) are prefilled once and their rows copied from it."""
 
     def __init__(
         self,
@@ -132,7 +133,9 @@ class DecodeBatch:
         self.pad_token_id = pad_token_id
         self.device = device
         self.cache_kw = _cache_keyword(model, params)
-        ids_BL, attn_BL = left_pad(seqs, pad_token_id)
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(s), len(first)) for s in seqs]
+        ids_BL, attn_BL = left_pad(list(first) if len(first) < len(rows) else seqs, pad_token_id)
         ids_BL, self.attn_BL = ids_BL.to(device), attn_BL.to(device)
         pos_BL = (self.attn_BL.cumsum(dim=1) - 1).clamp(min=0)
         out = model(
@@ -145,6 +148,8 @@ class DecodeBatch:
         self.cache = _cache_of(out)
         self.logits_BV = out.logits[:, -1]
         self.next_pos_B = pos_BL[:, -1] + 1
+        if len(first) < len(rows):
+            self.select(torch.tensor(rows, dtype=torch.long))
 
     @property
     def num_rows(self) -> int:

@@ -35,6 +35,7 @@ from asyncrl.kernels.logprobs import (
     token_logprobs,
     unchunkable_reason,
 )
+from asyncrl.models import shared_prefix
 
 # Tokens per chunk of [tokens, vocab] logits (learner.logprob_chunk_size): 1024 x 150k x 4 bytes
 # = 614 MB per live chunk, small next to a 7B model's weights, large enough for full-width matmuls.
@@ -57,12 +58,16 @@ def check_chunkable(lm: torch.nn.Module) -> None:
 class PolicyLM(torch.nn.Module):
     """`forward(input_ids_BL)` -> log pi(x_t | x_<t) and entropies, aligned with the inputs."""
 
-    def __init__(self, lm: torch.nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(
+        self, lm: torch.nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE, share_prefixes: bool = True
+    ) -> None:
         super().__init__()
         check_chunkable(lm)
         check_chunk_size(chunk_size)
         self.lm = lm
         self.chunk_size = chunk_size
+        # Rows that start alike (a group's prompt) run their common tokens once: models.shared_prefix.
+        self.share_prefixes = share_prefixes and shared_prefix.enable(lm)
 
     def forward(
         self,
@@ -71,10 +76,13 @@ class PolicyLM(torch.nn.Module):
         temperature: float = 1.0,
         top_p: float = 1.0,
         candidates_BLN: torch.Tensor | None = None,
+        lengths_B: torch.Tensor | None = None,
     ) -> TokenLogprobs | torch.Tensor:
         """Log-probs of every input token given its prefix (position 0 holds 0: mask it out).
 
-        Rows are right-padded (causal attention keeps real tokens independent of the padding).
+        Rows are right-padded (causal attention keeps real tokens independent of the padding);
+        `lengths_B` (real tokens per row) lets the forward skip the padding (the values at padding
+        positions are then not a forward of the pad tokens: mask them out too).
         Outputs are float32 (float64 for a float64 model), whatever the compute dtype.
         With `candidates_BLN`, log pi(candidates_BLN[b, t, k] | x_<t) instead ([B, L, N], for
         distillation's cached tokens), over the full vocabulary at `temperature`: a nucleus
@@ -84,8 +92,7 @@ class PolicyLM(torch.nn.Module):
             raise ValueError(f"candidate log-probs are over the full vocabulary; got top_p={top_p}")
         # No KV cache: a training forward never decodes, and the cache would keep every layer's
         # keys and values alive until the backward, even under activation checkpointing.
-        decoder_out = self.lm.get_decoder()(input_ids=input_ids_BL, use_cache=False)
-        hidden_BSD = decoder_out.last_hidden_state[:, :-1]
+        hidden_BSD = self._hidden(input_ids_BL, lengths_B)[:, :-1]
         head = self.lm.get_output_embeddings()
         if candidates_BLN is not None:
             out_BSN = candidate_logprobs(
@@ -118,3 +125,14 @@ class PolicyLM(torch.nn.Module):
                 top_p=top_p,
             )
         return TokenLogprobs(_shift(out.logp), _shift(out.entropy))
+
+    def _hidden(self, input_ids_BL: torch.Tensor, lengths_B: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's final hidden states [B, L, D], through a shared-prefix layout when one
+        pays (`models.shared_prefix`), else the padded rows."""
+        decoder = self.lm.get_decoder()
+        layout = shared_prefix.plan_layout(input_ids_BL, lengths_B) if self.share_prefixes else None
+        if layout is None:
+            return decoder(input_ids=input_ids_BL, use_cache=False).last_hidden_state
+        inputs = shared_prefix.decoder_inputs(layout, input_ids_BL.device)
+        hidden_ND = decoder(**inputs, use_cache=False).last_hidden_state[0]
+        return hidden_ND[layout.hidden_at_BL.to(hidden_ND.device)]
