@@ -18,8 +18,10 @@ that neither machine noise nor position in the round favours one. `--set` overri
                generators are loaded; the first prompts go out next), recovered from the step
                records of metrics.jsonl (`time_s - samples trained so far / samples_per_s`, where
                the launcher's `samples_per_s` counts from that moment); the plain loop, just
-               before its first `generate`. End: asyncrl, the last step record (the launcher
-               has the learner's StepDone); the plain loop, just after its last optimizer step.
+               before its first `generate`. End: asyncrl, the launcher's record of the last
+               version's publish (the learner publishes right after its last optimizer step;
+               its last StepDone comes only after the final checkpoint, the final model's save
+               and the held-out evaluation); the plain loop, just after its last optimizer step.
                So the first batch's generation counts, process start, model loading and the
                evaluations do not.
   job_s        the subprocess's wall clock, Popen to exit, measured here for all three: imports,
@@ -72,10 +74,15 @@ def training_start_s(steps: list[dict]) -> float:
 
 def train_figures(records: list[dict]) -> dict[str, float]:
     """An asyncrl run's training phase from its metrics.jsonl records: samples trained (`samples`),
-    seconds from the start of training to the last step's end (`train_s`) and their ratio (`sps`)."""
+    seconds from the start of training to the last update (`train_s`: the publish record of the
+    last step's version, else the last step record) and their ratio (`sps`)."""
     steps = sorted((r for r in records if r.get("type") == "step"), key=lambda r: r["step"])
     start_s = training_start_s(steps)
-    train_s = steps[-1]["time_s"] - start_s
+    last = steps[-1]
+    published = [
+        r["time_s"] for r in records if r.get("type") == "publish" and r.get("version") == last.get("version")
+    ]
+    train_s = (published[0] if published else last["time_s"]) - start_s
     samples = sum(r["num_trajectories"] for r in steps)
     if train_s <= 0 or samples <= 0:
         raise ValueError(f"no measurable training ({samples} samples in {train_s:.3f} s)")

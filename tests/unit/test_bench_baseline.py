@@ -66,6 +66,14 @@ def test_training_start_is_recovered_from_the_step_records():
     assert figures["samples"] == 768
     assert figures["train_s"] == pytest.approx(2.0, abs=1e-4)
     assert figures["sps"] == pytest.approx(384.0, rel=1e-4)
+    # The last version's publish ends training: its StepDone waits for the final checkpoint,
+    # the model's save and the held-out evaluation.
+    for r in records:
+        if r["type"] == "step":
+            r["version"] = r["step"] + 1
+    records.insert(-1, {"type": "publish", "version": 3, "time_s": 8.95})
+    records.insert(-1, {"type": "publish", "version": 2, "time_s": 8.4})
+    assert train_figures(records)["train_s"] == pytest.approx(1.7, abs=1e-4)
 
 
 def test_train_figures_rejects_runs_without_training():
