@@ -18,7 +18,7 @@ Each thread count runs in its own process (`torch.set_num_threads` first), the t
 interleaved batch by batch, after 2 warm-up batches; the figure is the median step time over
 `--repeats` passes over the batches, and the ratio learner / plain.
 
-    python bench/bench_learner_step.py [--repeats 5] [--json]
+    python bench/bench_learner_step.py [--repeats 5] [--json] [--set learner.shared_prefix=false]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _samples(task, tok, actor, cfg, step: int):
     return samples
 
 
-def run_threads(threads: int, repeats: int) -> dict:
+def run_threads(threads: int, repeats: int, sets: list[str]) -> dict:
     """One process's figures (call in a fresh process: the thread count is process-wide)."""
     import torch
 
@@ -85,7 +85,7 @@ def run_threads(threads: int, repeats: int) -> dict:
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.tasks.base import make_task
 
-    cfg = load_config(overrides=[f"learner.threads={threads}"])
+    cfg = load_config(overrides=[f"learner.threads={threads}", *sets])
     actor, tok = load_policy_model(DEFAULT_MODEL_DIR, cfg)
     trainer = build_trainer(cfg, actor, pad_token_id=tok.pad_token_id)
     task = make_task(cfg.task)
@@ -167,13 +167,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="one thread count, in this process")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="config override for the learner, e.g. learner.shared_prefix=false",
+    )
     args = p.parse_args()
     if args.threads:
-        print(json.dumps(run_threads(args.threads, args.repeats)))
+        print(json.dumps(run_threads(args.threads, args.repeats, args.set)))
         return
     rows = []
     for threads in (1, 2):
         cmd = [sys.executable, __file__, "--threads", str(threads), "--repeats", str(args.repeats)]
+        cmd += [f"--set={s}" for s in args.set]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     if args.json:
