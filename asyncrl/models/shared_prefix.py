@@ -44,6 +44,11 @@ MAX_FLAT_SHARE = 0.9
 # ... and when its attention mask, rows x S x J, has at most this many elements: the mask is
 # materialised, so long sequences keep the padded forward and its fused attention kernels.
 MAX_MASK_ELEMENTS = 1 << 22
+# Attention scores (rows x heads x queries x keys) at most this many per layer are computed with
+# batched matmuls on the CPU, where the fused kernel's per-problem overhead dominates tiny
+# problems; above it, and on GPUs (whose fused kernel keeps no scores for the backward), the
+# fused kernel takes the same additive mask.
+MATMUL_MAX_SCORES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -196,13 +201,13 @@ def plan_layout(ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> 
         prefix_at[cluster[:, None], np.minimum(cols, k_max - 1)],
         suffix_at[np.arange(rows)[:, None], np.clip(cols - shared[:, None], 0, s_max - 1)],
     )
-    has_prefix = bool(prefix_real.any())
+    with_prefix = prefix_len > 0  # the clusters whose prefix tokens attend among themselves
     arrays = {
-        "prefix_at": prefix_at if has_prefix else None,
+        "prefix_at": prefix_at[with_prefix] if with_prefix.any() else None,
         "prefix_allowed": np.broadcast_to(
-            ar_k[None, None, None, :] <= ar_k[None, None, :, None], (len(runs), 1, k_max, k_max)
+            ar_k[None, None, None, :] <= ar_k[None, None, :, None], (int(with_prefix.sum()), 1, k_max, k_max)
         ),
-        "prefix_real_at": np.flatnonzero(prefix_real),
+        "prefix_real_at": np.flatnonzero(prefix_real[with_prefix]),
         "suffix_at": suffix_at[has_suffix],
         "keys_at": keys_at,
         "suffix_allowed": suffix_allowed[:, None],
@@ -219,8 +224,7 @@ def plan_layout(ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> 
 
 def _attend(q_NHE, k_NHE, v_NHE, q_at, kv_at, bias, scaling, dropout):
     """Attention of the queries at `q_at` [rows, Q] to the keys at `kv_at` [rows, J] with an
-    additive `bias` [rows, 1, Q, J] (0 or -inf), written with batched matmuls: many tiny
-    problems, where a fused kernel's per-problem overhead dominates. -> [rows, Q, H, E]."""
+    additive `bias` [rows, 1, Q, J] (0 or -inf) -> [rows, Q, H, E]; see MATMUL_MAX_SCORES."""
     rows, width = q_at.shape
     heads, size = q_NHE.shape[1:]
     q = q_NHE.index_select(0, q_at.reshape(-1)).view(rows, width, heads, size).transpose(1, 2)
@@ -228,7 +232,12 @@ def _attend(q_NHE, k_NHE, v_NHE, q_at, kv_at, bias, scaling, dropout):
     kv_heads = k_NHE.shape[1]
     k = k_NHE.index_select(0, kv_at.reshape(-1)).view(rows, keys, kv_heads, size).transpose(1, 2)
     v = v_NHE.index_select(0, kv_at.reshape(-1)).view(rows, keys, kv_heads, size).transpose(1, 2)
-    if k.shape[1] != heads:  # grouped-query attention: each key head serves heads / kv_heads
+    if q.is_cuda or rows * heads * width * keys > MATMUL_MAX_SCORES:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=kv_heads != heads
+        )
+        return out.transpose(1, 2)
+    if kv_heads != heads:  # grouped-query attention: each key head serves heads / kv_heads
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
     scale = scaling if scaling is not None else size**-0.5
