@@ -464,7 +464,7 @@ class RLRecipe:
         ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL, lengths_B = plan
         opd = None if opd is None else opd.rows(sl, width)
         if logp_BL is None:
-            lengths = lengths_B[sl.cpu()].clamp(max=width)
+            lengths = lengths_B[sl].clamp(max=width)
             logp_BL, logp_BLN = self._forward(ids[sl, :width], opd, lengths)
         logp_mb = logp_BL
         part_corr = corr._replace(
@@ -544,7 +544,7 @@ class _EpochPlan(NamedTuple):
     parts: list  # row indices per micro-batch (`Trainer.microbatches`)
     opd: OpdArrays | None  # a combined objective's teacher arrays and gates
     valid_BL: torch.Tensor | None  # every trained completion token (the distillation term's mask)
-    lengths_B: torch.Tensor | None  # real tokens per row (on the CPU)
+    lengths_B: torch.Tensor | None  # real tokens per row (prompt + completion)
 
 
 def trained_tokens(sample: TrainSample) -> int:

@@ -16,6 +16,9 @@ reasons to put the log-prob computation inside one module's forward:
   LM head belong to the root unit, this module, so they are gathered while the head is applied
   chunk by chunk, which a call to the decoder alone would skip.
 
+The decoder runs rows that begin alike (a group's prompt) through a shared-prefix layout when it
+pays (`models.shared_prefix`, `learner.shared_prefix`): those tokens once, padding not at all.
+
 `PolicyLM.lm` is the Hugging Face model itself: its `state_dict()` keeps the checkpoint's names
 (what is published, checkpointed and saved); only forwards go through the wrapper.
 

@@ -21,13 +21,7 @@ from asyncrl.kernels.logprobs import (
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls: intra-op threads only add OpenMP contention on a busy 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _inputs(dtype, *, num_tokens=23, dim=8, vocab=41, bias=True, seed=0):

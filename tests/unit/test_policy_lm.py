@@ -17,13 +17,7 @@ transformers = pytest.importorskip("transformers")
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls: intra-op threads only add OpenMP contention on a busy 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_lm(*, vocab=37, hidden=16, layers=2, bias=False, dtype=torch.float32, seed=0):

@@ -13,12 +13,7 @@ from asyncrl.models.policy import PolicyLM
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_lm(*, kv_heads=1, dtype=torch.float64, seed=0, **extra):

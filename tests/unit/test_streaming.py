@@ -116,13 +116,7 @@ def _opd_weight(traj: Trajectory, mode: str):
     return lambda logp_T: c * (traj.teacher_logp_T - logp_T)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: intra-op threads only add OpenMP contention on a busy 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
