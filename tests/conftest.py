@@ -44,6 +44,18 @@ def float64_rms_norms():
         cls.forward = original
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small matmuls: intra-op threads only add OpenMP contention on a busy 2-core machine
+    (`pytestmark = pytest.mark.usefixtures("one_torch_thread")` in a module that wants it)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from asyncrl.models.hf import quiet_offline
