@@ -294,7 +294,8 @@ def unsupported_reason(lm: torch.nn.Module) -> str | None:
     if impl not in ("sdpa", ATTENTION_NAME):
         return f"its attention implementation is {impl!r} (only 'sdpa' is switched)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+    sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ())
+    if sliding or (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)):
         return "it has sliding-window attention"
     if getattr(text, "attn_logit_softcapping", None):
         return "it soft-caps attention logits"

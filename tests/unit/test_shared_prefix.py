@@ -162,6 +162,7 @@ def test_other_forwards_of_the_switched_model_are_sdpa():
     ("extra", "why"),
     [
         ({"use_sliding_window": True, "sliding_window": 4}, "sliding-window"),
+        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "sliding-window"),
         ({"attn_implementation": "eager"}, "'eager'"),
     ],
 )
@@ -171,3 +172,10 @@ def test_models_it_cannot_serve_keep_the_padded_forward(extra, why):
     policy = PolicyLM(lm)
     assert not policy.share_prefixes
     assert lm.config._attn_implementation != shared_prefix.ATTENTION_NAME
+
+
+def test_a_sliding_window_size_that_is_switched_off_does_not_count():
+    """Qwen2.5's configs name a window size with use_sliding_window false: full attention."""
+    lm = make_lm(use_sliding_window=False, sliding_window=4)
+    assert shared_prefix.unsupported_reason(lm) is None
+    assert PolicyLM(lm).share_prefixes
