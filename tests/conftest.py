@@ -163,7 +163,7 @@ def run_short_job(tiny_model_dir, tmp_path):
 
 def start_standin_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """The stand-in SGLang server as a process, once it listens (`start_standin_process`)."""
-    from asyncrl.testing.sglang.process import start_standin_process
+    from tests.support.sglang.process import start_standin_process
 
     return start_standin_process(model_dir, *extra)
 

@@ -30,7 +30,7 @@ class TestTorchGenerator(GeneratorContractTests):
 class TestSGLangGenerator(GeneratorContractTests):
     @pytest.fixture
     def server(self, tiny_model_dir):
-        from asyncrl.testing.sglang.server import StandInServer
+        from tests.support.sglang.server import StandInServer
 
         s = StandInServer(str(tiny_model_dir)).start()
         yield s

@@ -134,7 +134,7 @@ def test_torch_stream_applies_weights_offered_mid_stream(tiny_model_dir):
 
 def test_sglang_stream_hands_back_a_sample_while_another_server_holds_the_rest(tiny_model_dir):
     from asyncrl.generators.sglang import SGLangGenerator
-    from asyncrl.testing.sglang.server import StandInServer
+    from tests.support.sglang.server import StandInServer
 
     servers = [StandInServer(str(tiny_model_dir)).start() for _ in range(2)]
     held = servers[0]

@@ -1,7 +1,7 @@
 """LoRA adapters from the learner to SGLang servers (learner.lora.publish = "adapter").
 
 The first tests drive the `sglang` generator against in-process stand-in servers
-(`asyncrl.testing.sglang.server.StandInServer`, loopback, threads of this process): each published
+(`tests.support.sglang.server.StandInServer`, loopback, threads of this process): each published
 adapter version is loaded with /load_lora_adapter, new samples name it with `lora_path`, their tokens
 carry its version and its log-probs, an older adapter is unloaded once no request names it, and the
 in-flight modes hold. The last test launches the default job's model with two stand-in server
@@ -105,8 +105,8 @@ def task(task_id: int = 0, *, num_samples: int = 2, max_new_tokens: int = 6) -> 
 
 @pytest.fixture
 def servers(tiny_model_dir):
-    from asyncrl.testing.sglang.lora import LoraSettings
-    from asyncrl.testing.sglang.server import StandInServer
+    from tests.support.sglang.lora import LoraSettings
+    from tests.support.sglang.server import StandInServer
 
     started = []
 

@@ -20,7 +20,7 @@ KEY = "s3cret-key"
 
 @pytest.fixture
 def keyed_server(tiny_model_dir):
-    from asyncrl.testing.sglang.server import StandInServer
+    from tests.support.sglang.server import StandInServer
 
     with StandInServer(str(tiny_model_dir), api_key=KEY) as server:
         yield server

@@ -1,6 +1,6 @@
 """The `sglang` generator against in-process stand-in SGLang servers on loopback (CPU, real model).
 
-Each server is `asyncrl.testing.sglang.server.StandInServer` on a free 127.0.0.1 port, in a
+Each server is `tests.support.sglang.server.StandInServer` on a free 127.0.0.1 port, in a
 thread of the test process: nothing is spawned, nothing to kill.
 
 With `ASYNCRL_SGLANG_URL` (a running real SGLang server) and `ASYNCRL_SGLANG_MODEL` (the model
@@ -56,7 +56,7 @@ async def poll(condition, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture
 def servers(tiny_model_dir):
-    from asyncrl.testing.sglang.server import StandInServer
+    from tests.support.sglang.server import StandInServer
 
     started = []
 

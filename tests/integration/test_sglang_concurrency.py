@@ -2,7 +2,7 @@
 
 The generator's HTTP client (`asyncrl/generators/sglang/client.py`) sends every /generate as a
 coroutine on one pooled aiohttp session. This test starts an in-process stand-in server
-(`asyncrl.testing.sglang.server.StandInServer`, 127.0.0.1, a free port; its HTTP side is one
+(`tests.support.sglang.server.StandInServer`, 127.0.0.1, a free port; its HTTP side is one
 asyncio thread), freezes its engine (`Engine.hold`) and asks the generator for 1,000 samples. Once
 the server counts all 1,000 /generate requests in flight at once, the test process must still run
 only a handful of threads; then the engine is released and every sample must come back exactly
@@ -92,7 +92,7 @@ def expected_samples(model_dir, gen, rollouts) -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.models.sampling import sample_seed
-    from asyncrl.testing.sglang.params import parse_sampling_params, pick_token
+    from tests.support.sglang.params import parse_sampling_params, pick_token
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     by_task = {t.task_id: t for t in tasks()}
@@ -112,7 +112,7 @@ def expected_samples(model_dir, gen, rollouts) -> None:
 
 
 def test_a_thousand_samples_in_flight_on_one_loop(tiny_model_dir, enough_fds):
-    from asyncrl.testing.sglang.server import StandInServer
+    from tests.support.sglang.server import StandInServer
 
     server = StandInServer(str(tiny_model_dir), skip_tokenizer_init=True).start()
     try:

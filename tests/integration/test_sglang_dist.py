@@ -31,7 +31,7 @@ from asyncrl.messages import TensorMeta, WeightsPublished
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-STANDIN = ("python", "-m", "asyncrl.testing.sglang.server")
+STANDIN = ("python", "-m", "tests.support.sglang.server")
 TIMEOUT_S = 60.0  # group rendezvous and collectives; pytest-timeout is the outer guard
 
 
@@ -131,7 +131,7 @@ def test_session_rule_errors_surface(tiny_model_dir):
     """SGLang >= 0.5.21: a distributed update outside begin/end is 400, and a second begin too;
     the generator's updater names the server, the call and the server's reason, and leaves the
     server serving (not paused) without closing a session it did not open."""
-    from asyncrl.testing.sglang.server import StandInServer
+    from tests.support.sglang.server import StandInServer
 
     with StandInServer(str(tiny_model_dir)) as server:
         body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[4]], "group_name": "g"}

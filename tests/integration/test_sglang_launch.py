@@ -1,6 +1,6 @@
 """`asyncrl launch` with the sglang generator against two stand-in SGLang server processes.
 
-The first test starts both servers itself (`python -m asyncrl.testing.sglang.server --port 0` on
+The first test starts both servers itself (`python -m tests.support.sglang.server --port 0` on
 127.0.0.1, URL read from their first stdout line) and ends exactly those pids. The others let the
 generator start them (`generators.options.launch=2`, the stand-in as `launch_command`) and check
 that the run ends them, also on Ctrl-C (pids from `<run>/logs/sglang-gen-0.json`).
@@ -72,7 +72,7 @@ def launch_sets(transport: str) -> list[str]:
     return [
         'generators.kind="sglang"',
         "generators.options.launch=2",
-        'generators.options.launch_command="python -m asyncrl.testing.sglang.server"',
+        'generators.options.launch_command="python -m tests.support.sglang.server"',
         'generators.options.launch_args="--log-level warning --skip-tokenizer-init"',
         "generators.options.health_interval_s=0.2",
         f'weights.transport="{transport}"',

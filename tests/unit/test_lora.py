@@ -246,8 +246,8 @@ def test_single_file_needs_a_safetensors_name(tmp_path):
 
 # ---------------------------------------------------------------------- the stand-in SGLang engine
 def engine(model_dir, **settings):
-    from asyncrl.testing.sglang.engine import Engine
-    from asyncrl.testing.sglang.lora import LoraSettings
+    from tests.support.sglang.engine import Engine
+    from tests.support.sglang.lora import LoraSettings
 
     return Engine(model_dir, skip_tokenizer_init=True, lora=LoraSettings(**settings))
 
@@ -287,8 +287,8 @@ def test_stand_in_checks_adapters_as_sglang_does(tiny_model_dir, tmp_path):
 def test_stand_in_serves_the_merged_model(tiny_model_dir, tmp_path):
     """A request naming the adapter samples from W + (alpha/r) B A: its log-probs are the merged
     model's; a request without one samples from the base."""
-    from asyncrl.testing.sglang.engine import new_request
-    from asyncrl.testing.sglang.params import RequestError, parse_sampling_params
+    from tests.support.sglang.engine import new_request
+    from tests.support.sglang.params import RequestError, parse_sampling_params
     from asyncrl.transport.retention import version_dir
 
     model = trained(tiny_model_dir)

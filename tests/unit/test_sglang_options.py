@@ -29,7 +29,7 @@ def test_attach_and_launch_defaults():
     custom = parse_options(
         {
             "launch": 2,
-            "launch_command": "python -m asyncrl.testing.sglang.server",
+            "launch_command": "python -m tests.support.sglang.server",
             "launch_args": "--disable-cuda-graph --log-level 'warning'",
             "gpus": "2, 3",
             "mem_fraction_static": 0.5,

@@ -16,8 +16,8 @@ import time
 import uuid
 from typing import Any
 
-from asyncrl.testing.sglang.engine import Engine, EngineRequest, new_request, version_spans
-from asyncrl.testing.sglang.params import ContractError, RequestError, parse_sampling_params
+from tests.support.sglang.engine import Engine, EngineRequest, new_request, version_spans
+from tests.support.sglang.params import ContractError, RequestError, parse_sampling_params
 
 __all__ = ["generate_response", "parse_generate"]
 

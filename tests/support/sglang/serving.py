@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.testing.sglang.engine import Engine, EngineRequest
+from tests.support.sglang.engine import Engine, EngineRequest
 
 # Clients may open a connection per request, a thousand at once (the client concurrency test); a
 # short listen backlog (the stdlib's is 5) makes bursts of connects fail with resets. The kernel

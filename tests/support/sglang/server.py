@@ -31,14 +31,15 @@ add `loaded_adapters`, `lora_events` (loads and unloads in order) and `lora_requ
 Not implemented: streaming (400), /update_weights_from_tensor (400), the flattened_bucket load
 format, multimodal inputs, /load_lora_adapter_from_tensors, `--lora-paths` at launch.
 
-Run it as a process (prints `SGLANG_STANDIN_URL http://127.0.0.1:PORT` once it listens):
+Run it as a process from the repository root (it is test support, not in the installed package;
+it prints `SGLANG_STANDIN_URL http://127.0.0.1:PORT` once it listens):
 
-    python -m asyncrl.testing.sglang.server --model-path DIR --port 0 [--weight-version 0]
+    python -m tests.support.sglang.server --model-path DIR --port 0 [--weight-version 0]
 
 It takes the flags asyncrl passes to `python -m sglang.launch_server` when it launches servers
 (`--host`, `--skip-tokenizer-init`, `--log-level`, `--tp-size 1`), ignores GPU-only ones
 (`--mem-fraction-static`, `--disable-cuda-graph`, ...) and warns about unknown ones, so
-`generators.options.launch_command="python -m asyncrl.testing.sglang.server"` launches it through
+`generators.options.launch_command="python -m tests.support.sglang.server"` launches it through
 the same code path as a real server.
 
 or in-process: `with StandInServer(model_dir) as server: ... server.url ...`. In-process tests
@@ -69,12 +70,12 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.testing.sglang.engine import Engine, EngineRequest
-from asyncrl.testing.sglang.generate import generate_response, parse_generate
-from asyncrl.testing.sglang.groups import GroupError, WeightGroups
-from asyncrl.testing.sglang.lora import LoraSettings
-from asyncrl.testing.sglang.params import ContractError, RequestError
-from asyncrl.testing.sglang.serving import Admission, AppThread, in_thread, json_response, settle
+from tests.support.sglang.engine import Engine, EngineRequest
+from tests.support.sglang.generate import generate_response, parse_generate
+from tests.support.sglang.groups import GroupError, WeightGroups
+from tests.support.sglang.lora import LoraSettings
+from tests.support.sglang.params import ContractError, RequestError
+from tests.support.sglang.serving import Admission, AppThread, in_thread, json_response, settle
 
 log = logging.getLogger(__name__)
 SERVER_VERSION = "0.5.23-standin"
@@ -467,7 +468,7 @@ def _authorized(request: web.Request, api_key: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="A stand-in SGLang server on a torch model (asyncrl.testing). Takes the flags "
+        description="A stand-in SGLang server on a torch model (tests.support.sglang). Takes the flags "
         "asyncrl passes to `python -m sglang.launch_server`; GPU-only flags are accepted and ignored."
     )
     parser.add_argument(

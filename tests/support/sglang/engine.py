@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from asyncrl.models.sampling import left_pad
-from asyncrl.testing.sglang.lora import NOT_ENABLED, Adapter, LoraSettings, forward, read_adapter
-from asyncrl.testing.sglang.params import Pick, RequestError, SamplingSpec, pick_token
+from tests.support.sglang.lora import NOT_ENABLED, Adapter, LoraSettings, forward, read_adapter
+from tests.support.sglang.params import Pick, RequestError, SamplingSpec, pick_token
 
 log = logging.getLogger(__name__)
 

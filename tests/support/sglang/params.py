@@ -168,7 +168,7 @@ def parse_sampling_params(raw: Any, *, vocab_size: int) -> SamplingSpec:
         if key in raw and raw[key] != default:
             raise RequestError(
                 f"sampling_params.{key} = {raw[key]!r} is valid for SGLang but not implemented by the "
-                f"stand-in server (asyncrl.testing); leave it at its default ({default!r})"
+                f"stand-in server (tests.support.sglang); leave it at its default ({default!r})"
             )
     max_new = raw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     temperature = float(raw.get("temperature", 1.0))

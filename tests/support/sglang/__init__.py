@@ -1,6 +1,6 @@
 """A stand-in SGLang server for tests: the HTTP contract of SGLANG_API.md over a real torch model.
 
-- `server.py`: the HTTP server (`python -m asyncrl.testing.sglang.server`, or `StandInServer`);
+- `server.py`: the HTTP server (`python -m tests.support.sglang.server`, or `StandInServer`);
 - `process.py`: `start_standin_process`, the server as its own process once it listens;
 - `serving.py`: its asyncio side (the loop thread, the admission thread, a thread per control call);
 - `generate.py`: the /generate request and response bodies (parsing, validation, `meta_info`);

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.testing.sglang.params import RequestError
+from tests.support.sglang.params import RequestError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
