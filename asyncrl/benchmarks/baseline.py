@@ -198,7 +198,7 @@ def run_variant(variant: str, sets: list[str], run_dir: Path, *, plain_threads: 
             "eval_before": _number(res["eval_before"]),
             "eval_after": _number(res["eval_after"]),
         }
-    from asyncrl.benchmarks.pipeline_run import BenchRunFailed, launch, read_records
+    from asyncrl.benchmarks.runs import BenchRunFailed, launch, read_records
 
     try:
         wall_s = launch([*sets, *variant_sets(variant)], run_dir)

@@ -59,7 +59,7 @@ def summarize(runs: list[dict[str, dict[str, float]]], bounds: list[int]) -> dic
 
 
 def run_bench(sets: list[str], bounds: list[int], *, repeats: int, out_dir: Path, say) -> dict[str, Any]:
-    from asyncrl.benchmarks.pipeline_run import launch, read_records
+    from asyncrl.benchmarks.runs import launch, read_records
 
     cap = max(bounds)
     order: list[int | str] = [*bounds, AUTO]

@@ -32,113 +32,136 @@ def synthetic_records(*, num_steps: int, groups_per_step: int = 32, num_generato
     for step in range(num_steps):
         for g in range(groups_per_step):
             t += 0.01
-            out.append(
-                {
-                    "type": "task",
-                    "task_id": step * groups_per_step + g,
-                    "generator_id": f"gen-{g % num_generators}",
-                    "num_trajectories": 8,
-                    "num_tokens": 32,
-                    "generate_s": 0.05,
-                    "mean_reward": 0.5,
-                    "time_s": t,
-                }
+            out += _group_records(
+                step, g, groups_per_step=groups_per_step, num_generators=num_generators, t=t
             )
-            if g % 8 == 0:
-                out.append(
-                    {
-                        "type": "metrics",
-                        "source": f"gen-{g % num_generators}",
-                        "gen/samples": 8.0 * g,
-                        "gen/tokens": 32.0 * g,
-                        "gen/busy_ratio": 0.6,
-                        "gen/version": float(step),
-                        "gen/rejected_frames": 0.0,
-                        "time_s": t,
-                    }
-                )
+        out.append(_publish_record(step, t=t))
+        out += [_loaded_record(step, i, t=t) for i in range(num_generators)]
+        out.append(_step_record(step, t=t))
+        out.append(_learner_metrics_record(t=t))
         out.append(
-            {
-                "type": "publish",
-                "version": step + 1,
-                "transport": "safetensors",
-                "location": "w",
-                "num_bytes": 1_335_808,
-                "publish_s": 0.006,
-                "time_s": t,
-            }
-        )
-        for i in range(num_generators):
-            out.append(
-                {
-                    "type": "loaded",
-                    "generator_id": f"gen-{i}",
-                    "version": step + 1,
-                    "load_s": 0.007,
-                    "time_s": t + 0.01,
-                }
+            _launcher_record(
+                step, num_steps=num_steps, groups_per_step=groups_per_step, num_generators=num_generators, t=t
             )
-        stats = {
-            "num_valid_tokens": 1000.0,
-            "masked_fraction": 0.0,
-            "clip_fraction": 0.0,
-            "ess_ratio": 1.0,
-            "mean_weight": 1.0,
-            "max_weight": 1.0,
-            "mismatch_k3": 0.1,
-            "max_staleness": 2.0,
+        )
+    return out
+
+
+def _group_records(step: int, g: int, *, groups_per_step: int, num_generators: int, t: float) -> list[dict]:
+    """Group `g`'s task record, and every eighth group its generator's metrics."""
+    out = [
+        {
+            "type": "task",
+            "task_id": step * groups_per_step + g,
+            "generator_id": f"gen-{g % num_generators}",
+            "num_trajectories": 8,
+            "num_tokens": 32,
+            "generate_s": 0.05,
+            "mean_reward": 0.5,
+            "time_s": t,
         }
-        out.append(
-            {
-                "type": "step",
-                "step": step,
-                "version": step + 1,
-                "num_trajectories": 256,
-                "num_tokens": 1000,
-                "loss": 0.03,
-                "mean_reward": 0.5,
-                "max_staleness": 2,
-                "mean_staleness": 2.0,
-                "clip_fraction": 0.1,
-                "grad_norm": 1.0,
-                "step_s": 0.3,
-                "idle_s": 0.0,
-                "lr_scale": 1.0,
-                "stats": stats,
-                "samples_per_s": 500.0,
-                "time_s": t,
-            }
-        )
+    ]
+    if g % 8 == 0:
         out.append(
             {
                 "type": "metrics",
-                "source": "learner",
-                "learner/idle_ratio": 0.5,
-                "learner/duplicates": 0.0,
-                "learner/publish_s": 0.006,
-                "time_s": t,
-            }
-        )
-        out.append(
-            {
-                "type": "launcher",
-                "phase": "training",
-                "total_steps": num_steps,
-                "groups_per_step": groups_per_step,
-                "samples_per_group": 8,
-                "num_generators": num_generators,
-                "max_staleness_bound": 2,
-                "step": step + 1,
-                "groups_in_flight": 12,
-                "groups_admitted": (step + 3) * groups_per_step,
-                "credits_used": 96,
-                "credits_total": 96,
-                "credits_free": 0,
-                "restarts": 0,
+                "source": f"gen-{g % num_generators}",
+                "gen/samples": 8.0 * g,
+                "gen/tokens": 32.0 * g,
+                "gen/busy_ratio": 0.6,
+                "gen/version": float(step),
+                "gen/rejected_frames": 0.0,
                 "time_s": t,
             }
         )
     return out
+
+
+def _publish_record(step: int, *, t: float) -> dict:
+    return {
+        "type": "publish",
+        "version": step + 1,
+        "transport": "safetensors",
+        "location": "w",
+        "num_bytes": 1_335_808,
+        "publish_s": 0.006,
+        "time_s": t,
+    }
+
+
+def _loaded_record(step: int, i: int, *, t: float) -> dict:
+    return {
+        "type": "loaded",
+        "generator_id": f"gen-{i}",
+        "version": step + 1,
+        "load_s": 0.007,
+        "time_s": t + 0.01,
+    }
+
+
+def _step_record(step: int, *, t: float) -> dict:
+    stats = {
+        "num_valid_tokens": 1000.0,
+        "masked_fraction": 0.0,
+        "clip_fraction": 0.0,
+        "ess_ratio": 1.0,
+        "mean_weight": 1.0,
+        "max_weight": 1.0,
+        "mismatch_k3": 0.1,
+        "max_staleness": 2.0,
+    }
+    return {
+        "type": "step",
+        "step": step,
+        "version": step + 1,
+        "num_trajectories": 256,
+        "num_tokens": 1000,
+        "loss": 0.03,
+        "mean_reward": 0.5,
+        "max_staleness": 2,
+        "mean_staleness": 2.0,
+        "clip_fraction": 0.1,
+        "grad_norm": 1.0,
+        "step_s": 0.3,
+        "idle_s": 0.0,
+        "lr_scale": 1.0,
+        "stats": stats,
+        "samples_per_s": 500.0,
+        "time_s": t,
+    }
+
+
+def _learner_metrics_record(*, t: float) -> dict:
+    return {
+        "type": "metrics",
+        "source": "learner",
+        "learner/idle_ratio": 0.5,
+        "learner/duplicates": 0.0,
+        "learner/publish_s": 0.006,
+        "time_s": t,
+    }
+
+
+def _launcher_record(
+    step: int, *, num_steps: int, groups_per_step: int, num_generators: int, t: float
+) -> dict:
+    return {
+        "type": "launcher",
+        "phase": "training",
+        "total_steps": num_steps,
+        "groups_per_step": groups_per_step,
+        "samples_per_group": 8,
+        "num_generators": num_generators,
+        "max_staleness_bound": 2,
+        "step": step + 1,
+        "groups_in_flight": 12,
+        "groups_admitted": (step + 3) * groups_per_step,
+        "credits_used": 96,
+        "credits_total": 96,
+        "credits_free": 0,
+        "restarts": 0,
+        "time_s": t,
+    }
 
 
 def aggregate_us_per_record(records: list[dict], repeats: int = 5) -> float:

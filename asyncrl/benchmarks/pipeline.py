@@ -22,204 +22,22 @@ length, 16 tokens, makes each sample's model work dominate the pipeline's per-sa
 and bookkeeping, as on any real model; at 5 tokens (the default job's max_new_tokens) that
 overhead is a share of all CPU no real model's samples come near (figures: bench/README.md).
 
-The pure parts (figures from records, medians, ratios) are functions here; importing this module
-is cheap, subprocesses and rich load when the command runs.
+This module is the command (its options and their checks); the pure parts (figures from records,
+medians, ratios, each variant's overrides) are in pipeline_figures.py, the runs in pipeline_run.py.
+Importing it is cheap: subprocesses and rich load when the command runs.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import statistics
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-VARIANTS = ("gen_only", "learn_only", "sync", "async")
-REPLAY_KIND = "asyncrl.benchmarks.replay:ReplayGenerator"
-# Batch sizes (generators.max_batch_groups) the calibration measures the generator at: the larger
-# always, the smaller when the generator outruns the learner at the larger.
-CALIBRATION_BATCH_GROUPS = (8, 2)
-RUN_TIMEOUT_S = 3600.0  # one launch; the launcher's own supervision catches hung children sooner
+from asyncrl.benchmarks.pipeline_figures import VARIANTS, stage_cpus, variant_sets, workload_sets
 
 
-# ---------------------------------------------------------------------------- pure figures
-def steady_rate(steps: list[dict], *, skip: int, count: str = "num_trajectories") -> float:
-    """Samples per second over steps after the first `skip`: samples trained in steps
-    skip+1.. divided by the time from the end of step `skip` to the end of the last one.
-
-    `steps` are metrics.jsonl records of type "step" (`step`, `num_trajectories`, `num_tokens`,
-    `time_s`, the seconds since training began); `skip=0` measures from the start of training.
-    `count="num_tokens"` gives generated tokens per second instead.
-    """
-    steps = sorted(steps, key=lambda r: r["step"])
-    if skip < 0:
-        raise ValueError(f"skip must be >= 0, got {skip}")
-    if len(steps) <= skip:
-        raise ValueError(f"{len(steps)} step records; need more than skip={skip} (raise --steps)")
-    start_s = steps[skip - 1]["time_s"] if skip > 0 else 0.0
-    samples = sum(r[count] for r in steps[skip:])
-    elapsed_s = steps[-1]["time_s"] - start_s
-    if elapsed_s <= 0 or samples <= 0:
-        raise ValueError(f"no measurable progress after step {skip} ({samples} samples in {elapsed_s:.3f} s)")
-    return samples / elapsed_s
-
-
-def run_figures(records: list[dict], *, skip: int) -> dict[str, float]:
-    """Throughput and stage figures of one run from its metrics.jsonl records.
-
-    sps: steady-state samples/s (`steady_rate`); tps: the same for generated tokens (when the step
-    records count them); learner_tail_s: median over the steady steps of
-    `learner/tail_s` (last trajectory of the step's window in -> update done); learner_idle_ratio:
-    the learner's idle seconds over wall seconds in the same window (from the cumulative
-    `learner/idle_s`); gen_busy_ratio: the generators' last `gen/busy_ratio` (cumulative since each
-    generator started), averaged over generators.
-    """
-    steps = [r for r in records if r.get("type") == "step"]
-    out = {"sps": steady_rate(steps, skip=skip)}
-    if steps and all("num_tokens" in r for r in steps):
-        out["tps"] = steady_rate(steps, skip=skip, count="num_tokens")
-    learner = [r for r in records if r.get("type") == "metrics" and r.get("source") == "learner"]
-    if len(learner) > skip:
-        steady = learner[skip:]
-        out["learner_tail_s"] = statistics.median(r["learner/tail_s"] for r in steady)
-        ref = learner[skip - 1] if skip > 0 else {"learner/idle_s": 0.0, "time_s": 0.0}
-        span_s = learner[-1]["time_s"] - ref["time_s"]
-        if span_s > 0:
-            idle_s = learner[-1]["learner/idle_s"] - ref["learner/idle_s"]
-            out["learner_idle_ratio"] = min(1.0, max(0.0, idle_s / span_s))
-    busy: dict[str, float] = {}
-    for r in records:
-        if r.get("type") == "metrics" and "gen/busy_ratio" in r:
-            busy[r["source"]] = r["gen/busy_ratio"]
-    if busy:
-        out["gen_busy_ratio"] = statistics.fmean(busy.values())
-    return out
-
-
-def summarize(runs: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
-    """Per-repeat figures -> the result object: medians of each variant's samples/s, efficiency
-    (async / min(gen_only, learn_only)), speedup (async / sync), per-repeat values, and the async
-    runs' learner tail, learner idle ratio and generator busy ratio (medians).
-
-    `runs[i][variant]` is `run_figures` of repeat i's run of that variant.
-    """
-    if not runs:
-        raise ValueError("no repeats to summarize")
-    per_repeat: list[dict[str, float]] = []
-    for rep in runs:
-        missing = [v for v in VARIANTS if v not in rep]
-        if missing:
-            raise ValueError(f"a repeat lacks variants {missing}")
-        row = {f"{v}_sps": rep[v]["sps"] for v in VARIANTS}
-        row["efficiency"] = row["async_sps"] / min(row["gen_only_sps"], row["learn_only_sps"])
-        row["speedup"] = row["async_sps"] / row["sync_sps"]
-        per_repeat.append(row)
-    med = {f"{v}_sps": statistics.median(r[f"{v}_sps"] for r in per_repeat) for v in VARIANTS}
-    result: dict[str, Any] = {
-        **med,
-        # Ratios of the medians (each repeat's own ratios are in per_repeat).
-        "efficiency": med["async_sps"] / min(med["gen_only_sps"], med["learn_only_sps"]),
-        "speedup": med["async_sps"] / med["sync_sps"],
-        "bound": "generators" if med["gen_only_sps"] < med["learn_only_sps"] else "learner",
-        "balance": min(med["gen_only_sps"], med["learn_only_sps"])
-        / max(med["gen_only_sps"], med["learn_only_sps"]),
-    }
-    for key in ("learner_tail_s", "learner_idle_ratio", "gen_busy_ratio"):
-        values = [rep["async"][key] for rep in runs if key in rep["async"]]
-        if values:
-            result[f"async_{key}"] = statistics.median(values)
-    # The same ratio in generated tokens/s: a check that the single-stage variants saw answers as
-    # long as async's (with --stop-at-eos see `variant_sets`'s `policy`), else efficiency in
-    # samples/s is biased.
-    if all("tps" in rep[v] for rep in runs for v in VARIANTS):
-        tps = {v: statistics.median(rep[v]["tps"] for rep in runs) for v in VARIANTS}
-        result.update({f"{v}_tps": tps[v] for v in VARIANTS})
-        result["efficiency_tokens"] = tps["async"] / min(tps["gen_only"], tps["learn_only"])
-    result["median_efficiency_per_repeat"] = statistics.median(r["efficiency"] for r in per_repeat)
-    result["median_speedup_per_repeat"] = statistics.median(r["speedup"] for r in per_repeat)
-    result["per_repeat"] = per_repeat
-    result["per_run"] = [{v: rep[v] for v in VARIANTS} for rep in runs]
-    return result
-
-
-def balanced_batch_groups(gen_sps: dict[int, float], learn_sps: float, *, largest: int) -> int:
-    """The `generators.max_batch_groups` (1..largest) at which the generator alone runs at
-    `learn_sps`, the learner's own rate, from generator-only rates measured at a few batch sizes.
-
-    Model: a batch of m groups takes a + b*m seconds (per-decode-step overhead plus a cost per
-    group), so 1/rate is linear in 1/m: 1/g(m) = alpha/m + beta, fitted by least squares. The
-    pick is the m whose predicted rate is nearest `learn_sps` by ratio. With one point, or a fit
-    that says smaller batches are not slower (noise), the measured batch size nearest by ratio
-    (at most `largest`).
-    """
-    if not gen_sps or learn_sps <= 0 or any(v <= 0 for v in gen_sps.values()):
-        raise ValueError(f"need positive rates, got gen_sps={gen_sps}, learn_sps={learn_sps}")
-
-    def miss(rate: float) -> float:
-        return abs(math.log(rate / learn_sps))
-
-    nearest = min(min(gen_sps, key=lambda m: miss(gen_sps[m])), largest)
-    if len(gen_sps) < 2:
-        return nearest
-    xs = [1.0 / m for m in gen_sps]
-    ys = [1.0 / v for v in gen_sps.values()]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var_x = sum((x - mean_x) ** 2 for x in xs)
-    alpha = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var_x if var_x else 0.0
-    beta = mean_y - alpha * mean_x
-    if alpha <= 0:
-        return nearest
-    predicted = {m: 1.0 / (alpha / m + beta) for m in range(1, largest + 1) if alpha / m + beta > 0}
-    return min(predicted, key=lambda m: miss(predicted[m])) if predicted else nearest
-
-
-def stage_cpus(available: set[int] | list[int]) -> tuple[list[int], list[int]] | None:
-    """`--pin`'s placement: the learner on the first half of the CPUs this process may use, the
-    generators on the rest, so that each stage has its own cores (as each has its own GPUs on a
-    GPU host) and neither's threads preempt the other's; None with fewer than 2 CPUs."""
-    cpus = sorted(available)
-    if len(cpus) < 2:
-        return None
-    half = len(cpus) // 2
-    return cpus[:half], cpus[half:]
-
-
-def variant_command(variant: str) -> list[str]:
-    """The `asyncrl` sub-command that runs `variant`: the recording learner for gen_only."""
-    return ["bench", "record"] if variant == "gen_only" else ["launch"]
-
-
-def variant_sets(variant: str, *, recording: Path | None = None, policy: Path | None = None) -> list[str]:
-    """The `--set` overrides that make a run of the workload into `variant` (applied last).
-
-    `policy`: a trained model directory that the single-stage variants (gen_only, learn_only) start
-    from instead of the workload's model. Their policy never learns, and with answers that end at
-    eos (`--stop-at-eos`) an untrained policy's answers are longer than those of the policy that
-    sync and async train along the way (bench/README.md has how many more tokens), so without it they measure a costlier
-    workload. (The default `--ignore-eos` makes every answer the same length in every variant.)
-    """
-    model = [f"model.path={json.dumps(str(policy))}"] if policy is not None else []
-    match variant:
-        case "gen_only":
-            return model  # run by `asyncrl bench record` (variant_command)
-        case "learn_only":
-            if recording is None:
-                raise ValueError("learn_only needs the gen_only run's recording")
-            return [
-                f"generators.kind={REPLAY_KIND}",
-                f"generators.options.replay_path={json.dumps(str(recording))}",
-                *model,
-            ]
-        case "sync":
-            return ["mode=sync", "learner.streaming=off"]
-        case "async":
-            return ["mode=async", "learner.streaming=auto"]
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
-
-
-# ---------------------------------------------------------------------------- the command
 def _int_option(name: str, value: str) -> int:
     try:
         return int(value)
@@ -227,99 +45,92 @@ def _int_option(name: str, value: str) -> int:
         raise typer.BadParameter(f"{name} must be a whole number or 'auto', got {value!r}") from None
 
 
+# The command's longer options, declared once here so that its signature reads as a list.
+_MaxNewTokens = Annotated[
+    int, typer.Option(help="sampling.max_new_tokens: every answer's length (with --ignore-eos)")
+]
+_IgnoreEos = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-eos/--stop-at-eos",
+        help="every answer max_new_tokens long (sampling.ignore_eos), so that the four variants do "
+        "the same work per sample, or answers end at eos (lengths then follow each variant's policy)",
+    ),
+]
+_MaxBatchGroups = Annotated[
+    str,
+    typer.Option(
+        help="generators.max_batch_groups, or 'auto': measured first so that the two stages run "
+        "at about the same rate on this machine"
+    ),
+]
+_TrainedPolicy = Annotated[
+    bool,
+    typer.Option(
+        "--trained-policy/--initial-policy",
+        help="gen_only and learn_only run a policy trained first by one sync run (its answers are "
+        "as long as those sync and async produce once learning), or the initial model",
+    ),
+]
+_Pin = Annotated[
+    bool,
+    typer.Option(
+        "--pin/--no-pin",
+        help="run the learner on the first half of this machine's CPUs and the generators on the "
+        "rest (learner.cpus, generators.cpus) in every variant, or let the OS place them",
+    ),
+]
+_Sets = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="extra config override for every run, e.g. --set model.path=DIR"),
+]
+_OutDir = Annotated[
+    Path | None, typer.Option(help="keep the run directories here (default: a temporary directory)")
+]
+
+
 def command(
     steps: Annotated[int, typer.Option(help="optimizer steps per run (learner.steps)")] = 20,
     groups_per_step: Annotated[int, typer.Option(help="learner.groups_per_step")] = 32,
     samples_per_group: Annotated[int, typer.Option(help="learner.samples_per_group")] = 8,
-    max_new_tokens: Annotated[
-        int, typer.Option(help="sampling.max_new_tokens: every answer's length (with --ignore-eos)")
-    ] = 16,
-    ignore_eos: Annotated[
-        bool,
-        typer.Option(
-            "--ignore-eos/--stop-at-eos",
-            help="every answer max_new_tokens long (sampling.ignore_eos), so that the four variants do "
-            "the same work per sample, or answers end at eos (lengths then follow each variant's policy)",
-        ),
-    ] = True,
-    max_batch_groups: Annotated[
-        str,
-        typer.Option(
-            help="generators.max_batch_groups, or 'auto': measured first so that the two stages run "
-            "at about the same rate on this machine"
-        ),
-    ] = "auto",
+    max_new_tokens: _MaxNewTokens = 16,
+    ignore_eos: _IgnoreEos = True,
+    max_batch_groups: _MaxBatchGroups = "auto",
     max_staleness: Annotated[int, typer.Option(help="staleness.max_staleness (async variants)")] = 2,
     skip: Annotated[int, typer.Option(help="leading steps left out of the steady-state throughput")] = 2,
     repeats: Annotated[int, typer.Option(help="rounds of the four variants; medians reported")] = 3,
-    trained_policy: Annotated[
-        bool,
-        typer.Option(
-            "--trained-policy/--initial-policy",
-            help="gen_only and learn_only run a policy trained first by one sync run (its answers are "
-            "as long as those sync and async produce once learning), or the initial model",
-        ),
-    ] = True,
-    pin: Annotated[
-        bool,
-        typer.Option(
-            "--pin/--no-pin",
-            help="run the learner on the first half of this machine's CPUs and the generators on the "
-            "rest (learner.cpus, generators.cpus) in every variant, or let the OS place them",
-        ),
-    ] = True,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="extra config override for every run, e.g. --set model.path=DIR"),
-    ] = None,
-    out_dir: Annotated[
-        Path | None, typer.Option(help="keep the run directories here (default: a temporary directory)")
-    ] = None,
+    trained_policy: _TrainedPolicy = True,
+    pin: _Pin = True,
+    set_: _Sets = None,
+    out_dir: _OutDir = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """Pipeline: generators alone, learner alone, sync and async on one workload."""
     batch_groups = None if max_batch_groups == "auto" else _int_option("--max-batch-groups", max_batch_groups)
-    for name, value, low in (
-        ("--steps", steps, 1),
-        ("--groups-per-step", groups_per_step, 1),
-        ("--samples-per-group", samples_per_group, 2),
-        ("--max-new-tokens", max_new_tokens, 1),
-        ("--max-batch-groups", 1 if batch_groups is None else batch_groups, 1),
-        ("--repeats", repeats, 1),
-    ):
-        if value < low:
-            raise typer.BadParameter(f"{name} must be >= {low}, got {value}")
-    if max_staleness < 0 or skip < 0:
-        raise typer.BadParameter("--max-staleness and --skip must be >= 0")
-    if steps <= skip:
-        raise typer.BadParameter(f"--steps ({steps}) must be greater than --skip ({skip})")
-    workload = [
-        f"learner.steps={steps}",
-        f"learner.groups_per_step={groups_per_step}",
-        f"learner.samples_per_group={samples_per_group}",
-        f"sampling.max_new_tokens={max_new_tokens}",
-        f"sampling.ignore_eos={str(ignore_eos).lower()}",
-        f"staleness.max_staleness={max_staleness}",
-        "generators.num_generators=1",
-        "generators.threads=1",
-        "learner.threads=1",
-        "task.num_eval=0",
-    ]
+    _check_sizes(
+        steps=steps,
+        groups_per_step=groups_per_step,
+        samples_per_group=samples_per_group,
+        max_new_tokens=max_new_tokens,
+        batch_groups=batch_groups,
+        repeats=repeats,
+        max_staleness=max_staleness,
+        skip=skip,
+    )
     from asyncrl.runtime import available_cpus
 
     placement = stage_cpus(available_cpus()) if pin else None
-    if placement is not None:
-        workload += [f"learner.cpus={placement[0]}", f"generators.cpus={placement[1]}"]
-    workload += set_ or []
-    from asyncrl.config import ConfigError, load_config
-
-    try:  # fail on a bad --set before any process starts
-        for v in VARIANTS:
-            load_config(None, [*workload, *variant_sets(v, recording=Path("recording.jsonl"))])
-        if batch_groups is not None:
-            load_config(None, [*workload, f"generators.max_batch_groups={batch_groups}"])
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    workload = workload_sets(
+        steps=steps,
+        groups_per_step=groups_per_step,
+        samples_per_group=samples_per_group,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        max_staleness=max_staleness,
+        placement=placement,
+        extra=set_ or [],
+    )
+    _check_config(workload, batch_groups)
     from asyncrl.benchmarks.pipeline_run import print_table, run_pipeline_bench
 
     result = run_pipeline_bench(
@@ -337,3 +148,44 @@ def command(
         typer.echo(json.dumps(result, indent=2))
     else:
         print_table(result)
+
+
+def _check_sizes(
+    *,
+    steps: int,
+    groups_per_step: int,
+    samples_per_group: int,
+    max_new_tokens: int,
+    batch_groups: int | None,
+    repeats: int,
+    max_staleness: int,
+    skip: int,
+) -> None:
+    """The command's numeric options in range, else typer.BadParameter naming the option."""
+    for name, value, low in (
+        ("--steps", steps, 1),
+        ("--groups-per-step", groups_per_step, 1),
+        ("--samples-per-group", samples_per_group, 2),
+        ("--max-new-tokens", max_new_tokens, 1),
+        ("--max-batch-groups", 1 if batch_groups is None else batch_groups, 1),
+        ("--repeats", repeats, 1),
+    ):
+        if value < low:
+            raise typer.BadParameter(f"{name} must be >= {low}, got {value}")
+    if max_staleness < 0 or skip < 0:
+        raise typer.BadParameter("--max-staleness and --skip must be >= 0")
+    if steps <= skip:
+        raise typer.BadParameter(f"--steps ({steps}) must be greater than --skip ({skip})")
+
+
+def _check_config(workload: list[str], batch_groups: int | None) -> None:
+    """Fail on a bad --set before any process starts: every variant's config loads."""
+    from asyncrl.config import ConfigError, load_config
+
+    try:
+        for v in VARIANTS:
+            load_config(None, [*workload, *variant_sets(v, recording=Path("recording.jsonl"))])
+        if batch_groups is not None:
+            load_config(None, [*workload, f"generators.max_batch_groups={batch_groups}"])
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None

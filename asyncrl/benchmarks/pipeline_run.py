@@ -1,23 +1,18 @@
-"""The runs behind `asyncrl bench pipeline` (asyncrl/benchmarks/pipeline.py has the figures):
-each variant is one `asyncrl launch --no-tui` subprocess in its own run directory."""
+"""The runs behind `asyncrl bench pipeline` (the command in pipeline.py, the figures in
+pipeline_figures.py): each variant is one `asyncrl launch --no-tui` subprocess (runs.py) in its own
+run directory; the calibration, the trained policy, the interleaved repeats and the table."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.benchmarks.pipeline import (
+from asyncrl.benchmarks.pipeline_figures import (
     CALIBRATION_BATCH_GROUPS,
-    RUN_TIMEOUT_S,
     VARIANTS,
     balanced_batch_groups,
     run_figures,
@@ -25,54 +20,7 @@ from asyncrl.benchmarks.pipeline import (
     variant_command,
     variant_sets,
 )
-
-STOP_GRACE_S = 60.0  # a launcher told to stop (SIGTERM) stops its children within this
-
-
-class BenchRunFailed(RuntimeError):
-    """One launch of the bench did not complete."""
-
-
-def launch(sets: list[str], run_dir: Path, *, command: Sequence[str] = ("launch",)) -> float:
-    """`asyncrl launch` (or another `command` that runs the job) with `sets` into `run_dir`; returns
-    its wall seconds. Output goes to <run_dir>.log; a failed or timed-out run raises BenchRunFailed
-    with the log's tail."""
-    args = [sys.executable, "-m", "asyncrl", *command, "--no-tui"]
-    for s in [
-        *sets,
-        f"run.out_dir={json.dumps(str(run_dir.parent))}",
-        f"run.name={json.dumps(run_dir.name)}",
-    ]:
-        args += ["--set", s]
-    log_path = run_dir.with_suffix(".log")
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            code = proc.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the launcher stops its own children on SIGTERM
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            code = None
-        except BaseException:  # Ctrl-C: let the launcher stop its children, then re-raise
-            proc.send_signal(signal.SIGTERM)
-            proc.wait()
-            raise
-    wall_s = time.perf_counter() - start
-    if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        why = f"timed out after {RUN_TIMEOUT_S:.0f} s" if code is None else f"exited with code {code}"
-        raise BenchRunFailed(f"{run_dir.name} {why}; log {log_path}:\n{tail}")
-    return wall_s
-
-
-def read_records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines if x.strip()]
+from asyncrl.benchmarks.runs import BenchRunFailed, launch, read_records
 
 
 def train_policy(workload: list[str], root: Path, *, say: Callable[[str], None]) -> Path:

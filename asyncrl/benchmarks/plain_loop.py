@@ -246,6 +246,35 @@ def run_plain_loop(config: Config, *, threads: int) -> dict[str, Any]:
     refused = unsupported(config)
     if refused:
         raise ValueError(f"the plain loop does not implement: {'; '.join(refused)}")
+    model, tokenizer, task, device = _load_job(config, threads=threads)
+    eval_before = _held_out_accuracy(model, tokenizer, task, config)
+    optimizer = _optimizer(model, config)
+    train_start = time.perf_counter()  # just before the first `generate`
+    mean_rewards, num_tokens = _train(model, optimizer, tokenizer, task, config, device=device)
+    train_s = time.perf_counter() - train_start
+    eval_after = _held_out_accuracy(model, tokenizer, task, config)
+    lrn = config.learner
+    num_samples = lrn.steps * lrn.groups_per_step * lrn.samples_per_group
+    return {
+        "train_s": train_s,
+        "samples_per_s": num_samples / train_s,
+        "tokens_per_s": num_tokens / train_s,
+        "num_samples": num_samples,
+        "num_tokens": num_tokens,
+        "steps": lrn.steps,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "eval_problems": len(task.eval_problems),
+        "mean_rewards": mean_rewards,
+        "threads": threads,
+        "device": str(device),
+        "job_s": time.perf_counter() - job_start,
+    }
+
+
+def _load_job(config: Config, *, threads: int):
+    """torch on `threads` threads and seeded; the job's model (float32, eval mode), tokenizer,
+    prepared task and device, as asyncrl's learner loads them."""
     from asyncrl.models.hf import quiet_offline
 
     quiet_offline()
@@ -254,39 +283,50 @@ def run_plain_loop(config: Config, *, threads: int) -> dict[str, Any]:
 
     from asyncrl.job import model_path
     from asyncrl.models.sampling import resolve_device
-    from asyncrl.models.sft import greedy_accuracy
     from asyncrl.tasks.base import make_task, prepare_task
 
     torch.set_num_threads(threads)
     torch.manual_seed(config.run.seed)
-    lrn, sampling = config.learner, config.sampling
-    device = resolve_device(lrn.device, field="learner.device")
+    device = resolve_device(config.learner.device, field="learner.device")
     path = model_path(config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     task = make_task(config.task)
-    prepare_task(task, tokenizer, groups_per_step=lrn.groups_per_step)
+    prepare_task(task, tokenizer, groups_per_step=config.learner.groups_per_step)
+    return model, tokenizer, task, device
 
-    def held_out_accuracy() -> float:
-        if not task.eval_problems:
-            return math.nan
-        return greedy_accuracy(
-            model,
-            tokenizer,
-            task,
-            max_new_tokens=sampling.max_new_tokens,
-            batch_size=config.task.eval_batch_size,
-        )
 
-    eval_before = held_out_accuracy()
+def _held_out_accuracy(model, tokenizer, task, config: Config) -> float:
+    """Greedy accuracy on the task's held-out problems (NaN without any), as asyncrl reports it."""
+    from asyncrl.models.sft import greedy_accuracy
+
+    if not task.eval_problems:
+        return math.nan
+    return greedy_accuracy(
+        model,
+        tokenizer,
+        task,
+        max_new_tokens=config.sampling.max_new_tokens,
+        batch_size=config.task.eval_batch_size,
+    )
+
+
+def _optimizer(model, config: Config):
+    """learner.optimizer over the model's trainable parameters (AdamW betas as the learner's)."""
+    import torch
+
+    lrn = config.learner
     params = [p for p in model.parameters() if p.requires_grad]
     if lrn.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=lrn.lr, weight_decay=lrn.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=lrn.lr, weight_decay=lrn.weight_decay, betas=(0.9, 0.99))
+        return torch.optim.SGD(params, lr=lrn.lr, weight_decay=lrn.weight_decay)
+    return torch.optim.AdamW(params, lr=lrn.lr, weight_decay=lrn.weight_decay, betas=(0.9, 0.99))
+
+
+def _train(model, optimizer, tokenizer, task, config: Config, *, device) -> tuple[list[float], int]:
+    """`learner.steps` rounds of generate-then-train; each step's mean reward, and tokens trained."""
+    lrn, sampling = config.learner, config.sampling
     clip_low, clip_high = lrn.clip_range()
     mean_rewards, num_tokens = [], 0
-    train_start = time.perf_counter()
     for step in range(lrn.steps):
         first = step * lrn.groups_per_step
         problems_G = [task.train_problem(j) for j in range(first, first + lrn.groups_per_step)]
@@ -310,24 +350,7 @@ def run_plain_loop(config: Config, *, threads: int) -> dict[str, Any]:
         )
         mean_rewards.append(float(batch.rewards_GN.mean()))
         num_tokens += int(batch.mask_BT.sum())
-    train_s = time.perf_counter() - train_start
-    eval_after = held_out_accuracy()
-    num_samples = lrn.steps * lrn.groups_per_step * lrn.samples_per_group
-    return {
-        "train_s": train_s,
-        "samples_per_s": num_samples / train_s,
-        "tokens_per_s": num_tokens / train_s,
-        "num_samples": num_samples,
-        "num_tokens": num_tokens,
-        "steps": lrn.steps,
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-        "eval_problems": len(task.eval_problems),
-        "mean_rewards": mean_rewards,
-        "threads": threads,
-        "device": str(device),
-        "job_s": time.perf_counter() - job_start,
-    }
+    return mean_rewards, num_tokens
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,14 +78,14 @@ def command(
     )
     if as_json:
         typer.echo(json.dumps(result, indent=2))
-        return
+    else:
+        _print_report(result)
+
+
+def _print_report(result: dict) -> None:
+    """The human-readable report: the workload and bounds, then each row, then the load average."""
     memcpy = result["memcpy_gbps"]
     b = result["bounds"]
-    cores = result["num_cpus"]
-
-    def vs(gbps: float) -> str:
-        return f"{gbps:.2f} GB/s ({gbps / memcpy:.2f}x memcpy)"
-
     typer.echo(
         f"{result['bytes'] / _GB:.3f} GB in {result['num_tensors']} tensors; memcpy {memcpy:.2f} GB/s "
         f"(one thread); medians of {result['repeats']} rounds"
@@ -98,13 +98,28 @@ def command(
         f"{b['file_read_gbps']:.2f} GB/s; loopback TCP stream {b['loopback_tcp_gbps']:.2f} GB/s "
         f"({b['loopback_tcp_cpu_s_per_gb']:.2f} CPU-s/GB)"
     )
+    _print_shards_rows(result)
+    _print_network_and_delta_rows(result)
+    _print_broadcast_rows(result)
+    typer.echo(
+        f"load average (1 min): {result['load_average_1min_start']:.2f} at the start, "
+        f"{result['load_average_1min']:.2f} at the end, on {result['num_cpus']} CPUs"
+    )
+
+
+def _vs(gbps: float, memcpy: float) -> str:
+    return f"{gbps:.2f} GB/s ({gbps / memcpy:.2f}x memcpy)"
+
+
+def _print_shards_rows(result: dict) -> None:
+    memcpy, cores = result["memcpy_gbps"], result["num_cpus"]
     rows = [("shards", "shards   "), ("shards_sha256", "sha256   "), ("shards_fp32", "fp32     ")]
     for key, label in rows:
         for n, r in result["detail"].get(key, {}).items():
             gb = r["bytes"] / _GB
             bound = r["bound"]
             typer.echo(
-                f"{label} x{n}: {vs(r['gbps'])}, {r['bytes'] / 1e6:.0f} MB ({r['checksum']}); publish "
+                f"{label} x{n}: {_vs(r['gbps'], memcpy)}, {r['bytes'] / 1e6:.0f} MB ({r['checksum']}); publish "
                 f"{r['publish_gbps']:.2f} GB/s (new files: {r['publish_fresh_gbps']:.2f}), load "
                 f"{r['load_gbps']:.2f} GB/s; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} CPU-s/GB, "
                 f"{r['cpu_s'] / cores / r['total_s']:.0%} of {cores} cores: {r['cpu_bound_gbps']:.2f} GB/s "
@@ -112,26 +127,34 @@ def command(
             )
             typer.echo(
                 f"  as a generator takes it (fresh tensors, then copied into its parameters): "
-                f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
+                f"{_vs(r['generator_gbps'], memcpy)}; cpu {r['generator_cpu_s']:.2f} s"
             )
             typer.echo(
                 f"  bound: {1 + int(n)} {bound['checksum']} passes ({bound['hash_cpu_s']:.2f} CPU-s) + copies "
-                f"({bound['copy_cpu_s']:.2f}) on {cores} cores -> {vs(bound['gbps'])}; hashing alone -> "
-                f"{vs(bound['hash_only_gbps'])}"
+                f"({bound['copy_cpu_s']:.2f}) on {cores} cores -> {_vs(bound['gbps'], memcpy)}; hashing alone -> "
+                f"{_vs(bound['hash_only_gbps'], memcpy)}"
             )
+
+
+def _print_network_and_delta_rows(result: dict) -> None:
+    memcpy = result["memcpy_gbps"]
     for n, r in result["detail"].get("network", {}).items():  # docs/multi-host.md
         typer.echo(
-            f"network   x{n}: {vs(r['gbps'])}, served to a generator without the weights root (loopback, "
-            f"{r['checksum']} checked on arrival and on read); fetch alone {vs(r['fetch_gbps'])}; cpu "
-            f"{r['cpu_s']:.2f} s (both ends)"
+            f"network   x{n}: {_vs(r['gbps'], memcpy)}, served to a generator without the weights root "
+            f"(loopback, {r['checksum']} checked on arrival and on read); fetch alone "
+            f"{_vs(r['fetch_gbps'], memcpy)}; cpu {r['cpu_s']:.2f} s (both ends)"
         )
     for n, r in result["detail"].get("delta", {}).items():
         typer.echo(
             f"delta     x{n}: lr {r['lr']:g}; {r['delta_bytes'] / 1e6:.2f} MB per update instead of "
             f"{r['bytes'] / 1e6:.0f} MB ({r['delta_bytes'] / r['bytes']:.1%}); publish (full + delta) "
             f"{r['publish_gbps']:.2f} GB/s, generator fetch by delta {r['fetch_gbps']:.2f} GB/s; as a "
-            f"generator takes it {vs(r['generator_gbps'])}"
+            f"generator takes it {_vs(r['generator_gbps'], memcpy)}"
         )
+
+
+def _print_broadcast_rows(result: dict) -> None:
+    memcpy, cores = result["memcpy_gbps"], result["num_cpus"]
     gb = result["bytes"] / _GB
     for key, label in (("broadcast", "broadcast"), ("broadcast_gloo", "gloo     ")):
         for n, r in result["detail"].get(key, {}).items():
@@ -142,27 +165,23 @@ def command(
                 else "every generator over gloo (loopback TCP)"
             )
             typer.echo(
-                f"{label} x{n}: {vs(r['gbps'])}, {path}; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} "
+                f"{label} x{n}: {_vs(r['gbps'], memcpy)}, {path}; cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / gb:.2f} "
                 f"CPU-s/GB, sender {r['sender_cpu_s']:.2f}: {r['cpu_bound_gbps']:.2f} GB/s with the cores to itself)"
             )
             typer.echo(
                 f"  as a generator takes it (fresh tensors, then copied into its parameters): "
-                f"{vs(r['generator_gbps'])}; cpu {r['generator_cpu_s']:.2f} s"
+                f"{_vs(r['generator_gbps'], memcpy)}; cpu {r['generator_cpu_s']:.2f} s"
             )
             if key == "broadcast":
                 typer.echo(
                     f"  bound: {bound['num_copies']} memcpys (into the ring, out of it) on {cores} cores -> "
-                    f"{vs(bound['gbps'])}"
+                    f"{_vs(bound['gbps'], memcpy)}"
                 )
             else:
                 typer.echo(
                     f"  bound: {n} loopback TCP stream(s) from rank 0 ({bound['cpu_s']:.2f} CPU-s) -> "
-                    f"{vs(bound['gbps'])}"
+                    f"{_vs(bound['gbps'], memcpy)}"
                 )
-    typer.echo(
-        f"load average (1 min): {result['load_average_1min_start']:.2f} at the start, "
-        f"{result['load_average_1min']:.2f} at the end, on {cores} CPUs"
-    )
 
 
 def _trained_deltas(num_params: int, steps: int, lr: float, *, as_json: bool) -> None:

@@ -26,7 +26,8 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
-from asyncrl.benchmarks.weights_run import _apply, _expect, _send, _start, _stop, num_bytes_of
+from asyncrl.benchmarks.weights_procs import copy_into, expect, send, start_child, stop_children
+from asyncrl.benchmarks.weights_workload import num_bytes_of
 from asyncrl.messages import TensorMeta
 from asyncrl.transport import pairwise
 from asyncrl.transport.broadcast import (
@@ -70,15 +71,15 @@ def broadcast_receiver(
             torch.distributed.all_reduce(done, group=group)  # tells rank 0 every byte has arrived
             cpu1 = time.process_time()
             state = receive_tensors(group, metas, bucket_bytes=bucket_bytes, p2p=P2P)
-            _apply(params, state)
+            copy_into(params, state)
             del state
             torch.distributed.all_reduce(done, group=group)
             cpu_s.append(cpu1 - cpu0)
             generator_cpu_s.append(time.process_time() - cpu1)
         destroy_weight_update_group(group)
-        _send(conn, op="finished", cpu_s=cpu_s, generator_cpu_s=generator_cpu_s)
+        send(conn, op="finished", cpu_s=cpu_s, generator_cpu_s=generator_cpu_s)
     except Exception:
-        _send(conn, op="error", traceback=traceback.format_exc())
+        send(conn, op="error", traceback=traceback.format_exc())
         raise
 
 
@@ -100,7 +101,7 @@ def bench_broadcast(
     metas = msgspec.json.encode(tensor_metas(sd))
     rounds = repeats + 1  # the first round warms up (receivers allocate their tensors)
     started = [
-        _start(
+        start_child(
             ctx,
             broadcast_receiver,
             rank,
@@ -140,9 +141,9 @@ def bench_broadcast(
             ring = pairwise._send_rings.get(group)
             ring_readers = len(ring.readers) if ring is not None else 0
         destroy_weight_update_group(group)
-        finished = [_expect(conn, "finished") for conn in conns]
+        finished = [expect(conn, "finished") for conn in conns]
     finally:
-        _stop(procs)
+        stop_children(procs)
 
     def total_cpu_s(sender: list[float], key: str) -> float:
         return statistics.median(sender[i] + sum(m[key][i] for m in finished) for i in range(1, rounds))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.benchmarks.pipeline import (
+from asyncrl.benchmarks.pipeline_figures import (
     VARIANTS,
     balanced_batch_groups,
     run_figures,
