@@ -43,7 +43,8 @@ def launch(
     ] = None,
 ) -> None:
     """Train: spawn the learner and generators, stream until done, write the run directory."""
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
     from asyncrl.models.hf import quiet_offline
 
     quiet_offline()
@@ -100,9 +101,9 @@ def launch(
         "max_staleness",
         "trajectories_lost",
     )
-    typer.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
-    typer.echo(f"run directory: {summary['run_dir']}")
-    if summary["status"] == "interrupted":
+    typer.echo(json.dumps({k: getattr(summary, k) for k in keys}, indent=2))
+    typer.echo(f"run directory: {summary.run_dir}")
+    if summary.status == "interrupted":
         raise typer.Exit(130)
 
 
@@ -210,7 +211,8 @@ def lint(
     ] = None,
 ) -> None:
     """Check a config for unsafe settings (docs/safety.md); exit 1 on an error. Starts nothing."""
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
     from asyncrl.lint import lint as findings_of
 
     try:
@@ -239,7 +241,8 @@ def replay(
     ] = None,
 ) -> None:
     """Re-run a recorded run's learner on its schedule; compare with the run (docs/safety.md)."""
-    from asyncrl.config import ConfigError, load_resolved_config
+    from asyncrl.config_load import load_resolved_config
+    from asyncrl.config_sections import ConfigError
     from asyncrl.job import compare_replay, model_path
     from asyncrl.models.hf import quiet_offline
 

@@ -1,95 +1,37 @@
-"""One typed config tree, validated once at load time.
+"""`Config`: the whole typed tree, one section per `[section]` of a config file, and the checks
+that span sections and need nothing but the tree (`__post_init__`), with the values derived from
+several sections (the effective staleness bound, the admission window, where evaluation runs).
 
-Sources, in order: built-in defaults, a TOML file, `--set a.b=c` overrides; then one
-`msgspec.convert` into `Config`. Every error names the field path (`$.learner.lr`) and says how to
-fix it. Each component receives only its own sub-tree. The resolved config is written to the run
-directory as `config.toml`-compatible JSON (`config.json`). The sections themselves (one Struct per
-`[section]`, each key's default and comment) are in `config_sections.py`; import them from here.
+Place in the data flow: a leaf, validated once when the launcher loads the config
+(`config_load.py`: defaults, a TOML file, `--set` overrides, one `msgspec.convert` into this
+class); the sections are in `config_sections.py`, the checks that need the built staleness policy
+in `config_objective.py`. Each component receives only its own sub-tree.
 """
 
 from __future__ import annotations
 
-import re
-import tomllib
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Literal
 
 import msgspec
 
-from asyncrl.config_objective import check_objective_config
 from asyncrl.config_sections import (
-    LOOPBACK_HOSTS,
     BufferConfig,
     ClusterConfig,
-    ConfigError,
-    DatasetConfig,
     GeneratorConfig,
     LearnerConfig,
-    LoraConfig,
     ModelConfig,
     MonitorConfig,
-    NonNegInt,
     OpdConfig,
-    PosFloat,
-    PosInt,
-    Probability,
-    PromptConfig,
-    RewardConfig,
     RunConfig,
     SamplingConfig,
-    ScoringConfig,
+    Section,
     StalenessConfig,
     TaskConfig,
     WeightsConfig,
-    _Section,
-    is_loopback_host,
 )
 
-# The sections live in config_sections.py; everything is imported from here.
-__all__ = [
-    "BufferConfig",
-    "ClusterConfig",
-    "Config",
-    "ConfigError",
-    "DatasetConfig",
-    "GeneratorConfig",
-    "LOOPBACK_HOSTS",
-    "LearnerConfig",
-    "LoraConfig",
-    "ModelConfig",
-    "MonitorConfig",
-    "NonNegInt",
-    "OpdConfig",
-    "PosFloat",
-    "PosInt",
-    "Probability",
-    "PromptConfig",
-    "RewardConfig",
-    "RunConfig",
-    "SERVER_PUBLIC_KEY",
-    "SamplingConfig",
-    "ScoringConfig",
-    "StalenessConfig",
-    "TaskConfig",
-    "WeightsConfig",
-    "apply_override",
-    "check_cluster",
-    "check_cuda",
-    "check_rewards",
-    "check_staleness_policy",
-    "check_task_kind",
-    "config_from_tree",
-    "config_to_dict",
-    "is_loopback_host",
-    "keys_dir_problem",
-    "load_config",
-    "load_resolved_config",
-    "needs_one_rank",
-    "write_resolved_config",
-]
 
-
-class Config(_Section, frozen=True, kw_only=True):
+class Config(Section, frozen=True, kw_only=True):
     mode: Literal["async", "sync"] = "async"
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -261,251 +203,3 @@ class Config(_Section, frozen=True, kw_only=True):
             and lrn.lora.rank == 0
             and self.task.eval_device == lrn.device
         )
-
-
-def _parse_value(text: str) -> Any:
-    """A `--set` value in TOML syntax (1, 0.5, true, "x", [1, 2]); bare words are strings."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_override(tree: dict[str, Any], assignment: str) -> None:
-    key, sep, value = assignment.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set learner.lr=3e-4")
-    parts = [p for p in key.strip().split(".") if p]
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {assignment!r}: {'.'.join(parts[:-1])} is a value, not a section")
-        node = child
-    node[parts[-1]] = _parse_value(value.strip())
-
-
-def _section_at(path: list[str]) -> type[msgspec.Struct] | None:
-    kind: Any = Config
-    for part in path:
-        fields = {f.name: f.type for f in msgspec.structs.fields(kind)}
-        kind = fields.get(part)
-        if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
-            return None
-    return kind
-
-
-def _field_type(path: list[str]) -> Any:
-    section = _section_at(path[:-1])
-    if section is None:
-        return None
-    return {f.name: f.type for f in msgspec.structs.fields(section)}.get(path[-1])
-
-
-def _friendly(err: msgspec.ValidationError) -> str:
-    text = str(err)
-    message, _, where = text.rpartition(" - at `")
-    if not _:
-        message, where = text, "$"
-    path = [p for p in where.rstrip("`").removeprefix("$").split(".") if p]
-    unknown = re.match(r"Object contains unknown field `(.+)`", message)
-    if unknown:
-        section = _section_at(path)
-        valid = ", ".join(f.name for f in msgspec.structs.fields(section)) if section else ""
-        key = ".".join([*path, unknown.group(1)])
-        return f"config error: unknown key {key!r}; valid keys here: {valid}"
-    if message.startswith("Invalid enum value"):
-        kind = _field_type(path)
-        choices = ", ".join(repr(c) for c in get_args(kind)) if get_origin(kind) is Literal else ""
-        return f"config error at {'.'.join(path)}: {message}; valid values: {choices}"
-    if not path:
-        return f"config error: {message}"
-    return f"config error at {'.'.join(path)}: {message}"
-
-
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *, lint: bool = True
-) -> Config:
-    """Defaults <- TOML file <- overrides, validated once. Raises ConfigError on any mistake (and on
-    the settings linter's errors unless `lint` is false: `asyncrl lint` lists them itself)."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            tree = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-    return config_from_tree(tree, overrides, lint=lint)
-
-
-def config_from_tree(
-    tree: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *, lint: bool = True
-) -> Config:
-    """A config tree (parsed TOML, or `config_to_dict` of a config) <- overrides, validated once."""
-    for assignment in overrides:
-        apply_override(tree, assignment)
-    try:
-        config = msgspec.convert(tree, Config)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_friendly(exc)) from None
-    check_task_kind(config.task)
-    check_rewards(config.task)
-    check_cuda(config)
-    check_cluster(config.cluster)
-    policy = check_staleness_policy(config.staleness)
-    check_objective_config(config, policy)  # distillation mixing, OPOB (config_objective.py)
-    if config.buffer.action == "downweight" and "old_train" in policy.needs:
-        raise ConfigError(
-            f"config error at buffer.action: staleness policy {policy.name!r} keeps the last "
-            "max_staleness + 1 versions, and 'downweight' trains groups older than that; use withhold or drop"
-        )
-    kept = sorted({"ewma", "old_train"} & set(policy.needs))
-    if config.learner.world_size > 1 and kept and not config.opd.enabled:
-        raise ConfigError(
-            f"config error at learner.world_size: staleness policy {policy.name!r} keeps {' and '.join(kept)} "
-            "copies of the weights, which several learner ranks do not shard yet; use learner.world_size = 1"
-        )
-    if needs_one_rank(policy, world_size=config.learner.world_size, distills=config.opd.enabled):
-        raise ConfigError(
-            f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
-            "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
-        )
-    check_lint(config, refuse=lint)
-    return config
-
-
-def check_lint(config: Config, *, refuse: bool = True) -> None:
-    """`run.allow_unsafe` names real rules; with `refuse`, the settings linter's errors refuse the
-    config (asyncrl/lint.py, docs/safety.md)."""
-    from asyncrl.lint import check_allowed, lint
-
-    try:
-        check_allowed(config.run.allow_unsafe)
-    except ValueError as exc:
-        raise ConfigError(f"config error at run.allow_unsafe: {exc}") from None
-    errors = [f for f in lint(config) if f.level == "error"] if refuse else []
-    if errors:
-        first = errors[0]
-        raise ConfigError(
-            f"config error at {first.key}: {first.problem}; {first.fix} (or accept the risk: "
-            f"--set 'run.allow_unsafe=[\"{first.rule}\"]'; docs/safety.md)"
-            + "".join(f"\n  also: {f.line()}" for f in errors[1:])
-        )
-
-
-def check_cuda(config: Config) -> None:
-    """A device set to 'cuda' on a host without one fails at load time, naming the key. (Not
-    `learner.device`: learner ranks started by torchrun may run on other hosts; each rank checks.)"""
-    cuda_keys = [
-        key
-        for key, setting, used in (
-            ("generators.device", config.generators.device, config.generators.kind == "torch"),
-            ("task.eval_device", config.task.eval_device, config.task.num_eval > 0),
-        )
-        if used and setting == "cuda"
-    ]
-    if cuda_keys:
-        import torch  # only when a GPU is asked for: CPU configs and --help stay torch-free
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"config error at {cuda_keys[0]}: 'cuda' but torch sees no CUDA device on this host; "
-                f"use --set {cuda_keys[0]}=cpu, or auto (a GPU only where there is one)"
-            )
-
-
-# The server's public key in cluster.keys_dir (`asyncrl keys`; transport/security.py names the rest).
-SERVER_PUBLIC_KEY = "server.key"
-
-
-def keys_dir_problem(keys_dir: str) -> str | None:
-    """What stops `keys_dir` from serving a CURVE run, naming the fix; None if nothing does
-    (its files are parsed where they are used, `transport/security.py`)."""
-    if not keys_dir:
-        return (
-            "CURVE is on (cluster.curve, or cluster.bind_host beyond loopback) but no keys are set: run "
-            "`asyncrl keys DIR` and --set cluster.keys_dir=DIR"
-        )
-    base = Path(keys_dir).expanduser()
-    if not base.is_dir():
-        return f"{keys_dir!r} is not a directory: run `asyncrl keys {keys_dir}` (or fix the path)"
-    if not (base / SERVER_PUBLIC_KEY).is_file():
-        return f"{base / SERVER_PUBLIC_KEY} is missing: copy it from the host where `asyncrl keys` ran (or run it here)"
-    return None
-
-
-def check_cluster(section: ClusterConfig) -> None:
-    """With CURVE on, `cluster.keys_dir` holds the run's keys (checked on the host that loads the
-    config; every process checks its own files again when it starts)."""
-    if section.curve_enabled and (problem := keys_dir_problem(section.keys_dir)):
-        raise ConfigError(f"config error at cluster.keys_dir: {problem}")
-
-
-def needs_one_rank(policy, *, world_size: int, distills: bool) -> bool:
-    """A batch-global correction (the policy says so) on several data-parallel ranks: each rank
-    would see only its share of the batch. Distillation applies no staleness correction."""
-    return world_size > 1 and not distills and bool(policy.batch_global)
-
-
-def check_staleness_policy(section: StalenessConfig):
-    """Build the configured policy once, so a misspelled name or parameter fails at load time."""
-    from asyncrl.staleness import LEARNER_PROVIDES
-    from asyncrl.staleness.registry import make_policy
-
-    try:
-        policy = make_policy(section.policy, freshness=section.freshness, **section.params)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"config error at staleness.policy: {exc}") from None
-    missing = [n for n in policy.needs if n not in LEARNER_PROVIDES]
-    if missing:
-        raise ConfigError(
-            f"config error at staleness.policy: {section.policy!r} needs {', '.join(missing)} log-probs, "
-            "which the learner does not compute yet; choose another policy"
-        )
-    return policy
-
-
-def check_task_kind(section: TaskConfig) -> None:
-    """A misspelled task name (or a plugin that does not import) fails at load time."""
-    from asyncrl.plugins import load_plugin
-    from asyncrl.tasks.base import ENTRY_POINT_GROUP
-
-    try:
-        load_plugin(ENTRY_POINT_GROUP, section.kind, field="task.kind", what="task")
-    except ValueError as exc:
-        raise ConfigError(f"config error at task.kind: {exc}") from None
-
-
-def check_rewards(section: TaskConfig) -> None:
-    """Each of task.rewards resolves (a misspelled name, a bad pattern, a bad URL) at load time."""
-    if not section.rewards:
-        if section.scoring.eval_reward:
-            raise ConfigError(
-                f"config error at task.scoring.eval_reward: {section.scoring.eval_reward!r} names a reward, "
-                "but task.rewards is empty; add the reward or remove eval_reward"
-            )
-        return
-    from asyncrl.rewards.base import check_rewards as check
-
-    try:
-        check(section)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"config error at task.rewards: {exc}") from None
-
-
-def config_to_dict(config: Config) -> dict[str, Any]:
-    return msgspec.to_builtins(config)
-
-
-def write_resolved_config(config: Config, path: Path) -> None:
-    """The resolved config as JSON; `load_resolved_config` reads it back exactly."""
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(config), indent=2) + b"\n")
-
-
-def load_resolved_config(path: Path) -> Config:
-    try:
-        return msgspec.json.decode(Path(path).read_bytes(), type=Config)
-    except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ConfigError(f"resolved config {path} cannot be read: {exc}") from None

@@ -1,10 +1,14 @@
-"""Cross-section checks of the learner's objective choices that one config section cannot make alone
-(no torch: the launcher runs them while it validates the config, before any process starts).
+"""The checks of the learner's objective that need the built staleness policy, or more than one
+config section (no torch: the launcher runs them while it loads the config, before any process
+starts).
 
-Place in the data flow: `asyncrl.config.config_from_tree` builds the staleness policy once and hands
-it here with the whole config; the learner's `build_trainer` runs the same checks, so a config that
-skipped the loader still fails before the first step. Each error names the key and the fix.
+Place in the data flow: `asyncrl.config_load.config_from_tree` builds the staleness policy once
+(`check_staleness_policy`) and hands it here with the whole config; the learner's `build_trainer`
+runs `check_objective_config` again, so a config that skipped the loader still fails before the
+first step. Each error names the key and the fix.
 
+* The policy against the rest (`check_policy_fit`): what it keeps and whether it takes batch-wide
+  statistics, against buffer.action and several learner ranks.
 * `opd.reward` != "off" (distillation with the task reward): the RL part applies the staleness
   policy, so the several-rank limits that distillation alone escapes apply again, and the RL
   log-probs come from the distillation forward over the full vocabulary (sampling.top_p = 1).
@@ -16,18 +20,67 @@ skipped the loader still fails before the first step. Each error names the key a
 
 from __future__ import annotations
 
-from asyncrl.config_sections import ConfigError
+from typing import TYPE_CHECKING
+
+from asyncrl.config_sections import ConfigError, StalenessConfig
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 OPOB_ADVANTAGES = ("grpo", "dr_grpo")  # objective.OPOB_ADVANTAGES (this module imports no torch)
 
 
-def check_objective_config(config, policy) -> None:
+def check_staleness_policy(section: StalenessConfig):
+    """Build the configured policy once, so a misspelled name or parameter fails at load time."""
+    from asyncrl.staleness import LEARNER_PROVIDES
+    from asyncrl.staleness.registry import make_policy
+
+    try:
+        policy = make_policy(section.policy, freshness=section.freshness, **section.params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config error at staleness.policy: {exc}") from None
+    missing = [n for n in policy.needs if n not in LEARNER_PROVIDES]
+    if missing:
+        raise ConfigError(
+            f"config error at staleness.policy: {section.policy!r} needs {', '.join(missing)} log-probs, "
+            "which the learner does not compute yet; choose another policy"
+        )
+    return policy
+
+
+def needs_one_rank(policy, *, world_size: int, distills: bool) -> bool:
+    """A batch-global correction (the policy says so) on several data-parallel ranks: each rank
+    would see only its share of the batch. Distillation applies no staleness correction."""
+    return world_size > 1 and not distills and bool(policy.batch_global)
+
+
+def check_policy_fit(config: Config, policy) -> None:
+    """Raise `ConfigError` for a staleness policy that the buffer or the learner ranks cannot serve."""
+    if config.buffer.action == "downweight" and "old_train" in policy.needs:
+        raise ConfigError(
+            f"config error at buffer.action: staleness policy {policy.name!r} keeps the last "
+            "max_staleness + 1 versions, and 'downweight' trains groups older than that; use withhold or drop"
+        )
+    kept = sorted({"ewma", "old_train"} & set(policy.needs))
+    if config.learner.world_size > 1 and kept and not config.opd.enabled:
+        raise ConfigError(
+            f"config error at learner.world_size: staleness policy {policy.name!r} keeps {' and '.join(kept)} "
+            "copies of the weights, which several learner ranks do not shard yet; use learner.world_size = 1"
+        )
+    if needs_one_rank(policy, world_size=config.learner.world_size, distills=config.opd.enabled):
+        raise ConfigError(
+            f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
+            "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
+        )
+
+
+def check_objective_config(config: Config, policy) -> None:
     """Raise `ConfigError` for an objective combination the learner cannot train exactly."""
     _check_reward_mixing(config, policy)
     _check_opob(config, policy)
 
 
-def _check_reward_mixing(config, policy) -> None:
+def _check_reward_mixing(config: Config, policy) -> None:
     opd, lrn = config.opd, config.learner
     if not opd.enabled or opd.reward == "off":
         return
@@ -46,7 +99,7 @@ def _check_reward_mixing(config, policy) -> None:
         )
 
 
-def _check_opob(config, policy) -> None:
+def _check_opob(config: Config, policy) -> None:
     lrn, baseline = config.learner, config.staleness.vcpo_baseline
     if baseline == "group_mean":
         return

@@ -1,11 +1,16 @@
 """The config tree's sections: one frozen msgspec Struct per `[section]` of a config file, with its
-defaults and the comment that documents each key (README's table follows these). `Config`, the
-whole tree, and loading, overrides and the checks that span sections are in `config.py`, which
-re-exports every name here (import them from `asyncrl.config`).
+defaults and the comment that documents each key (README's table follows these), and the checks
+a section makes of itself (`__post_init__`).
+
+Place in the data flow: a leaf. `config.py` joins the sections into `Config`, the whole tree, with
+the checks that span sections; `config_load.py` builds it from a file and `--set` overrides;
+`config_objective.py` holds the checks that need the built staleness policy. Every component takes
+its own section from here.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -15,19 +20,24 @@ PosInt = Annotated[int, Meta(gt=0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
+# A filesystem path: written relative in a config file, it is relative to that file's directory
+# (config_load.py resolves it at load); "" = unset. A `keywords` entry names values that are not
+# paths (opd.teacher = "self").
+PathStr = Annotated[str, Meta(extra={"path": True})]
+TeacherPath = Annotated[str, Meta(extra={"path": True, "keywords": ["self"]})]
 
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message names the field and the fix."""
 
 
-class _Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    pass
+class Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A config section: frozen, keyword-only, and a misspelt key is an error naming the valid ones."""
 
 
-class RunConfig(_Section, frozen=True, kw_only=True):
+class RunConfig(Section, frozen=True, kw_only=True):
     name: str = ""  # run directory name; empty = a timestamp
-    out_dir: str = "runs"  # parent of run directories
+    out_dir: PathStr = "runs"  # parent of run directories
     seed: int = 0
     # Checkpoint (learner and launcher state) every this many versions, on the last step and when
     # stopped early; `asyncrl launch --resume RUN_DIR` continues from the newest one. 0 = only
@@ -46,15 +56,15 @@ class RunConfig(_Section, frozen=True, kw_only=True):
     record_schedule: bool = False
 
 
-class ModelConfig(_Section, frozen=True, kw_only=True):
-    path: str = ""  # local Hugging Face directory; empty = the embedded default checkpoint
+class ModelConfig(Section, frozen=True, kw_only=True):
+    path: PathStr = ""  # local Hugging Face directory; empty = the embedded default checkpoint
 
 
-class DatasetConfig(_Section, frozen=True, kw_only=True):
+class DatasetConfig(Section, frozen=True, kw_only=True):
     """`task.kind = "dataset"`: prompts from local files through Hugging Face `datasets` (docs/tasks.md)."""
 
     # A .jsonl / .json / .csv / .parquet file, or a directory written by `save_to_disk`.
-    path: str = ""
+    path: PathStr = ""
     format: Literal["auto", "jsonl", "json", "csv", "parquet", "disk"] = "auto"  # auto: by suffix
     split: str = "train"  # the split to train on when `path` holds several (a DatasetDict)
     prompt_field: str = "prompt"  # a text prompt (ignored when messages_field is set)
@@ -67,12 +77,12 @@ class DatasetConfig(_Section, frozen=True, kw_only=True):
     privileged_template: str = "Reference solution:\n{solution}\n\n{prompt}"
     shuffle: bool = True  # a fresh seeded order (task.seed, epoch) every epoch
     # The held-out split (evaluated before and after training; at most task.num_eval rows), one of:
-    eval_path: str = ""  # a separate file or save_to_disk directory
+    eval_path: PathStr = ""  # a separate file or save_to_disk directory
     eval_split: str = ""  # a named split of `path`
     eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0  # a seeded (task.eval_seed) fraction of `path`
 
 
-class PromptConfig(_Section, frozen=True, kw_only=True):
+class PromptConfig(Section, frozen=True, kw_only=True):
     """How a dataset row becomes prompt token ids."""
 
     template: Literal["raw", "chat"] = "raw"  # chat: tokenizer.apply_chat_template, generation prompt added
@@ -81,7 +91,7 @@ class PromptConfig(_Section, frozen=True, kw_only=True):
     too_long: Literal["error", "drop"] = "error"  # a longer prompt: stop at load, or drop it and count it
 
 
-class RewardConfig(_Section, frozen=True, kw_only=True):
+class RewardConfig(Section, frozen=True, kw_only=True):
     """One reward of a task; the sample's reward is the weighted sum (docs/tasks.md)."""
 
     # Registry name (entry point `asyncrl.rewards`: exact_match, math_verify, regex, length_penalty,
@@ -95,7 +105,7 @@ class RewardConfig(_Section, frozen=True, kw_only=True):
     runs_in: Literal["auto", "process", "thread"] = "auto"
 
 
-class ScoringConfig(_Section, frozen=True, kw_only=True):
+class ScoringConfig(Section, frozen=True, kw_only=True):
     """How rewards run in each generator, and what a failing reward costs."""
 
     workers: PosInt = 2  # reward worker processes per generator
@@ -114,7 +124,7 @@ class ScoringConfig(_Section, frozen=True, kw_only=True):
     overlong: Literal["keep", "mask"] = "keep"
 
 
-class TaskConfig(_Section, frozen=True, kw_only=True):
+class TaskConfig(Section, frozen=True, kw_only=True):
     # Registry name (entry point `asyncrl.tasks`: addition, dataset) or `pkg.mod:obj`; the object
     # gets this section.
     kind: str = "addition"
@@ -132,7 +142,7 @@ class TaskConfig(_Section, frozen=True, kw_only=True):
     scoring: ScoringConfig = ScoringConfig()
 
 
-class SamplingConfig(_Section, frozen=True, kw_only=True):
+class SamplingConfig(Section, frozen=True, kw_only=True):
     temperature: Annotated[float, Meta(ge=0)] = 1.0
     top_p: Probability = 1.0
     max_new_tokens: PosInt = 5
@@ -142,7 +152,7 @@ class SamplingConfig(_Section, frozen=True, kw_only=True):
     ignore_eos: bool = False
 
 
-class GeneratorConfig(_Section, frozen=True, kw_only=True):
+class GeneratorConfig(Section, frozen=True, kw_only=True):
     kind: str = "torch"  # registry name (entry point `asyncrl.generators`) or `pkg.mod:obj`
     num_generators: PosInt = 1
     # Groups sampled together (one batched generate call, or the slots of continuous batching).
@@ -184,7 +194,7 @@ class GeneratorConfig(_Section, frozen=True, kw_only=True):
     remote_weights: Literal["network", "shared"] = "network"
 
 
-class LoraConfig(_Section, frozen=True, kw_only=True):
+class LoraConfig(Section, frozen=True, kw_only=True):
     """LoRA RL (peft): train low-rank adapters only; rank 0 = off (docs/learner.md)."""
 
     rank: NonNegInt = 0
@@ -197,7 +207,7 @@ class LoraConfig(_Section, frozen=True, kw_only=True):
     publish: Literal["merged", "adapter"] = "merged"
 
 
-class LearnerConfig(_Section, frozen=True, kw_only=True):
+class LearnerConfig(Section, frozen=True, kw_only=True):
     steps: PosInt = 60  # optimizer steps (= final policy_version)
     groups_per_step: PosInt = 32
     samples_per_group: Annotated[int, Meta(ge=2)] = 8
@@ -304,14 +314,14 @@ class LearnerConfig(_Section, frozen=True, kw_only=True):
         )
 
 
-class OpdConfig(_Section, frozen=True, kw_only=True):
+class OpdConfig(Section, frozen=True, kw_only=True):
     """On-policy distillation: a teacher scores the student's tokens (docs/algorithms.md)."""
 
     enabled: bool = False  # train on the teacher's per-token signal instead of the task reward
     # A local Hugging Face directory; empty = the shipped teacher checkpoint; "self" = the policy
     # itself scores each completion under a privileged prompt the task builds (self-distillation,
     # docs/opd.md; the task must have `privileged_render`).
-    teacher: str = ""
+    teacher: TeacherPath = ""
     # opd.teacher = "self": whose weights score: "initial" (a frozen copy of the weights the run
     # starts from), "current" (the weights that sampled the trajectory), "lagged" (self_lag
     # versions behind them), "ewma" (an EWMA, decay self_ewma_decay, of the versions received).
@@ -402,7 +412,7 @@ class OpdConfig(_Section, frozen=True, kw_only=True):
             )
 
 
-class StalenessConfig(_Section, frozen=True, kw_only=True):
+class StalenessConfig(Section, frozen=True, kw_only=True):
     # Versions between the token's policy and the step that trains on it, at most. "auto": the
     # launcher moves the bound between 1 and max_staleness_cap from the learner's idle time and
     # the off-policy signal (scheduler/control.py, docs/safety.md "Closed-loop staleness").
@@ -420,7 +430,7 @@ class StalenessConfig(_Section, frozen=True, kw_only=True):
     vcpo_baseline: Literal["group_mean", "opob", "opob_released"] = "group_mean"
 
 
-class BufferConfig(_Section, frozen=True, kw_only=True):
+class BufferConfig(Section, frozen=True, kw_only=True):
     """Where each step's trajectories come from (docs/buffer.md).
 
     "window": step s trains exactly the groups admitted for it (their samples, once each); the
@@ -445,13 +455,13 @@ class BufferConfig(_Section, frozen=True, kw_only=True):
     max_items: PosInt | None = None
 
 
-class WeightsConfig(_Section, frozen=True, kw_only=True):
+class WeightsConfig(Section, frozen=True, kw_only=True):
     """Weight sync learner -> generators (docs/weights.md)."""
 
     # "shards": versioned safetensors directories; "broadcast": a torch.distributed group (gloo on
     # CPU, NCCL on GPU) from learner rank 0 to every generator. "safetensors" is an alias of "shards".
     transport: Literal["shards", "broadcast", "safetensors"] = "shards"
-    dir: str = ""  # empty = <run_dir>/weights (use /dev/shm/... for speed on one host)
+    dir: PathStr = ""  # empty = <run_dir>/weights (use /dev/shm/... for speed on one host)
     keep_last: PosInt = 2
     max_shard_bytes: PosInt = 512 << 20  # shards: tensor bytes per safetensors file
     bucket_bytes: PosInt = 4 << 20  # broadcast: flat bucket size (gloo: a few MiB; NCCL: hundreds)
@@ -487,7 +497,7 @@ class WeightsConfig(_Section, frozen=True, kw_only=True):
         return "shards" if self.transport == "safetensors" else self.transport
 
 
-class MonitorConfig(_Section, frozen=True, kw_only=True):
+class MonitorConfig(Section, frozen=True, kw_only=True):
     tui: bool = True  # live rich view when stdout is a terminal
     heartbeat_s: PosFloat = 1.0
     # A child silent for this long (no heartbeat, no message) is hung: a generator is killed and
@@ -507,6 +517,9 @@ class MonitorConfig(_Section, frozen=True, kw_only=True):
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
+# The server's public key in cluster.keys_dir (`asyncrl keys`; transport/security.py names the rest).
+SERVER_PUBLIC_KEY = "server.key"
+
 
 def is_loopback_host(host: str) -> bool:
     """Whether `host` (a name or an address) is this machine's loopback interface only."""
@@ -520,7 +533,7 @@ def is_loopback_host(host: str) -> bool:
         return False  # a host name other than localhost: assume it reaches beyond this machine
 
 
-class ClusterConfig(_Section, frozen=True, kw_only=True):
+class ClusterConfig(Section, frozen=True, kw_only=True):
     """Where a run's sockets bind and how they are protected (docs/multi-host.md)."""
 
     # The address every ZeroMQ socket, rendezvous store and launched SGLang server binds: the
@@ -536,7 +549,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     # Lets curve = "off" bind beyond loopback: anyone who reaches the ports can drive the run.
     allow_insecure: bool = False
     # The directory `asyncrl keys DIR` wrote (server and per-role keypairs); needed when CURVE is on.
-    keys_dir: str = ""
+    keys_dir: PathStr = ""
     # Largest ZeroMQ message frame a socket accepts (ZMQ_MAXMSGSIZE): a peer sending a larger one
     # is disconnected before it is buffered. The largest legitimate frames are a header (the codec
     # caps them at 16 MiB) and one trajectory tensor (a few MiB at 100k tokens); weight bytes
@@ -568,3 +581,19 @@ class ClusterConfig(_Section, frozen=True, kw_only=True):
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mb * (1 << 20))
+
+
+def keys_dir_problem(keys_dir: str) -> str | None:
+    """What stops `keys_dir` from serving a CURVE run, naming the fix; None if nothing does
+    (its files are parsed where they are used, `transport/security.py`)."""
+    if not keys_dir:
+        return (
+            "CURVE is on (cluster.curve, or cluster.bind_host beyond loopback) but no keys are set: run "
+            "`asyncrl keys DIR` and --set cluster.keys_dir=DIR"
+        )
+    base = Path(keys_dir).expanduser()
+    if not base.is_dir():
+        return f"{keys_dir!r} is not a directory: run `asyncrl keys {keys_dir}` (or fix the path)"
+    if not (base / SERVER_PUBLIC_KEY).is_file():
+        return f"{base / SERVER_PUBLIC_KEY} is missing: copy it from the host where `asyncrl keys` ran (or run it here)"
+    return None

@@ -17,7 +17,8 @@ from typing import Any
 
 import uvloop
 
-from asyncrl.config import Config, write_resolved_config
+from asyncrl.config import Config
+from asyncrl.config_load import write_resolved_config
 from asyncrl.lint import lint
 from asyncrl.runtime import check_cpus
 from asyncrl.scheduler.records import Reporter
@@ -150,7 +151,7 @@ RESUME_SETTABLE = (
 def load_for_resume(run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, int]:
     """The run's own config (with `overrides` of the RESUME_SETTABLE keys applied and written
     back to its config.json) and the version to resume from."""
-    from asyncrl.config import config_from_tree, config_to_dict, load_resolved_config
+    from asyncrl.config_load import config_from_tree, config_to_dict, load_resolved_config
 
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"--resume {run_dir}: not a run directory (no config.json)")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import zmq
 
-from asyncrl.config import Config, load_resolved_config
+from asyncrl.config import Config
+from asyncrl.config_load import load_resolved_config
 from asyncrl.messages import Fatal, Heartbeat, Hello, Role
 from asyncrl.transport.zmq_io import Endpoint
 

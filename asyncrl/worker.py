@@ -38,7 +38,8 @@ from urllib.parse import urlparse
 
 import zmq
 
-from asyncrl.config import ClusterConfig, ConfigError, config_from_tree, write_resolved_config
+from asyncrl.config_load import config_from_tree, write_resolved_config
+from asyncrl.config_sections import ClusterConfig, ConfigError
 from asyncrl.messages import Join, JoinRefused, Welcome
 from asyncrl.scheduler.spawner import LocalProcess, LocalSpawner
 from asyncrl.transport import security

@@ -50,7 +50,7 @@ MAX_BATCH_GROUPS = 16  # generators.max_batch_groups (the default); --max-batch-
 def build(threads: int, max_batch_groups: int = MAX_BATCH_GROUPS):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.config_sections import SamplingConfig, TaskConfig
     from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.torch_gen import TorchGenerator
     from asyncrl.models.default import DEFAULT_MODEL_DIR

@@ -80,7 +80,7 @@ def run_threads(threads: int, repeats: int, sets: list[str]) -> dict:
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.config import load_config
+    from asyncrl.config_load import load_config
     from asyncrl.learner.loop import build_trainer, load_policy_model
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.tasks.base import make_task

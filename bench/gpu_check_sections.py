@@ -172,7 +172,7 @@ def train_step(trainer, samples, *, step: int, num_groups: int):
 
 
 def learner_config(*sets: str):
-    from asyncrl.config import load_config
+    from asyncrl.config_load import load_config
 
     return load_config(overrides=list(sets))
 

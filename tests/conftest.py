@@ -172,7 +172,7 @@ def set_up_generator(cls, model_dir, **fields):
     """A generator of class `cls` set up on `model_dir` as a generator process would be: id
     "g0", the default sampling and task sections, seed 0; `fields` sets any other
     `GeneratorContext` field (run_seed, inflight, options, opd, batching, ...)."""
-    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.config_sections import SamplingConfig, TaskConfig
     from asyncrl.generators.base import GeneratorContext
 
     gen = cls()

@@ -313,7 +313,8 @@ def command(
         raise typer.BadParameter(f"--plain-threads must be >= 1, got {plain_threads}")
     sets = list(set_ or [])
     from asyncrl.benchmarks.plain_loop import unsupported
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
 
     try:  # fail on a bad --set before any process starts
         configs = {v: load_config(None, [*sets, *variant_sets(v)]) for v in VARIANTS}

@@ -214,7 +214,7 @@ def run_job_once(
 
     from rich.console import Console
 
-    from asyncrl.config import load_config
+    from asyncrl.config_load import load_config
     from asyncrl.job import run_job
     from asyncrl.monitor.live import Dashboard, PlainReporter
 

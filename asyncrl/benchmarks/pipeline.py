@@ -180,7 +180,8 @@ def _check_sizes(
 
 def _check_config(workload: list[str], batch_groups: int | None) -> None:
     """Fail on a bad --set before any process starts: every variant's config loads."""
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
 
     try:
         for v in VARIANTS:

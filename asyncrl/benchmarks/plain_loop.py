@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = parser.parse_args(argv)
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
 
     try:
         config = load_config(None, args.sets)

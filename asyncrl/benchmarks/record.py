@@ -60,7 +60,8 @@ def command(
     ] = True,
 ) -> None:
     """Run the job with a learner that records every window to <run>/trajectories.jsonl and trains nothing."""
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
     from asyncrl.job import RunFailed, run_job
     from asyncrl.models.hf import quiet_offline
     from asyncrl.monitor.live import PlainReporter

@@ -64,13 +64,13 @@ class GeneratorContext:
 
     generator_id: str
     model_path: str
-    sampling: Any  # asyncrl.config.SamplingConfig
-    task: Any  # asyncrl.config.TaskConfig
+    sampling: Any  # asyncrl.config_sections.SamplingConfig
+    task: Any  # asyncrl.config_sections.TaskConfig
     seed: int
     threads: int = 1
     run_seed: int = 0  # run.seed: per-sample RNG seeds derive from (run_seed, group_id, sample_index)
     inflight: str = "keep"  # weights.inflight: keep, retract or abort (for generators that can)
-    opd: Any = None  # asyncrl.config.OpdConfig: when enabled, rollouts carry the teacher's scores
+    opd: Any = None  # asyncrl.config_sections.OpdConfig: when enabled, rollouts carry the teacher's scores
     # opd.placement = "service": the shared teacher (`teacher_client.TeacherClient`, made by the
     # service), which the generator scores with instead of loading a teacher itself.
     teacher: Any = None

@@ -94,7 +94,7 @@ def gradient_mode(fallback: str) -> str:
 
 def config_gradient_mode(config) -> str:
     """`gradient_mode` from the config alone (the launcher states it before any process starts)."""
-    from asyncrl.config import check_staleness_policy
+    from asyncrl.config_objective import check_staleness_policy
     from asyncrl.learner.objective import Objective
 
     policy = check_staleness_policy(config.staleness)
@@ -102,8 +102,7 @@ def config_gradient_mode(config) -> str:
 
 
 def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
-    from asyncrl.config import check_staleness_policy
-    from asyncrl.config_objective import check_objective_config
+    from asyncrl.config_objective import check_objective_config, check_staleness_policy
     from asyncrl.learner.objective import Objective
 
     lrn = config.learner

@@ -304,7 +304,7 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
 def main(argv: list[str] | None = None) -> None:
     import uvloop
 
-    from asyncrl.config import load_resolved_config
+    from asyncrl.config_load import load_resolved_config
     from asyncrl.models.hf import quiet_offline
 
     quiet_offline()

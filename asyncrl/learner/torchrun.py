@@ -53,7 +53,8 @@ def read_join(run_dir: Path, timeout_s: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import uvloop
 
-    from asyncrl.config import ConfigError, load_resolved_config
+    from asyncrl.config_load import load_resolved_config
+    from asyncrl.config_sections import ConfigError
     from asyncrl.learner import parallel
     from asyncrl.learner.ranks import group_timeout, run_worker
     from asyncrl.models.hf import quiet_offline

@@ -96,7 +96,7 @@ def _monitor_policy(target: Target):
     policy = security.current()
     config_path = target.run_dir / "config.json" if target.run_dir is not None else None
     if policy.curve is None and config_path is not None and config_path.is_file():
-        from asyncrl.config import load_resolved_config
+        from asyncrl.config_load import load_resolved_config
 
         cluster = load_resolved_config(config_path).cluster
         if cluster.curve_enabled:

@@ -10,7 +10,7 @@ call such as the HTTP verifier in remote.py) -> `Score` per sample -> Trajectory
 - remote.py: the `remote` batch reward (aiohttp, imported only when used).
 - scorer.py: Scorer, Score, make_scorer.
 
-A leaf: imports only asyncrl.config and asyncrl.plugins.
+A leaf: imports only asyncrl.config_sections and asyncrl.plugins.
 """
 
 from asyncrl.rewards.base import (

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncrl.config import RewardConfig, TaskConfig
+from asyncrl.config_sections import RewardConfig, TaskConfig
 from asyncrl.plugins import available, load_plugin
 
 ENTRY_POINT_GROUP = "asyncrl.rewards"

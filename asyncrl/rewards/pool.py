@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config import RewardConfig
+from asyncrl.config_sections import RewardConfig
 from asyncrl.rewards.base import RewardFailure, RewardInput, describe_exception
 from asyncrl.rewards.worker import BOOT_CODE, PATH_ENV, READ_BYTES, Chunk, Init, Ready, Result, frame, to_wire
 

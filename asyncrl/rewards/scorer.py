@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config import TaskConfig
+from asyncrl.config_sections import TaskConfig
 from asyncrl.rewards.base import (
     RewardFailure,
     RewardInput,

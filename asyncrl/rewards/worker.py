@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config import RewardConfig
+from asyncrl.config_sections import RewardConfig
 from asyncrl.rewards.base import (
     RewardFailure,
     RewardInput,

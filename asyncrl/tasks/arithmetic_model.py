@@ -60,7 +60,7 @@ class TeacherSettings:
 
 def _held_out_prompts(max_operand: int) -> frozenset[str]:
     """The default job's held-out evaluation prompts, never demonstrated."""
-    from asyncrl.config import TaskConfig
+    from asyncrl.config_sections import TaskConfig
     from asyncrl.tasks.arithmetic import addition_task
 
     return addition_task(TaskConfig(max_operand=max_operand)).held_out
@@ -188,7 +188,7 @@ def build_default_checkpoint(
 def held_out_accuracy(model_dir: Path) -> float:
     """Greedy accuracy of a checkpoint on the default job's held-out problems, decoded exactly as
     `asyncrl launch` evaluates before and after training (default task and sampling config)."""
-    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.config_sections import SamplingConfig, TaskConfig
     from asyncrl.models.sft import checkpoint_accuracy
     from asyncrl.tasks.base import make_task
 

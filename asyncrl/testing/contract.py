@@ -84,7 +84,7 @@ class ContractReport:
 def make_context(model_path: str | Path, **overrides: Any) -> GeneratorContext:
     """A `GeneratorContext` like the service builds, with the default config's sub-trees
     (short completions, addition task); any field can be overridden."""
-    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.config_sections import SamplingConfig, TaskConfig
 
     fields: dict[str, Any] = dict(
         generator_id="contract-0",

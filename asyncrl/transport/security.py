@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from asyncrl.config import is_loopback_host, keys_dir_problem
+from asyncrl.config_sections import is_loopback_host, keys_dir_problem
 
 if TYPE_CHECKING:
-    from asyncrl.config import ClusterConfig
+    from asyncrl.config_sections import ClusterConfig
 
 # Roles that hold a keypair. "launcher" and "learner" also bind (with the server keypair).
 ROLES = ("launcher", "learner", "generator", "worker", "monitor")

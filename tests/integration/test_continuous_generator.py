@@ -175,7 +175,7 @@ def test_torch_stream_ships_the_same_opd_cache_as_batches(tiny_model_dir, tmp_pa
     """On-policy distillation under continuous batching: each streamed sample carries the same
     [T, N] ids, behavior log-probs and teacher log-probs as the same sample drawn in a batch (the
     teacher scores each decode step's finished samples in one forward)."""
-    from asyncrl.config import OpdConfig
+    from asyncrl.config_sections import OpdConfig
     from asyncrl.generators.torch_gen import TorchGenerator
     from asyncrl.models.tiny import create_base
 

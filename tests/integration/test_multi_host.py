@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import read_records, short_job_args
 
-from asyncrl.config import load_resolved_config
+from asyncrl.config_load import load_resolved_config
 
 pytestmark = pytest.mark.slow
 

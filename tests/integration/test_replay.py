@@ -83,7 +83,8 @@ def test_a_tampered_schedule_is_reported_different(recorded, tmp_path):
 
 
 def test_recording_is_refused_where_it_cannot_replay():
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
 
     for extra in ("learner.world_size=2", "buffer.mode=pool"):
         with pytest.raises((ConfigError, ValueError), match="run.record_schedule"):

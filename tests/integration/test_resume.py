@@ -132,7 +132,7 @@ def test_async_resume_trains_the_checkpointed_buffer_and_loses_nothing(tiny_mode
     sets = [s for s in SETS if s not in ("mode=sync", "learner.streaming=off")] + ["mode=async"]
     run_dir, code, out = _run_then_kill_the_learner(tiny_model_dir, tmp_path, sets)
     assert code == 1, out
-    from asyncrl.config import load_resolved_config
+    from asyncrl.config_load import load_resolved_config
     from asyncrl.job import resume_point
 
     v = resume_point(run_dir, load_resolved_config(run_dir / "config.json"))
@@ -157,7 +157,7 @@ def test_pool_resume_trains_no_group_twice_and_skips_none(tiny_model_dir, tmp_pa
     reuse counts included, and the launcher re-admits every group the checkpoint's ledger had
     open. Across the two segments no group is trained twice as new, and every group open at the
     checkpoint is trained or generated again after the resume."""
-    from asyncrl.config import load_resolved_config
+    from asyncrl.config_load import load_resolved_config
     from asyncrl.job import resume_point
 
     sets = [s for s in SETS if s not in ("mode=sync", "learner.streaming=off")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.sglang.client import Fleet, http_call, wait_until_healthy
 from asyncrl.generators.sglang.launch import LaunchSpec, server_argv
 from asyncrl.generators.sglang.options import check_config, parse_options, resolve_api_key

@@ -123,7 +123,7 @@ def _checkpoint_params(run_dir, version):
 def _check_loads_on_one_rank(run_dir, version):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from asyncrl.config import load_resolved_config
+    from asyncrl.config_load import load_resolved_config
     from asyncrl.learner.checkpoint import load_learner_checkpoint
     from asyncrl.learner.loop import build_trainer, load_policy_model
     from asyncrl.models.default import DEFAULT_MODEL_DIR
@@ -133,7 +133,7 @@ def _check_loads_on_one_rank(run_dir, version):
     saved = torch.load(saved_path, weights_only=True)
     config = load_resolved_config(run_dir / "config.json")
     config = type(config)(**{**{f: getattr(config, f) for f in config.__struct_fields__}})
-    from asyncrl.config import config_from_tree, config_to_dict
+    from asyncrl.config_load import config_from_tree, config_to_dict
 
     config = config_from_tree(config_to_dict(config), ["learner.world_size=1", "learner.sharding=none"])
     actor, tokenizer = load_policy_model(DEFAULT_MODEL_DIR, config)
@@ -214,7 +214,7 @@ def test_torchrun_ranks_join_a_launch(tiny_model_dir, tmp_path, nodes):
 
 
 def test_torchrun_with_the_wrong_number_of_ranks_says_so(tiny_model_dir, tmp_path):
-    from asyncrl.config import load_config, write_resolved_config
+    from asyncrl.config_load import load_config, write_resolved_config
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()

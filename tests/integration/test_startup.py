@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 
 LAUNCHER_PATH = """
 import sys

@@ -25,7 +25,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.opd import teacher_logprobs
 from asyncrl.generators.teacher_client import TeacherClient, TeacherUnavailable
 from asyncrl.messages import (

@@ -22,7 +22,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.messages import (
     Hello,
     Metrics,

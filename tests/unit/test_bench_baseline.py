@@ -35,7 +35,7 @@ from asyncrl.benchmarks.plain_loop import (
     train_step,
     unsupported,
 )
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 
 
 def _records(start_s: float, ends_s: list[float], n: int = 256) -> list[dict]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import ConfigError, load_config, load_resolved_config, write_resolved_config
+from asyncrl.config_load import load_config, load_resolved_config, write_resolved_config
+from asyncrl.config_sections import ConfigError
 
 
 def test_defaults_validate():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import DatasetConfig, PromptConfig, TaskConfig
+from asyncrl.config_sections import DatasetConfig, PromptConfig, TaskConfig
 from asyncrl.tasks.base import Problem, Task, make_task
 from asyncrl.tasks.dataset import DatasetTask, dataset_task
 

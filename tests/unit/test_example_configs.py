@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.base import resolve_generator
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -111,7 +111,8 @@ def test_generator_on_cuda_without_cuda_is_a_clear_error(tiny_model_dir):
 
 @NO_CUDA
 def test_evaluation_on_cuda_without_cuda_is_a_clear_error():
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
     from asyncrl.job import evaluate
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.tasks.base import make_task
@@ -129,7 +130,7 @@ def test_evaluation_on_cuda_without_cuda_is_a_clear_error():
 
 
 def test_no_held_out_prompts_skips_evaluation():
-    from asyncrl.config import load_config
+    from asyncrl.config_load import load_config
     from asyncrl.job import evaluate
     from asyncrl.tasks.base import make_task
 
@@ -142,7 +143,7 @@ def test_eval_batch_size_does_not_change_the_completions():
     """Batch 1 against 64 (two batches, the second ragged): every prompt is padded differently."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import TaskConfig
+    from asyncrl.config_sections import TaskConfig
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.models.sft import greedy_completions
     from asyncrl.tasks.base import make_task

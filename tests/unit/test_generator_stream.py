@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.base import Rollout
 from asyncrl.generators.feed import SampleFeed
 from asyncrl.generators.scoring import SampleScorer

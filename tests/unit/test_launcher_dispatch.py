@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.messages import PromptTasks, TaskDone, TasksDone
 from asyncrl.models.default import DEFAULT_MODEL_DIR
 from asyncrl.scheduler.children import Child

@@ -52,7 +52,7 @@ def test_selectable_policies_are_the_documented_ones():
 
 @pytest.mark.parametrize("name", SELECTABLE)
 def test_every_policy_trains_and_micro_batching_changes_nothing(tiny_model_dir, name):
-    from asyncrl.config import load_config
+    from asyncrl.config_load import load_config
     from asyncrl.learner.objective import Objective
     from asyncrl.learner.trainer import Trainer
 

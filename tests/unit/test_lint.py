@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config_load import load_config
+from asyncrl.config_sections import ConfigError
 from asyncrl.lint import RULES, STALE_UNCORRECTED_ERROR, STALE_UNCORRECTED_WARN, lint
 from asyncrl.models.default import DEFAULT_MODEL_DIR, TEACHER_MODEL_DIR
 

@@ -215,7 +215,7 @@ def test_adapter_versions_are_retained_like_shards(tiny_model_dir, tmp_path):
 
 
 def test_make_publisher_picks_the_adapter_publisher(tiny_model_dir, tmp_path):
-    from asyncrl.config import load_config
+    from asyncrl.config_load import load_config
     from asyncrl.transport.publisher import AdapterPublisher, ShardPublisher, make_publisher
 
     sets = ["generators.kind=sglang", 'generators.options.urls="http://127.0.0.1:1"']

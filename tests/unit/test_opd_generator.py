@@ -179,7 +179,7 @@ def test_teacher_scores_completions_of_different_lengths(teacher):
 
 # ----------------------------------------------------------------------------- the torch generator
 def make_generator(model_dir, teacher_path, *, num_samples: int, enabled: bool = True):
-    from asyncrl.config import OpdConfig
+    from asyncrl.config_sections import OpdConfig
     from asyncrl.generators.torch_gen import TorchGenerator
 
     gen = set_up_generator(

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import ConfigError, check_staleness_policy, load_config
-from asyncrl.config_objective import check_objective_config
+from asyncrl.config_load import load_config
+from asyncrl.config_objective import check_objective_config, check_staleness_policy
+from asyncrl.config_sections import ConfigError
 from asyncrl.learner.objective import CombinedObjective, DistillationObjective, Objective
 from asyncrl.learner.opd_mix import outcome_gate, select_tokens, selection_scores, tokens_to_keep
 

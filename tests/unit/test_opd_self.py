@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.config import OpdConfig, PromptConfig, TaskConfig
+from asyncrl.config_sections import OpdConfig, PromptConfig, TaskConfig
 from asyncrl.generators.teachers import SelfTeacher
 from asyncrl.messages import PromptTask, SamplingParams
 from asyncrl.tasks.arithmetic import AdditionTask

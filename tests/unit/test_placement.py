@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.runtime import available_cpus, check_cpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")

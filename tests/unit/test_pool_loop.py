@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.learner.loop import build_trainer, load_policy_model
 from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.step import TrainSample

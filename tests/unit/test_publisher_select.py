@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.sglang.publisher import SGLangGroupPublisher
 from asyncrl.transport.publisher import (
     BroadcastPublisher,

@@ -9,7 +9,8 @@ import time
 import msgspec
 import pytest
 
-from asyncrl.config import Config, load_config
+from asyncrl.config import Config
+from asyncrl.config_load import load_config
 from asyncrl.messages import Join, JoinRefused, Welcome
 from asyncrl.scheduler.remote import JoinDesk, RemoteHandle
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from asyncrl.config import RewardConfig, ScoringConfig, TaskConfig
+from asyncrl.config_sections import RewardConfig, ScoringConfig, TaskConfig
 from asyncrl.rewards import RewardInput, Scorer
 from asyncrl.rewards.remote import RemoteRewardError, remote
 from asyncrl.testing.verifier import VerifierServer

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from asyncrl.config import RewardConfig, ScoringConfig, TaskConfig
+from asyncrl.config_sections import RewardConfig, ScoringConfig, TaskConfig
 from asyncrl.rewards import RewardFailure, RewardInput, RewardPool, Scorer
 
 MISBEHAVE = RewardConfig(kind="tests.reward_fixtures:misbehave")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from asyncrl.config import RewardConfig, ScoringConfig, TaskConfig
+from asyncrl.config_sections import RewardConfig, ScoringConfig, TaskConfig
 from asyncrl.rewards import RewardInput, Scorer, check_rewards, make_scorer, resolve_reward, reward_mode
 from asyncrl.rewards.builtin import exact_match, last_boxed, length_penalty, math_verify, regex
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.base import Rollout, streams
 from asyncrl.generators.feed import Draw, SampleFeed, batch_stream
 from asyncrl.generators.scoring import SampleScorer

@@ -101,7 +101,7 @@ def test_nucleus_renormalises():
 def test_torch_generator_with_ignore_eos_scores_the_answer_up_to_its_eos():
     """The shipped model can add; with `ignore_eos` it samples on past its answer's eos, and the
     verifier still reads the answer (reading on would score every answer 0)."""
-    from asyncrl.config import SamplingConfig, TaskConfig
+    from asyncrl.config_sections import SamplingConfig, TaskConfig
     from asyncrl.generators.base import GeneratorContext
     from asyncrl.generators.torch_gen import TorchGenerator
     from asyncrl.messages import PromptTask, SamplingParams

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.messages import GroupsLeft, LauncherSnapshot
 from asyncrl.scheduler.modes import PoolMode, WindowMode, make_mode
 from asyncrl.scheduler.records import Records, RunState, launcher_snapshot

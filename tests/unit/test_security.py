@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from asyncrl import messages as m
 from asyncrl.cli import app
-from asyncrl.config import SERVER_PUBLIC_KEY, ClusterConfig, ConfigError, load_config
+from asyncrl.config_load import load_config
+from asyncrl.config_sections import SERVER_PUBLIC_KEY, ClusterConfig, ConfigError
 from asyncrl.transport import security
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.generators.sglang.group import member_ranks, name_buckets
 from asyncrl.generators.sglang.launch import LaunchSpec, assign_gpus, server_argv
 from asyncrl.generators.sglang.options import check_config, parse_options, servers_per_generator

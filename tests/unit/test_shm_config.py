@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config_load import load_config
+from asyncrl.config_sections import ConfigError
 from asyncrl.transport.publisher import BroadcastPublisher, make_publisher
 
 

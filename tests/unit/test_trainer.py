@@ -13,7 +13,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from asyncrl.config import check_staleness_policy, load_config
+from asyncrl.config_load import load_config
+from asyncrl.config_objective import check_staleness_policy
 from asyncrl.learner.loop import max_open_groups
 from asyncrl.learner.objective import Objective
 from asyncrl.learner.step import TrainSample
@@ -519,7 +520,7 @@ class _FakeLocal(_FakeBatchGlobal):
 
 
 def test_a_new_batch_global_policy_trains_whole_batches_without_any_list_edit(tiny_model_dir):
-    from asyncrl.config import needs_one_rank
+    from asyncrl.config_objective import needs_one_rank
     from asyncrl.staleness import StalenessPolicy
 
     policy = _FakeBatchGlobal()

@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import ConfigError, check_staleness_policy, load_config
-from asyncrl.config_objective import check_objective_config
+from asyncrl.config_load import load_config
+from asyncrl.config_objective import check_objective_config, check_staleness_policy
+from asyncrl.config_sections import ConfigError
 from asyncrl.learner.streaming import StreamingAccumulator
 from asyncrl.staleness.vcpo import opob_released_scale
 from tests.unit.test_trainer import STEP, _batch_step, _model, _params, _samples, _stream_step, _trainer
