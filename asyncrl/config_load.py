@@ -19,6 +19,7 @@ kept here:
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 import types
@@ -46,7 +47,7 @@ def load_config(
             tree = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
-        resolve_file_paths(tree, p.absolute().parent)
+        resolve_file_paths(tree, Path(os.path.abspath(p)).parent)  # lexical, as the shell's `cd ..`
     return config_from_tree(tree, overrides, lint=lint)
 
 
@@ -131,7 +132,7 @@ def resolve_file_paths(table: dict[str, Any], base: Path, kind: type[msgspec.Str
         elif isinstance(value, str) and (marker := _path_marker(declared)) is not None:
             keep = not value or value in marker.get("keywords", ()) or value.startswith("~")
             if not keep and not Path(value).is_absolute():
-                table[key] = str(base / value)
+                table[key] = os.path.normpath(base / value)
 
 
 # ------------------------------------------------------------------------------ --set

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncrl.config_load import load_config, load_resolved_config, write_resolved_config
@@ -103,3 +105,92 @@ def test_auto_staleness_bound_asserts_its_cap_and_refuses_pool_mode():
     assert load_config(overrides=["staleness.max_staleness=auto", "mode=sync"]).effective_max_staleness == 0
     with pytest.raises(ConfigError, match="staleness.max_staleness = 'auto'.*pool"):
         load_config(overrides=["staleness.max_staleness=auto", "buffer.mode=pool"])
+
+
+def test_relative_paths_in_a_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    """A config file's relative paths resolve against its directory, wherever it is loaded from
+    (the word-problems example used to fail outside the repository root: "model.path
+    examples/word_problems/model is not a Hugging Face model directory")."""
+    conf = tmp_path / "project" / "conf"
+    conf.mkdir(parents=True)
+    (conf / "job.toml").write_text(
+        '[run]\nout_dir = "runs"\n'
+        '[model]\npath = "model"\n'
+        '[task.dataset]\npath = "data/train.jsonl"\neval_path = "../shared/test.jsonl"\n'
+        '[opd]\nteacher = "./teacher"\n'
+        '[weights]\ndir = "/dev/shm/w"\n'
+        '[cluster]\nkeys_dir = "~/keys"\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config("../project/conf/job.toml")  # a relative path to the file itself, too
+    assert cfg.run.out_dir == str(conf / "runs")
+    assert cfg.model.path == str(conf / "model")
+    assert cfg.task.dataset.path == str(conf / "data" / "train.jsonl")
+    assert cfg.task.dataset.eval_path == str(tmp_path / "project" / "shared" / "test.jsonl")
+    assert cfg.opd.teacher == str(conf / "teacher")
+    assert cfg.weights.dir == "/dev/shm/w"  # absolute: as written
+    assert cfg.cluster.keys_dir == "~/keys"  # the home directory: as written, expanded where used
+
+
+def test_unset_paths_and_keywords_stay_as_written(tmp_path):
+    (tmp_path / "job.toml").write_text('[model]\npath = ""\n[opd]\nteacher = "self"\n')
+    cfg = load_config(tmp_path / "job.toml")
+    assert cfg.model.path == "" and cfg.opd.teacher == "self"
+
+
+def test_set_paths_stay_relative_to_the_current_directory(tmp_path, monkeypatch):
+    """`--set` values are not from the file: a relative one is relative to where the user runs."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "job.toml").write_text('[model]\npath = "model"\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(conf / "job.toml", ["model.path=mine/model", "task.dataset.path=data.jsonl"])
+    assert cfg.model.path == "mine/model" and cfg.task.dataset.path == "data.jsonl"
+    assert Path(cfg.model.path).resolve() == tmp_path / "mine" / "model"
+
+
+@pytest.mark.parametrize("name", ["nan", "inf", "-inf", "true", "1e3", "42", "[1]", "2024-01-01"])
+def test_a_string_key_takes_the_set_value_as_written(name):
+    """`--set run.name=nan` was parsed as a float before the schema saw it ("config error at
+    run.name: Expected `str`, got `float`"); a string key now keeps the text."""
+    assert load_config(overrides=[f"run.name={name}"]).run.name == name
+
+
+def test_a_quoted_set_string_is_unquoted():
+    assert load_config(overrides=['run.name="my run"']).run.name == "my run"
+    assert load_config(overrides=["run.name='x'"]).run.name == "x"
+
+
+def test_other_keys_parse_set_values_as_before():
+    cfg = load_config(
+        overrides=[
+            "learner.lr=1e-3",  # float
+            "learner.steps=5",  # int
+            "learner.shared_prefix=false",  # bool
+            "learner.cpus=[0, 1]",  # list
+            "generators.max_batch_groups=4",  # a union: PosInt | "auto"
+            "staleness.max_staleness=auto",
+            "learner.norm_constant=2.5",  # optional: PosFloat | None
+            "staleness.freshness.lambda_roll=1.0",  # a key inside an optional dict
+            "staleness.params.anchor=current",  # a dict of a union of scalars
+        ]
+    )
+    assert cfg.learner.lr == pytest.approx(1e-3) and cfg.learner.steps == 5
+    assert cfg.learner.shared_prefix is False and cfg.learner.cpus == [0, 1]
+    assert cfg.generators.max_batch_groups == 4 and cfg.staleness.max_staleness == "auto"
+    assert cfg.learner.norm_constant == 2.5
+    assert cfg.staleness.freshness == {"lambda_roll": 1.0}
+    assert cfg.staleness.params == {"anchor": "current"}
+    assert load_config(overrides=["generators.max_batch_groups=auto"]).generators.max_batch_groups == "auto"
+
+
+def test_a_misspelt_set_key_still_names_the_valid_keys():
+    with pytest.raises(ConfigError) as exc:
+        load_config(overrides=["run.nmae=nan"])
+    message = str(exc.value)
+    assert "unknown key 'run.nmae'" in message
+    assert "name" in message.split("valid keys here:")[1]
+    with pytest.raises(ConfigError, match="unknown key 'nope'"):
+        load_config(overrides=["nope.deeper=1"])

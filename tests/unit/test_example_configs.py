@@ -28,10 +28,12 @@ def test_there_is_a_gpu_recipe():
     assert RECIPES
 
 
-def test_word_problems_config_loads_its_shipped_data(monkeypatch):
+def test_word_problems_config_loads_its_shipped_data(monkeypatch, tmp_path):
+    """Its paths are relative to the file, so it loads from any directory (it used to need the
+    repository root: "model.path examples/word_problems/model is not a Hugging Face model directory")."""
     from asyncrl.tasks.base import make_task
 
-    monkeypatch.chdir(ROOT)  # its paths are relative to the repository root, as the README runs it
+    monkeypatch.chdir(tmp_path)
     config = load_config(ROOT / "examples" / "word_problems" / "config.toml")
     task = make_task(config.task)
     assert task.num_train >= 1000 and len(task.eval_problems) == config.task.num_eval
