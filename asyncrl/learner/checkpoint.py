@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -42,6 +43,9 @@ FORMAT = 2
 KEEP = 2  # learner checkpoints kept on disk (each holds the model and the optimizer state)
 _NAME_RE = re.compile(r"^learner-(\d{8,})$")
 EXTRAS = "extras.pt"
+# What DCP warns at every save and load without a process group; one learner rank means exactly
+# that, and the warning would be what the launcher shows as the learner's last lines.
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 
 
 def learner_checkpoint_path(run_dir: Path, version: int) -> Path:
@@ -70,6 +74,20 @@ def _model_and_optim(trainer):
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _dcp(call, state: dict, path: Path) -> None:
+    """`dcp.save` or `dcp.load` of `state` at `path`: collective over the ranks of the process
+    group, or explicitly single-process (`no_dist`) without one, its warning silenced (that
+    message only, for this call only)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        call(state, checkpoint_id=path)
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        call(state, checkpoint_id=path, no_dist=True)
+
+
 def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable[tuple] = ()) -> Path:
     """Write the trainer's state after `version` updates (every rank: its shards), with the
     (step, sample) pairs the learner holds for later steps (or (step, sample, extra) triples:
@@ -82,7 +100,7 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dcp.save(_model_and_optim(trainer), checkpoint_id=tmp)  # the ranks meet here (tmp exists)
+    _dcp(dcp.save, _model_and_optim(trainer), tmp)  # the ranks meet here (tmp exists)
     if not rank0:
         return path
     extras = {
@@ -130,7 +148,7 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: boo
         )
     target = _model_and_optim(trainer)
     try:
-        dcp.load(target, checkpoint_id=path)
+        _dcp(dcp.load, target, path)
     except Exception as exc:  # DCP raises CheckpointException (a BaseException subclass) among others
         raise ValueError(f"learner checkpoint {path} cannot be loaded into this model: {exc}") from None
     set_state_dict(
