@@ -19,7 +19,7 @@ free and the longest expected remaining run of a running sample, E[L - n | L > n
 recent length distribution for a sample n tokens in, is at least RIDE_FRACTION of a mean sample.
 Before any sample finished nothing is known: take only when empty.
 
-Simulated forward cost per 128 samples (`python bench/bench_generate.py --simulate`: a decode
+Simulated forward cost per 128 samples (`asyncrl bench generate --simulate`: a decode
 step costs 1, a prefill 1.25 as profiled on the shipped model; 128 slots, a feed that never runs
 dry, the policy learning the lengths as it goes). With 8 and 32 slots the rule stays within 1.14x
 of the best fixed fraction in every row, the fixed fractions do not (1/4 costs 1.26x on the

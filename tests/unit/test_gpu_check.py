@@ -1,25 +1,21 @@
-"""bench/gpu_check.py, the learner's one-GPU check (issue #21), exercised on CPU: `--cpu-dry-run`
+"""asyncrl/benchmarks/gpu_check.py (`asyncrl bench gpu-check`), the learner's one-GPU check (issue #21), exercised on CPU: `--cpu-dry-run`
 runs every section's code path with tiny models, and a failing section is recorded while the run
 goes on. Nothing is timed."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+MODULE = "asyncrl.benchmarks.gpu_check"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(MODULE)
 
 
 @pytest.mark.slow
@@ -27,7 +23,7 @@ def _load():
 def test_cpu_dry_run_reports_every_section_without_errors(tmp_path):
     """The whole dry run, as a user starts it (20-50 s on 2 shared cores; the e2e job is most of it)."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-dry-run", "--out", str(tmp_path), "--budget-s", "240"],
+        [sys.executable, "-m", MODULE, "--cpu-dry-run", "--out", str(tmp_path), "--budget-s", "240"],
         capture_output=True,
         text=True,
         timeout=290,

@@ -1,9 +1,9 @@
 """Continuous vs batch-at-a-time generation in whole runs: `asyncrl launch --no-tui`, interleaved.
 
-    python bench/bench_batching.py                          # every workload, 3 repeats each
-    python bench/bench_batching.py --workloads default --repeats 5
-    python bench/bench_batching.py --json                   # every run's figures and the medians
-    python bench/bench_batching.py --src before=/path/to/other/checkout   # one more variant
+    asyncrl bench batching                          # every workload, 3 repeats each
+    asyncrl bench batching --workloads default --repeats 5
+    asyncrl bench batching --json                   # every run's figures and the medians
+    asyncrl bench batching --src before=/path/to/other/checkout   # one more variant
 
 Variants: `generators.batching=continuous` and `=batch` of this checkout; `--src NAME=DIR` adds a
 run of another source tree (e.g. `git archive HEAD | tar -x -C DIR`: the code before a change)

@@ -1,7 +1,8 @@
 """The learner on one GPU, checked in one run (issue #21): throughput, memory and exactness.
 
-    python bench/gpu_check.py --out OUT                # on a CUDA machine; < 8 minutes on an H100
-    python bench/gpu_check.py --out OUT --cpu-dry-run  # the same code paths on CPU, tiny models
+    asyncrl bench gpu-check --out OUT                # on a CUDA machine; < 8 minutes on an H100
+    asyncrl bench gpu-check --out OUT --cpu-dry-run  # the same code paths on CPU, tiny models
+    (or `python -m asyncrl.benchmarks.gpu_check ...` from a checkout's root, without installing)
 
 Writes OUT/gpu_check.json (rewritten after every section, so a run cut short keeps what it
 measured) and prints a short summary. Sections, in the order they run:
@@ -69,14 +70,16 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run as a script from anywhere, without an installed asyncrl
-# The sections' module sits beside this one: importable when this file is loaded by path too (the
-# tests), where bench/ is not sys.path[0] as it is for `python bench/gpu_check.py`.
-if str(REPO / "bench") not in sys.path:
-    sys.path.insert(1, str(REPO / "bench"))
+# The directory holding this asyncrl package: a checkout's root when run from one (its git HEAD
+# goes into the report; the e2e job runs there and imports this same asyncrl).
+REPO = Path(__file__).resolve().parents[2]
 
-from gpu_check_sections import error_record, log, section_exactness, section_throughput  # noqa: E402
+from asyncrl.benchmarks.gpu_check_sections import (  # noqa: E402
+    error_record,
+    log,
+    section_exactness,
+    section_throughput,
+)
 
 SECTIONS = ("environment", "process_group", "exactness", "throughput", "e2e")
 # Seconds of budget a section needs to start at all (it also stops its own loops in time).
@@ -440,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     faulthandler.enable()  # a crash in native code still leaves a Python stack on stderr
     meta = {
-        "script": "bench/gpu_check.py",
+        "script": "asyncrl/benchmarks/gpu_check.py",
         "argv": sys.argv[1:] if argv is None else argv,
         "cpu_dry_run": args.cpu_dry_run,
         "budget_s": args.budget_s,

@@ -1,9 +1,9 @@
 """The torch generator's sampling cost: ours against Hugging Face `generate`, continuous vs batch.
 
-    python bench/bench_generate.py                  # 1 and 2 threads, 7 interleaved repeats
-    python bench/bench_generate.py --json           # one JSON object on stdout
-    python bench/bench_generate.py --threads 1 --repeats 15 --max-batch-groups 4
-    python bench/bench_generate.py --simulate       # forwards per sample of each refill rule
+    asyncrl bench generate                  # 1 and 2 threads, 7 interleaved repeats
+    asyncrl bench generate --json           # one JSON object on stdout
+    asyncrl bench generate --threads 1 --repeats 15 --max-batch-groups 4
+    asyncrl bench generate --simulate       # forwards per sample of each refill rule
 
 Workloads (the shipped model, asyncrl/assets/default_model; prompts of the addition task, the
 default job's batch: 32 groups x 8 samples, seeds as a run draws them):
@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -345,7 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulate", action="store_true", help="only the refill simulation (no timing)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.simulate:
         table = simulate()
         if args.json:

@@ -1,8 +1,8 @@
 """Peak memory and time of per-token log-probs + backward: full logits vs chunked vs fused.
 
-    python bench/bench_logprobs.py                      # T=1024, D=256, V=150k, float32
-    python bench/bench_logprobs.py --json               # one JSON object on stdout
-    python bench/bench_logprobs.py --check              # exit 1 unless chunked peak <= 1/4 of naive
+    asyncrl bench logprobs                      # T=1024, D=256, V=150k, float32
+    asyncrl bench logprobs --json               # one JSON object on stdout
+    asyncrl bench logprobs --check              # exit 1 unless chunked peak <= 1/4 of naive
 
 Each variant runs in a fresh subprocess (so one variant's freed memory cannot hide another's peak)
 and is measured two ways:
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -114,7 +113,7 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:10.1f}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -126,23 +125,18 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--check", action="store_true", help="exit 1 if the acceptance ratio is not met")
     parser.add_argument("--child", dest="variant", choices=VARIANTS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.variant is not None:
         print(json.dumps(run_child(args)))
         return 0
 
-    repo_root = Path(__file__).resolve().parent.parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")])),
-    }
     results = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--child", variant]
+        cmd = [sys.executable, "-m", "asyncrl.benchmarks.logprobs", "--child", variant]
         for flag in ("tokens", "dim", "vocab", "chunk_size", "threads"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
 
     naive_peak = results["naive"]["tensor_peak_bytes"]

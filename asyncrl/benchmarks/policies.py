@@ -5,8 +5,8 @@ reports held-out accuracy and stability (reward trend, gradient norms) in one ta
 learner only ever sees data up to `--max-staleness` versions old, so what differs between rows
 is how each policy corrects for it.
 
-    python bench/bench_staleness.py                       # none tis m2po vcpo ewma exact, bound 8, 3 seeds
-    python bench/bench_staleness.py --policies none m2po --max-staleness 4 --steps 40 --seeds 1 --json
+    asyncrl bench policies                       # none tis m2po vcpo ewma exact, bound 8, 3 seeds
+    asyncrl bench policies --policies none m2po --max-staleness 4 --steps 40 --seeds 1 --json
 
 With several seeds (`run.seed`, which seeds sampling) each row shows the median and the range.
 """
@@ -64,7 +64,7 @@ def run_policy(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", nargs="+", default=["none", "tis", "m2po", "vcpo", "ewma", "exact"])
     ap.add_argument("--seeds", type=int, default=3, help="runs per policy (run.seed = 0..N-1)")
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra config override")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             p: [
@@ -102,7 +102,7 @@ def main() -> None:
                 indent=2,
             )
         )
-        return
+        return 0
     cols = [
         "policy",
         "eval_before",
@@ -119,6 +119,7 @@ def main() -> None:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(_cell(r.get(c)) for c in cols))
+    return 0
 
 
 def summarize(policy: str, runs: list[dict]) -> dict:
@@ -141,4 +142,4 @@ def _cell(value) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

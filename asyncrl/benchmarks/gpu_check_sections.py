@@ -1,8 +1,8 @@
-"""The training workloads of bench/gpu_check.py (issue #21): the `exactness` and `throughput`
+"""The training workloads of asyncrl/benchmarks/gpu_check.py (issue #21): the `exactness` and `throughput`
 sections, the model, sample and trainer pieces they share, and the logging and error records the
 harness shares with them.
 
-bench/gpu_check.py is the entry point: it sets what cuBLAS reads before CUDA starts, imports this
+gpu_check.py is the entry point (`asyncrl bench gpu-check`): it sets what cuBLAS reads before CUDA starts, imports this
 module and runs the sections with its `Context` (arguments, device, budget, report); its docstring
 describes what each section measures.
 """

@@ -1,9 +1,10 @@
 """Client CPU per /generate request of the `sglang` generator: the old thread-pool path against the
 pooled aiohttp path, side by side, against one stand-in SGLang server.
 
-    python bench/bench_sglang_client.py                          # 1, 64 and 1,000 concurrent requests
-    python bench/bench_sglang_client.py --json                   # one JSON object on stdout
-    python bench/bench_sglang_client.py --concurrency 64 1000 --requests 4000 --repeats 5
+    asyncrl bench sglang-client                          # 1, 64 and 1,000 concurrent requests
+    asyncrl bench sglang-client --json                   # one JSON object on stdout
+    asyncrl bench sglang-client --concurrency 64 1000 --requests 4000 --repeats 5
+    (or `python -m asyncrl.benchmarks.sglang_client ...`; from a checkout's root, see below)
 
 What is timed: N /generate requests (8 prompt ids, max_new_tokens 1, return_logprob) made by C
 worker coroutines on one event loop, each taking the next request as soon as its last one is
@@ -28,10 +29,11 @@ run (which also opens the pooled path's connections, as a running generator has 
                     `/standin/in_flight`; "-" for a real server);
   client threads    threads of this process at the end of a run.
 
-The server is `python -m asyncrl.testing.sglang.server --skip-tokenizer-init` on the tiny model
+The server is `python -m tests.support.sglang.server --skip-tokenizer-init` on the tiny model
 `asyncrl.models.tiny` builds (or --model-path), a separate process started here and stopped by its
-pid; --url attaches to a running server instead (a real SGLang server, say; prompt ids are drawn
-below --vocab-size, 20).
+pid. The stand-in is test support in the repository, not in the installed package, so this runs
+from a checkout's root; --url attaches to a running server instead, from anywhere (a real SGLang
+server, say; prompt ids are drawn below --vocab-size, 20).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -57,9 +60,11 @@ from asyncrl.generators.sglang.client import (
     decode_generate,
     http_call,
 )
-from asyncrl.testing.sglang.process import start_standin_process
 
 PATHS = ("threads", "pooled")
+# The stand-in SGLang server is test support of the repository (tests/support/sglang/), not part of
+# the installed package: without --url this benchmark runs from a checkout's root.
+STANDIN_MODULE = "tests.support.sglang.server"
 _encode = msgspec.json.Encoder().encode
 TIMEOUT_S = 600.0  # per request, as generators.options.request_timeout_s
 PROMPT_LEN = 8
@@ -71,6 +76,27 @@ def build_model(root: Path) -> Path:
 
     quiet_offline()
     return create_base(root / "model", hidden_size=32, num_layers=1, num_heads=2, seed=0)
+
+
+def start_standin(model_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The stand-in server as a process on a free port, from the current directory (a checkout's
+    root): (its process, its URL) once it listens. The caller stops it, by this pid only."""
+    cmd = [sys.executable, "-m", STANDIN_MODULE, "--model-path", str(model_dir), "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--skip-tokenizer-init", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()  # blocks until the server listens (or exits: empty line)
+    if not line.startswith("SGLANG_STANDIN_URL "):
+        proc.kill()
+        proc.wait()
+        raise SystemExit(
+            f"could not start the stand-in SGLang server (python -m {STANDIN_MODULE}): it is test "
+            "support in a repository checkout; run this from the checkout's root, or pass --url"
+        )
+    return proc, line.split()[1]
 
 
 def in_flight_peak(url: str, *, reset: bool) -> int | None:
@@ -206,7 +232,7 @@ def row(r: dict) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -219,7 +245,7 @@ def main() -> int:
     parser.add_argument("--model-path", default="", help="the stand-in's model (default: a tiny one)")
     parser.add_argument("--vocab-size", type=int, default=20, help="prompt ids are drawn below this")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1 or min(args.concurrency) < 1:
         parser.error("--repeats and every --concurrency must be >= 1")
 
@@ -228,7 +254,7 @@ def main() -> int:
         url = args.url.rstrip("/")
         if not url:
             model_dir = Path(args.model_path) if args.model_path else build_model(Path(tmp))
-            proc, url = start_standin_process(model_dir, "--skip-tokenizer-init", "--log-level", "warning")
+            proc, url = start_standin(model_dir)
         try:
             if not args.json:
                 print(HEADER, flush=True)
