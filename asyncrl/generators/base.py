@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from asyncrl.messages import PromptTask, WeightsPublished
+from asyncrl.messages import BroadcastPublished, PromptTask
 from asyncrl.plugins import available, load_plugin
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class GroupWeights(Protocol):
     `asyncrl launch` calls before any process starts (ValueError = a config error).
     """
 
-    async def receive_broadcast(self, msg: WeightsPublished) -> None:
+    async def receive_broadcast(self, msg: BroadcastPublished) -> None:
         """Have the servers take `msg.version` over the group (joining it on the founding one)."""
 
 

@@ -90,12 +90,15 @@ class LearnerService:
         cfg = self.ctx.config
         self.policy, self.tokenizer = load_policy_model(self.model_path, cfg)
         self.model = self.policy.lm
+        publishes_adapter = self.cfg.lora.rank and self.cfg.lora.publish == "adapter"
         self.publisher = make_publisher(
-            cfg,
+            cfg.weights,
+            generator_kind=cfg.generators.kind,
+            generator_options=cfg.generators.options,
             run_dir=self.ctx.run_dir,
             model_dir=self.model_path,
             generator_ids=filter(None, self.ctx.extra.get("generators", "").split(",")),
-            adapter_config=lora.adapter_config(self.model) if self.cfg.lora.rank else None,
+            adapter_config=lora.adapter_config(self.model) if publishes_adapter else None,
         )
         self.trainer = build_trainer(cfg, self.policy, pad_token_id=self.tokenizer.pad_token_id)
         log.info(gradient_mode(self.trainer.fallback))

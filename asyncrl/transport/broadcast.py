@@ -54,6 +54,7 @@ from asyncrl.messages import TensorMeta
 from asyncrl.transport import pairwise
 from asyncrl.transport.manifest import dtype_from_name, dtype_name
 from asyncrl.transport.shard_io import fresh_cpu_bytes
+from asyncrl.transport.shm_ring import RecvRing
 
 logger = logging.getLogger(__name__)
 
@@ -371,6 +372,85 @@ def _staging_bytes(buckets: Sequence[Bucket]) -> int:
     return max((b.num_bytes for b in buckets if len(b.entries) > 1), default=0)
 
 
+def _offer_layout(
+    group: dist.ProcessGroup,
+    buckets: Sequence[Bucket],
+    device: torch.device,
+    peers: Sequence[int],
+    *,
+    check_layout: bool,
+    p2p: bool,
+    local: str,
+    bucket_bytes: int,
+) -> pairwise.Offer:
+    """The sender's side of the layout check: pairwise on the CPU (where receivers on this host
+    may take the ring), one all-reduce otherwise, nothing without `check_layout`."""
+    if check_layout and _pairwise(device):
+        return pairwise.check_send(
+            group,
+            layout_fingerprint(buckets, p2p=p2p),
+            peers,
+            shm=p2p and local == "shm",
+            bucket_bytes=bucket_bytes,
+            timeout_s=_group_timeout_s(group),
+        )
+    if check_layout:
+        _check_layout(group, buckets, device, p2p=p2p)
+    return pairwise.Offer({}, None, ())
+
+
+def _bucket_source(
+    bucket: Bucket, by_name: Mapping[str, torch.Tensor], device: torch.device, staging: _Staging
+) -> torch.Tensor:
+    """The flat bytes to send for `bucket`: a lone direct tensor itself, else packed into a
+    staging slot."""
+    only = by_name[bucket.entries[0].name].detach() if len(bucket.entries) == 1 else None
+    if only is not None and _direct(only, device):
+        return _flat_bytes(only)
+    flat = staging.next_slot(bucket.num_bytes)
+    for entry in bucket.entries:
+        _entry_view(flat, entry).copy_(by_name[entry.name].detach())
+    return flat
+
+
+class _Sends:
+    """The sender's transfers in flight (a broadcast, or one send per receiver with `p2p`), at
+    most `max_in_flight` buckets; a p2p receiver whose send fails is recorded in `failed` and
+    skipped from then on, the others go on."""
+
+    def __init__(self, group: dist.ProcessGroup, *, src: int, p2p: bool, failed: dict[int, str]) -> None:
+        self.group = group
+        self.src = src
+        self.p2p = p2p
+        self.failed = failed
+        self.max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
+        self.in_flight: collections.deque[list[tuple[int, dist.Work]]] = collections.deque()
+
+    def make_room(self) -> None:
+        """Wait for the oldest bucket when the window is full (frees its staging slot)."""
+        if len(self.in_flight) == self.max_in_flight:
+            self._wait(self.in_flight.popleft())
+
+    def start(self, flat: torch.Tensor, peers: Sequence[int]) -> None:
+        if not self.p2p:
+            self.in_flight.append([(-1, dist.broadcast(flat, src=self.src, group=self.group, async_op=True))])
+        elif live := [peer for peer in peers if peer not in self.failed]:
+            self.in_flight.append([(peer, dist.isend(flat, dst=peer, group=self.group)) for peer in live])
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._wait(self.in_flight.popleft())
+
+    def _wait(self, works: list[tuple[int, dist.Work]]) -> None:
+        for peer, work in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                if not self.p2p:
+                    raise
+                self.failed.setdefault(peer, pairwise.first_line(exc))
+
+
 def broadcast_tensors(
     group: dist.ProcessGroup,
     tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
@@ -410,58 +490,25 @@ def broadcast_tensors(
         peers = [rank for rank in range(group.size()) if rank != src]
     elif not p2p:
         raise ValueError("peers is for p2p transfers (a broadcast reaches every rank)")
-    failed: dict[int, str] = {}
-    ring, ring_ranks = None, ()
-    if check_layout and _pairwise(device):
-        offer = pairwise.check_send(
-            group,
-            layout_fingerprint(buckets, p2p=p2p),
-            peers,
-            shm=p2p and local == "shm",
-            bucket_bytes=bucket_bytes,
-            timeout_s=_group_timeout_s(group),
-        )
-        failed.update(offer.failed)
-        ring, ring_ranks = offer.ring, offer.ring_ranks
-    elif check_layout:
-        _check_layout(group, buckets, device, p2p=p2p)
+    offer = _offer_layout(
+        group, buckets, device, peers, check_layout=check_layout, p2p=p2p, local=local, bucket_bytes=bucket_bytes
+    )
+    failed, ring, ring_ranks = dict(offer.failed), offer.ring, offer.ring_ranks
     gloo_peers = [peer for peer in peers if peer not in failed and peer not in ring_ranks]
-    max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
-    staging = _Staging(_staging_bytes(buckets), device, max_in_flight)
-    in_flight: collections.deque[list[tuple[int, dist.Work]]] = collections.deque()
-
-    def wait(works: list[tuple[int, dist.Work]]) -> None:
-        for peer, work in works:
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                if not p2p:
-                    raise
-                failed.setdefault(peer, pairwise.first_line(exc))
-
+    sends = _Sends(group, src=src, p2p=p2p, failed=failed)
+    staging = _Staging(_staging_bytes(buckets), device, sends.max_in_flight)
     if ring is not None:
         ring.begin()
     try:
         for bucket in buckets:
             if bucket.num_bytes == 0:
                 continue  # nothing to send; receivers skip it too
-            if len(in_flight) == max_in_flight:
-                wait(in_flight.popleft())  # frees the staging slot used below
-            only = by_name[bucket.entries[0].name].detach() if len(bucket.entries) == 1 else None
-            if only is not None and _direct(only, device):
-                flat = _flat_bytes(only)
-            else:
-                flat = staging.next_slot(bucket.num_bytes)
-                for entry in bucket.entries:
-                    _entry_view(flat, entry).copy_(by_name[entry.name].detach())
-            if not p2p:
-                in_flight.append([(-1, dist.broadcast(flat, src=src, group=group, async_op=True))])
-            elif live := [peer for peer in gloo_peers if peer not in failed]:
-                in_flight.append([(peer, dist.isend(flat, dst=peer, group=group)) for peer in live])
+            sends.make_room()  # frees the staging slot used below
+            flat = _bucket_source(bucket, by_name, device, staging)
+            sends.start(flat, gloo_peers)
             if ring is not None:  # while the sends above go out on gloo's threads
                 ring.write(flat)
-        while in_flight:
-            wait(in_flight.popleft())
+        sends.drain()
         if ring is not None:
             failed.update(ring.finish())
     except BaseException:
@@ -472,6 +519,77 @@ def broadcast_tensors(
     if failed:
         raise PeersLost(failed, num_bytes)
     return num_bytes
+
+
+def _check_out(out: Mapping[str, torch.Tensor], metas: Sequence[TensorMeta]) -> None:
+    """Every name the sender sends has a tensor of its dtype and shape in `out`."""
+    for meta in metas:
+        dest = out.get(meta.name)
+        if dest is None:
+            raise ValueError(f"out has no tensor named {meta.name!r}")
+        if dtype_name(dest.dtype) != meta.dtype or tuple(dest.shape) != meta.shape:
+            raise ValueError(
+                f"out[{meta.name!r}] is {dtype_name(dest.dtype)}{list(dest.shape)}, "
+                f"the sender sends {meta.dtype}{list(meta.shape)}"
+            )
+
+
+def _accept_layout(
+    group: dist.ProcessGroup,
+    buckets: Sequence[Bucket],
+    device: torch.device,
+    *,
+    src: int,
+    check_layout: bool,
+    p2p: bool,
+) -> RecvRing | None:
+    """The receiver's side of the layout check; returns the sender's shared-memory ring when this
+    receiver reads from it (`pairwise.check_receive`), else None."""
+    if check_layout and _pairwise(device):
+        return pairwise.check_receive(
+            group,
+            layout_fingerprint(buckets, p2p=p2p),
+            src,
+            ring_capable=p2p,
+            timeout_s=_group_timeout_s(group),
+        )
+    if check_layout:
+        _check_layout(group, buckets, device, p2p=p2p)
+    return None
+
+
+class _Unpacker:
+    """Where received buckets land: views of fresh buffers (`received`), or copies into `out`."""
+
+    def __init__(self, out: Mapping[str, torch.Tensor] | None, device: torch.device, staging: _Staging) -> None:
+        self.out = out
+        self.device = device
+        self.staging = staging
+        self.received: dict[str, torch.Tensor] = {}
+
+    def target(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(buffer to receive `bucket` into, flat buffer to unpack afterwards or None when the
+        bytes go straight into the one `out` tensor)."""
+        out = self.out
+        only = out[bucket.entries[0].name].detach() if out is not None and len(bucket.entries) == 1 else None
+        if only is not None and _direct(only, self.device):
+            return _flat_bytes(only), None
+        flat = _fresh(bucket.num_bytes, self.device) if out is None else self.staging.next_slot(bucket.num_bytes)
+        return flat, flat
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor | None) -> None:
+        if flat is None:
+            return
+        for entry in bucket.entries:
+            view = _entry_view(flat, entry)
+            if self.out is None:
+                self.received[entry.name] = view
+            else:
+                self.out[entry.name].detach().copy_(view)
+
+    def result(self, metas: Sequence[TensorMeta]) -> dict[str, torch.Tensor]:
+        got = self.received if self.out is None else self.out
+        return {meta.name: got[meta.name] for meta in metas}
 
 
 def receive_tensors(
@@ -498,67 +616,30 @@ def receive_tensors(
     device = _resolve_device(device)
     buckets = plan_buckets(metas, bucket_bytes=bucket_bytes)
     if out is not None:
-        for meta in metas:
-            dest = out.get(meta.name)
-            if dest is None:
-                raise ValueError(f"out has no tensor named {meta.name!r}")
-            if dtype_name(dest.dtype) != meta.dtype or tuple(dest.shape) != meta.shape:
-                raise ValueError(
-                    f"out[{meta.name!r}] is {dtype_name(dest.dtype)}{list(dest.shape)}, "
-                    f"the sender sends {meta.dtype}{list(meta.shape)}"
-                )
-    ring = None
-    if check_layout and _pairwise(device):
-        ring = pairwise.check_receive(
-            group,
-            layout_fingerprint(buckets, p2p=p2p),
-            src,
-            ring_capable=p2p,
-            timeout_s=_group_timeout_s(group),
-        )
-    elif check_layout:
-        _check_layout(group, buckets, device, p2p=p2p)
+        _check_out(out, metas)
+    ring = _accept_layout(group, buckets, device, src=src, check_layout=check_layout, p2p=p2p)
     max_in_flight = _P2P_IN_FLIGHT if p2p else _MAX_IN_FLIGHT
-    staging = _Staging(_staging_bytes(buckets), device, max_in_flight)
-    received: dict[str, torch.Tensor] = {}
+    unpacker = _Unpacker(out, device, _Staging(_staging_bytes(buckets), device, max_in_flight))
     # (work, bucket, flat buffer or None when the bytes went straight into out)
     in_flight: collections.deque[tuple[dist.Work, Bucket, torch.Tensor | None]] = collections.deque()
 
-    def unpack(bucket: Bucket, flat: torch.Tensor) -> None:
-        for entry in bucket.entries:
-            view = _entry_view(flat, entry)
-            if out is None:
-                received[entry.name] = view
-            else:
-                out[entry.name].detach().copy_(view)
-
     def finish(work: dist.Work, bucket: Bucket, flat: torch.Tensor | None) -> None:
         work.wait()
-        if flat is not None:
-            unpack(bucket, flat)
+        unpacker.unpack(bucket, flat)
 
     if ring is not None:
         ring.begin(sum(b.num_bytes for b in buckets))
     try:
         for bucket in buckets:
             if bucket.num_bytes == 0:  # only empty tensors: the sender sends nothing for it
-                unpack(bucket, torch.empty(0, dtype=torch.uint8, device=device))
+                unpacker.unpack(bucket, torch.empty(0, dtype=torch.uint8, device=device))
                 continue
             if len(in_flight) == max_in_flight:
                 finish(*in_flight.popleft())
-            only = (
-                out[bucket.entries[0].name].detach() if out is not None and len(bucket.entries) == 1 else None
-            )
-            if only is not None and _direct(only, device):
-                target, flat = _flat_bytes(only), None
-            elif out is None:
-                target = flat = _fresh(bucket.num_bytes, device)
-            else:
-                target = flat = staging.next_slot(bucket.num_bytes)
+            target, flat = unpacker.target(bucket)
             if ring is not None:  # synchronous: the bytes are in `target` on return
                 ring.read_into(target)
-                if flat is not None:
-                    unpack(bucket, flat)
+                unpacker.unpack(bucket, flat)
                 continue
             if p2p:
                 work = dist.irecv(target, src=src, group=group)
@@ -573,6 +654,4 @@ def receive_tensors(
         if ring is not None:  # left mid-stream: closing it tells the sender at once; the next
             pairwise.release(group)  # transfer joins a ring afresh (or takes gloo)
         raise
-    if out is not None:
-        return {meta.name: out[meta.name] for meta in metas}
-    return {meta.name: received[meta.name] for meta in metas}
+    return unpacker.result(metas)

@@ -11,7 +11,8 @@ dtype allow-list, byte sizes) and raises `MalformedFrame` on any mismatch: recei
 drop such messages, never crash, and nothing is ever unpickled.
 
 A `Trajectories` message carries several trajectories: its frames are each item's frames in turn
-(`batch_trajectories` builds it, `split_trajectories` hands each item its own tensors back).
+(`batch_trajectories` builds it, `split_trajectories` hands each item its own tensors back). A
+generator builds each item with `trajectory_frames`, from a rollout and its task.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import math
 import typing
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from asyncrl.messages import Message, TensorRef, Trajectories, Trajectory
+from asyncrl.messages import Message, PromptTask, TensorRef, Trajectories, Trajectory
 
 if TYPE_CHECKING:
     import torch
@@ -148,6 +149,126 @@ def decode(frames: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
     for ref, size in zip(layout, sizes, strict=True):
         tensors.append(_tensor_from(ref, blob[start : start + size], size))
         start += size + (-size % PACK_ALIGN)
+    return msg, tensors
+
+
+class RolloutFields(Protocol):
+    """What `trajectory_frames` reads from one sampled completion (`generators.base.Rollout`)."""
+
+    sample_index: int
+    completion_ids: Sequence[int]
+    behavior_logprobs: Sequence[float]
+    token_versions: Sequence[int]
+    reward: float
+    finish_reason: str
+    loss_mask: Sequence[bool] | None
+    opd_ids: Sequence[Sequence[int]] | None
+    opd_behavior_logprobs: Sequence[Sequence[float]] | None
+    teacher_logprobs: Sequence[Sequence[float]] | None
+    teacher_version: int | None
+
+
+def _opd_frames(
+    task: PromptTask, r: RolloutFields, generator_id: str, ids: torch.Tensor, num_opd_samples: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(teacher_logprobs, opd_ids, opd_behavior_logprobs), each [T, N], checked against the rollout."""
+    import torch
+
+    where = f"generator {generator_id}: rollout of task {task.task_id}"
+    if r.teacher_logprobs is None or r.opd_ids is None or r.opd_behavior_logprobs is None:
+        raise ValueError(
+            f"{where} lacks teacher_logprobs / opd_ids / opd_behavior_logprobs, which opd.enabled "
+            "needs; the generator plugin must score its rollouts with the teacher"
+        )
+    shape = (len(ids), num_opd_samples)
+    teacher = torch.tensor(r.teacher_logprobs, dtype=torch.float32)
+    opd_ids = torch.tensor(r.opd_ids, dtype=torch.int64)
+    opd_logps = torch.tensor(r.opd_behavior_logprobs, dtype=torch.float32)
+    for name, t in (
+        ("teacher_logprobs", teacher),
+        ("opd_ids", opd_ids),
+        ("opd_behavior_logprobs", opd_logps),
+    ):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected [T, N] = {list(shape)}")
+    if not torch.equal(opd_ids[:, 0], ids):
+        raise ValueError(f"{where}: opd_ids[:, 0] must be the generated tokens")
+    return teacher, opd_ids, opd_logps
+
+
+def _wire_array(values: Sequence[Any], code: str, dtype: torch.dtype) -> array.array | torch.Tensor:
+    """A flat list as it goes on the wire: an `array.array` (`encode` sends its bytes; a tenth
+    of the cost of a tensor for a short list), or a tensor when the values are not plain numbers
+    of that kind (torch converts them, or names the problem)."""
+    import torch
+
+    try:
+        return array.array(code, values)
+    except (TypeError, OverflowError):
+        return torch.tensor(values, dtype=dtype)
+
+
+def trajectory_frames(
+    task: PromptTask,
+    r: RolloutFields,
+    generator_id: str,
+    generate_s: float,
+    *,
+    num_opd_samples: int = 0,
+) -> tuple[Trajectory, tuple[torch.Tensor | array.array, ...]]:
+    """The Trajectory message for one rollout of `task` and its tensor frames: three (ids,
+    behavior log-probs, versions), three more when `num_opd_samples` (opd.num_samples, with
+    opd.enabled) is > 0, and the loss mask when the rollout masks any token out."""
+    import torch
+
+    ids = _wire_array(r.completion_ids, "q", torch.int64)
+    logps = _wire_array(r.behavior_logprobs, "f", torch.float32)
+    versions = _wire_array(r.token_versions, "q", torch.int64)
+    if not (len(ids) == len(logps) == len(versions)):
+        raise ValueError(
+            f"generator {generator_id}: rollout of task {task.task_id} has {len(ids)} tokens, "
+            f"{len(logps)} log-probs and {len(versions)} versions; they must match"
+        )
+    tensors: tuple[torch.Tensor | array.array, ...] = (ids, logps, versions)
+    opd_refs = {}
+    if num_opd_samples > 0:
+        ids_T = torch.as_tensor(r.completion_ids, dtype=torch.int64)
+        teacher, opd_ids, opd_logps = _opd_frames(task, r, generator_id, ids_T, num_opd_samples)
+        tensors += (teacher, opd_ids, opd_logps)
+        opd_refs = {
+            "teacher_logprobs": tensor_ref(3, teacher),
+            "opd_ids": tensor_ref(4, opd_ids),
+            "opd_behavior_logprobs": tensor_ref(5, opd_logps),
+        }
+    mask_ref = {}
+    if r.loss_mask is not None and not all(r.loss_mask):
+        mask = torch.tensor(r.loss_mask, dtype=torch.bool)
+        if len(mask) != len(ids):
+            raise ValueError(
+                f"generator {generator_id}: rollout of task {task.task_id} has {len(ids)} tokens and a "
+                f"loss_mask of {len(mask)}; they must match"
+            )
+        mask_ref = {"loss_mask": tensor_ref(len(tensors), mask)}
+        tensors += (mask,)
+    msg = Trajectory(
+        traj_id=task.group_id * task.num_samples + r.sample_index,
+        group_id=task.group_id,
+        task_id=task.task_id,
+        sample_index=r.sample_index,
+        step=task.step,
+        num_samples=task.num_samples,
+        prompt_ids=list(task.prompt_ids),
+        completion_ids=tensor_ref(0, ids),
+        behavior_logprobs=tensor_ref(1, logps),
+        token_versions=tensor_ref(2, versions),
+        reward=r.reward,
+        finish_reason=r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "stop",
+        generator_id=generator_id,
+        generate_s=generate_s,
+        teacher_version=r.teacher_version if num_opd_samples > 0 else None,
+        **opd_refs,
+        **mask_ref,
+    )
     return msg, tensors
 
 

@@ -2,7 +2,8 @@
 
 Place in the data flow: after each optimizer step the learner (rank 0) awaits `publish` on its
 event loop with the detached state dict and an async `announce` callable that sends a message to
-the launcher (which forwards `WeightsPublished` to every generator). A transport announces when it
+the launcher (which forwards the `WeightsPublished` announcement, `ShardsPublished` or
+`BroadcastPublished`, to every generator). A transport announces when it
 suits it (shards: after the atomic rename; a broadcast group: before the bytes move, so receivers
 join) and returns the announcement it sent. Each generator's `WeightsLoaded` comes back on the
 same loop as `on_loaded`. Retention (which versions may be deleted) lives here too.
@@ -14,7 +15,8 @@ go out in the announcement, generators join the group lazily, the bytes follow o
 catch-up shards for generators outside the group). Both broadcast flavours share `GroupPublisher`, the announce / send / catch-up /
 retention flow written once; a backend only says how the bytes cross the group.
 
-`make_publisher` picks one from the config. A generator backend whose servers take weights in their
+`make_publisher` picks one from the weights section (and the generator backend's name and options,
+which it takes as plain arguments). A generator backend whose servers take weights in their
 own way registers a factory (`PublisherFactory`) under the entry-point group `asyncrl.publishers`,
 named `<generator registry name>.<weights transport>` (e.g. `mybackend.broadcast`); this module never
 names a backend. See docs/weights.md.
@@ -30,12 +32,12 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
 
-from asyncrl.messages import WeightsPublished
+from asyncrl.messages import BroadcastPublished, ShardsPublished, WeightsPublished
 from asyncrl.plugins import available, load_plugin
 from asyncrl.transport import security
 from asyncrl.transport.checksum import DEFAULT_CHECKSUM
@@ -43,6 +45,9 @@ from asyncrl.transport.delta import DeltaBase
 from asyncrl.transport.fence import AckWatch
 from asyncrl.transport.retention import VersionRetention, prune
 from asyncrl.transport.shards import StreamedState, write_shards
+
+if TYPE_CHECKING:
+    from asyncrl.config_sections import WeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +84,20 @@ class WeightPublisher(Protocol):
 
 
 class PublisherFactory(Protocol):
-    """An `asyncrl.publishers` plugin: builds the backend's publisher from the whole config.
+    """An `asyncrl.publishers` plugin: builds the backend's publisher from the weights section.
 
-    `generator_ids` are the run's generators; `catchup` is the shard publisher to copy each version
-    to for generators outside a group (None with weights.transport = "shards" or catchup_shards
-    off).
+    `generator_options` is generators.options (the backend's own keys); `generator_ids` are the
+    run's generators; `catchup` is the shard publisher to copy each version to for generators
+    outside a group (None with weights.transport = "shards" or catchup_shards off).
     """
 
     def __call__(
-        self, config: Any, *, generator_ids: Sequence[str], catchup: ShardPublisher | None
+        self,
+        weights: WeightsConfig,
+        *,
+        generator_options: Mapping[str, Any],
+        generator_ids: Sequence[str],
+        catchup: ShardPublisher | None,
     ) -> WeightPublisher: ...
 
 
@@ -147,11 +157,10 @@ class ShardPublisher:
     one before (`delta.py`; the publisher keeps that version's bytes, one copy of the weights).
     """
 
-    transport = "safetensors"
     single_file: str | None = None  # write_shards(single_file=...): one named file, no index
     # Takes a `shards.StreamedState`: the tensors are produced shard by shard while written.
     streams_state = True
-    adapter = False  # announced as WeightsPublished.adapter
+    adapter = False  # announced as ShardsPublished.adapter
 
     def __init__(
         self,
@@ -186,7 +195,7 @@ class ShardPublisher:
 
     async def publish(
         self, state: Mapping[str, torch.Tensor], version: int, announce: Announce
-    ) -> WeightsPublished:
+    ) -> ShardsPublished:
         msg = await asyncio.to_thread(self._write, state, version)
         self.retention.publish(version)
         if self.deadlines is not None:
@@ -194,7 +203,7 @@ class ShardPublisher:
         await announce(msg)
         return msg
 
-    def _write(self, state: Mapping[str, torch.Tensor], version: int) -> WeightsPublished:
+    def _write(self, state: Mapping[str, torch.Tensor], version: int) -> ShardsPublished:
         start = time.perf_counter()
         manifest = write_shards(
             state,
@@ -212,10 +221,9 @@ class ShardPublisher:
         self.num_bytes_written += manifest.total_size_bytes
         if manifest.delta is not None:
             self.num_delta_bytes += sum(d.size_bytes for d in manifest.delta.files)
-        return WeightsPublished(
+        return ShardsPublished(
             version=version,
-            transport=self.transport,
-            location=str(self.weights_dir),
+            root=str(self.weights_dir),
             num_bytes=manifest.total_size_bytes,
             publish_s=time.perf_counter() - start,
             catchup=self.catchup,
@@ -240,7 +248,7 @@ class AdapterPublisher(ShardPublisher):
 
         v00000042/  adapter_model.safetensors, adapter_config.json, manifest.json
 
-    published, announced (`WeightsPublished.adapter`) and retained exactly like shards, for
+    published, announced (`ShardsPublished.adapter`) and retained exactly like shards, for
     generators whose servers load adapters (SGLang's `/load_lora_adapter`). `publish` takes the
     adapter's tensors under PEFT's names (`learner.lora.adapter_state`); `adapter_config` is the
     content of adapter_config.json (`learner.lora.adapter_config`), the same for every version.
@@ -288,7 +296,6 @@ class GroupPublisher(abc.ABC):
     Subclasses say how the bytes cross the group (`_transfer`).
     """
 
-    transport = "broadcast"
     send_errors: tuple[type[Exception], ...] = (RuntimeError,)
 
     def __init__(
@@ -314,7 +321,7 @@ class GroupPublisher(abc.ABC):
         self.group_name = group_name
         self.group = None
         self._store = None
-        self._location = ""
+        self._store_address = ""
         self._first_version = -1
         self._early_acks: dict[str, int] = {}
         self.failed = False
@@ -353,12 +360,11 @@ class GroupPublisher(abc.ABC):
             self._store, port = host_store(
                 self.master_addr, world_size=self.world_size, timeout_s=self.timeout_s
             )
-            self._location = f"{self.master_addr}:{port}"
+            self._store_address = f"{self.master_addr}:{port}"
             self._first_version = version
-        msg = WeightsPublished(
+        msg = BroadcastPublished(
             version=version,
-            transport="broadcast",
-            location=self._location,
+            store_address=self._store_address,
             num_bytes=sum(t.numel() * t.element_size() for _, t in items),
             tensors=tuple(tensor_metas(items)),
             bucket_bytes=self.bucket_bytes,
@@ -505,70 +511,71 @@ def generator_name(kind: str) -> str | None:
     return next((name for name, target in available(GENERATORS_GROUP).items() if target == kind), None)
 
 
-def publisher_key(config: Any) -> str | None:
-    """The `asyncrl.publishers` name that replaces the built-in publisher for `config`, if any:
-    `<generator registry name>.<weights transport>`, when such a plugin is installed."""
-    name = generator_name(config.generators.kind)
+def publisher_key(generator_kind: str, transport: str) -> str | None:
+    """The `asyncrl.publishers` name that replaces the built-in publisher for generators.kind
+    `generator_kind` and weights transport `transport` ("shards" or "broadcast"), if any:
+    `<generator registry name>.<transport>`, when such a plugin is installed."""
+    name = generator_name(generator_kind)
     if name is None:
         return None
-    key = f"{name}.{config.weights.kind}"
+    key = f"{name}.{transport}"
     return key if key in available(PUBLISHERS_GROUP) else None
 
 
 def make_publisher(
-    config: Any,
+    weights: WeightsConfig,
     *,
+    generator_kind: str,
+    generator_options: Mapping[str, Any],
     run_dir: Path,
     model_dir: Path,
     generator_ids: Iterable[str],
     adapter_config: Mapping[str, Any] | None = None,
 ) -> WeightPublisher:
-    """The publisher for `config.weights.transport` (and the generator backend, see the module doc).
+    """The publisher for `weights.transport` and the generator backend (`generator_kind` and
+    `generator_options`: generators.kind and generators.options; see the module doc).
 
-    With learner.lora.publish = "adapter" (and rank > 0) it is an `AdapterPublisher`, whatever the
-    transport, and `adapter_config` (`learner.lora.adapter_config(model)`) is required.
+    With `adapter_config` (learner.lora.publish = "adapter": `learner.lora.adapter_config(model)`)
+    it is an `AdapterPublisher`, whatever the transport; None publishes full weights.
     """
     from asyncrl.transport.shards import collect_config_files
 
-    w = config.weights
     ids = list(generator_ids)
-    lora = config.learner.lora
-    if lora.rank and lora.publish == "adapter":
-        if adapter_config is None:
-            raise ValueError("learner.lora.publish = 'adapter': make_publisher needs the adapter_config")
+    weights_dir = Path(weights.dir) if weights.dir else run_dir / "weights"
+    if adapter_config is not None:
         return AdapterPublisher(
-            Path(w.dir) if w.dir else run_dir / "weights",
+            weights_dir,
             adapter_config=adapter_config,
-            keep_last=w.keep_last,
+            keep_last=weights.keep_last,
             generator_ids=ids,
-            checksum=w.checksum,
-            deadline_s=w.update_deadline_s,
+            checksum=weights.checksum,
+            deadline_s=weights.update_deadline_s,
         )
     shards = ShardPublisher(
-        Path(w.dir) if w.dir else run_dir / "weights",
+        weights_dir,
         extra_files=collect_config_files(model_dir),
-        keep_last=w.keep_last,
+        keep_last=weights.keep_last,
         generator_ids=ids,
-        max_shard_bytes=w.max_shard_bytes,
-        catchup=w.kind == "broadcast",
-        checksum=w.checksum,
-        delta=w.delta,
-        deadline_s=w.update_deadline_s,
+        max_shard_bytes=weights.max_shard_bytes,
+        catchup=weights.kind == "broadcast",
+        checksum=weights.checksum,
+        delta=weights.delta,
+        deadline_s=weights.update_deadline_s,
     )
-    catchup = shards if w.kind != "shards" and w.catchup_shards else None
-    key = publisher_key(config)
+    catchup = shards if weights.kind != "shards" and weights.catchup_shards else None
+    key = publisher_key(generator_kind, weights.kind)
     if key is not None:
         factory: PublisherFactory = load_plugin(
             PUBLISHERS_GROUP, key, field="generators.kind", what="weight publisher"
         )
-        return factory(config, generator_ids=ids, catchup=catchup)
-    if w.kind == "shards":
+        return factory(weights, generator_options=generator_options, generator_ids=ids, catchup=catchup)
+    if weights.kind == "shards":
         return shards
     return BroadcastPublisher(
         generator_ids=ids,
-        bucket_bytes=w.bucket_bytes,
-        timeout_s=w.group_timeout_s,
+        bucket_bytes=weights.bucket_bytes,
+        timeout_s=weights.group_timeout_s,
         catchup=catchup,
-        deadline_s=w.update_deadline_s,
-        local=w.broadcast_local,
+        deadline_s=weights.update_deadline_s,
+        local=weights.broadcast_local,
     )

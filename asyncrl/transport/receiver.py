@@ -1,12 +1,13 @@
 """The generator's side of weight sync: turn an announcement into verified tensors.
 
-Place in the data flow: the launcher forwards each `WeightsPublished` to every generator; the
+Place in the data flow: the launcher forwards each `WeightsPublished` (`ShardsPublished` or
+`BroadcastPublished`) to every generator; the
 generator service asks `WeightsReceiver.plan` whether to act on it, runs `fetch` in a worker thread
 (it blocks on disk or on the group), and hands the complete tensors to its generator, which copies
 them into the model at a safe point and acks with `WeightsLoaded`. Nothing here touches the model,
 so a failed fetch leaves the weights being served untouched.
 
-- safetensors: `read_shards(root, version, verify=True)` into fresh CPU tensors (on a host without
+- shards: `read_shards(root, version, verify=True)` into fresh CPU tensors (on a host without
   the weights root, `remote` first fetches the version over the network into a local cache,
   `serve.NetworkWeights`, and `root` is that cache); a missing, truncated or corrupt file raises `WeightsCorruptError` naming it (or FileNotFoundError when the
   version is gone); the service keeps the old weights and retries. When the manifest says the next
@@ -23,7 +24,7 @@ so a failed fetch leaves the weights being served untouched.
   dropped this member, or died) leaves the group and raises `fence.UpdateFailed`; from then on this
   generator takes catch-up shards, including the one of the failed version.
 
-A shards announcement whose `location` is outside the weights root (`root`, weights.dir) is
+A shards announcement whose `root` is outside the weights root (`root`, weights.dir) is
 refused in `plan`, counted (`num_refused_locations`) and never read.
 """
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.messages import WeightsPublished
+from asyncrl.messages import BroadcastPublished, ShardsPublished, WeightsPublished
 from asyncrl.transport.fence import UpdateFailed
 from asyncrl.transport.manifest import WeightsCorruptError
 
@@ -47,9 +48,9 @@ def weights_root(weights_dir: str, run_dir: str | Path) -> Path:
     return Path(weights_dir) if weights_dir else Path(run_dir) / "weights"
 
 
-def _within(location: str, root: Path) -> bool:
-    """Whether `location` is `root` or below it, symlinks and `..` resolved."""
-    where, top = os.path.realpath(location), os.path.realpath(root)
+def _within(path: str, root: Path) -> bool:
+    """Whether `path` is `root` or below it, symlinks and `..` resolved."""
+    where, top = os.path.realpath(path), os.path.realpath(root)
     return where == top or where.startswith(top.rstrip(os.sep) + os.sep)
 
 
@@ -58,7 +59,7 @@ class WeightsReceiver:
         self, generator_id: str, *, num_read_threads: int | None = None, root: str | Path | None = None
     ) -> None:
         self.generator_id = generator_id
-        # The weights root (`weights_root`): an announced shards location outside it is refused,
+        # The weights root (`weights_root`): an announced shards root outside it is refused,
         # counted and never read (a peer that could announce must not make us read /etc).
         self.root = None if root is None else Path(root)
         self.num_refused_locations = 0
@@ -76,7 +77,7 @@ class WeightsReceiver:
 
     def plan(self, msg: WeightsPublished) -> bool:
         """Whether to fetch `msg` (False: not for this generator). Call once per announcement, in order."""
-        if msg.transport == "broadcast":
+        if isinstance(msg, BroadcastPublished):
             if self.member is None:
                 founding = msg.version == msg.group_first_version
                 self.member = founding and self.generator_id in msg.group_members
@@ -92,15 +93,15 @@ class WeightsReceiver:
             return self.member
         if self.member is None:
             self.member = False
-        # (A host that fetches over the network (`remote`) never reads `location` itself.)
-        if self.root is not None and self.remote is None and not _within(msg.location, self.root):
+        # (A host that fetches over the network (`remote`) never reads `msg.root` itself.)
+        if self.root is not None and self.remote is None and not _within(msg.root, self.root):
             self.num_refused_locations += 1
             log.error(
                 "%s: weights version %d announced at %r, outside the weights root %s: refused, not read "
                 "(%d refused so far)",
                 self.generator_id,
                 msg.version,
-                msg.location,
+                msg.root,
                 self.root,
                 self.num_refused_locations,
             )
@@ -111,11 +112,11 @@ class WeightsReceiver:
 
     def must_fetch(self, msg: WeightsPublished) -> bool:
         """A broadcast cannot be skipped by a member: the sender waits for every rank."""
-        return msg.transport == "broadcast" and bool(self.member)
+        return isinstance(msg, BroadcastPublished) and bool(self.member)
 
     def fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
         """Blocking: the announced version as {name: tensor} on the CPU, verified or complete."""
-        if msg.transport == "broadcast":
+        if isinstance(msg, BroadcastPublished):
             self.held = None  # a delta's base is a version read from shards
             try:
                 return self._receive(msg)
@@ -127,11 +128,11 @@ class WeightsReceiver:
                 ) from exc
         return self._read(msg)
 
-    def _read(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
+    def _read(self, msg: ShardsPublished) -> dict[str, torch.Tensor]:
         from asyncrl.transport.delta import HeldVersion
         from asyncrl.transport.shard_read import read_manifest, read_shards
 
-        root = Path(msg.location)
+        root = Path(msg.root)
         if self.remote is not None:
             held_now = self.held
             root = self.remote.fetch(
@@ -161,20 +162,20 @@ class WeightsReceiver:
         self.held = HeldVersion.of(manifest, state) if manifest.delta_next else None
         return state
 
-    def _receive(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
+    def _receive(self, msg: BroadcastPublished) -> dict[str, torch.Tensor]:
         from asyncrl.transport.broadcast import init_weight_update_group, receive_tensors, uses_point_to_point
 
         if self.group is None:
-            host, _, port = msg.location.rpartition(":")
+            host, _, port = msg.store_address.rpartition(":")
             if not host or not port.isdigit():
-                raise ValueError(f"broadcast announcement has a bad store address {msg.location!r}")
+                raise ValueError(f"broadcast announcement has a bad store address {msg.store_address!r}")
             self.group = init_weight_update_group(
                 master_addr=host,
                 master_port=int(port),
                 rank=msg.group_members.index(self.generator_id) + 1,
                 world_size=len(msg.group_members) + 1,
                 group_name=msg.group_name,
-                backend=msg.group_backend or "gloo",
+                backend=msg.group_backend,
                 timeout_s=msg.group_timeout_s,
             )
         device = "cuda" if msg.group_backend == "nccl" else "cpu"
@@ -183,7 +184,7 @@ class WeightsReceiver:
             list(msg.tensors),
             bucket_bytes=msg.bucket_bytes,
             device=device,
-            p2p=uses_point_to_point(msg.group_backend or "gloo"),
+            p2p=uses_point_to_point(msg.group_backend),
         )
         if device != "cpu":
             received = {n: t.cpu() for n, t in received.items()}

@@ -65,7 +65,8 @@ SENDERS: dict[str, frozenset[str]] = {
     "TaskDone": _GENERATORS,
     "TasksDone": _GENERATORS,
     "WeightsLoaded": _GENERATORS | {"launcher"},
-    "WeightsPublished": _LEARNER,
+    "ShardsPublished": _LEARNER,  # the two WeightsPublished variants
+    "BroadcastPublished": _LEARNER,
     "DataEndpoint": _LEARNER | {"launcher"},
     "Evaluated": _LEARNER,
     "StepDone": _LEARNER,

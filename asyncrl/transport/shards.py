@@ -42,6 +42,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -286,6 +287,199 @@ def _check_extra_name(name: str) -> None:
         raise ValueError(f"extra file name {name!r} clashes with the weights files")
 
 
+def _check_state(state_dict: Mapping[str, torch.Tensor], extra: Mapping[str, bytes]) -> list[str]:
+    """The state dict's names, after checking every name, tensor, dtype and extra file name."""
+    if not state_dict:
+        raise ValueError("state_dict is empty; there are no weights to publish")
+    names = list(state_dict)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"state_dict keys must be non-empty strings, got {name!r}")
+        t = state_dict[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        safetensors_code(t.dtype, name)
+    for name in extra:
+        _check_extra_name(name)
+    return names
+
+
+class _Layout(NamedTuple):
+    """Which tensor goes to which file: `plan[s]` are the indices into `names` of file
+    `file_names[s]`, in the order they are written."""
+
+    names: list[str]
+    sizes: list[int]  # tensor bytes, by index into names
+    plan: list[list[int]]
+    file_names: list[str]
+
+    @property
+    def file_of(self) -> dict[str, str]:
+        return {self.names[i]: self.file_names[s] for s, idx in enumerate(self.plan) for i in idx}
+
+
+def _plan_files(
+    names: list[str],
+    sizes: list[int],
+    *,
+    streamed: bool,
+    single_file: str | None,
+    extra: Mapping[str, bytes],
+    max_shard_bytes: int,
+    max_threads: int,
+) -> _Layout:
+    """One named file, contiguous runs in order for a streamed state, else shards planned even
+    for `max_threads` writers."""
+    if single_file is not None:
+        check_file_name(single_file)
+        if not single_file.endswith(".safetensors") or single_file in extra:
+            raise ValueError(f"single_file must be a new *.safetensors file name, got {single_file!r}")
+        return _Layout(names, sizes, [list(range(len(sizes)))], [single_file])
+    if streamed:
+        plan = _sequential_plan(sizes, max_shard_bytes)
+    else:
+        plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes, num_parallel=max_threads)
+    file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    return _Layout(names, sizes, plan, file_names)
+
+
+def _delta_from(
+    delta_base: DeltaBase | None, state_dict: Mapping[str, torch.Tensor], names: list[str], version: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """(version, file checksums) the delta of `version` is taken from; (None, ()) when none is
+    written (no base, another layout, or the base already holds `version`)."""
+    if delta_base is None:
+        return None, ()
+    held = delta_base.version, delta_base.checksums
+    layout = {n: (dtype_name(state_dict[n].dtype), tuple(state_dict[n].shape)) for n in names}
+    if delta_base.prepare(layout) and held[0] != version:
+        return held
+    return None, ()
+
+
+def _write_tensor_files(
+    state_dict: Mapping[str, torch.Tensor],
+    layout: _Layout,
+    tmp_dir: Path,
+    *,
+    reused: set[str],
+    max_threads: int,
+    shard_kwargs: dict,
+) -> list[tuple[ManifestFile, DeltaFile | None]]:
+    """Every tensor file of the layout, in its order: a streamed state one file at a time as its
+    tensors are produced, any other on up to `max_threads` threads, the largest shards first."""
+    names, plan, file_names = layout.names, layout.plan, layout.file_names
+    if isinstance(state_dict, StreamedState):  # one shard's tensors at a time, produced in order
+        produced = state_dict.produce()
+        written = [
+            _write_shard_file(
+                tmp_dir / file_names[s],
+                [next(produced) for _ in plan[s]],
+                reuse=file_names[s] in reused,
+                **shard_kwargs,
+            )
+            for s in range(len(plan))
+        ]
+        for _ in produced:  # the producer checks that nothing was left over
+            pass
+        return written
+    with ThreadPoolExecutor(min(max_threads, len(plan)), thread_name_prefix="write-shard") as pool:
+        futures = {
+            s: pool.submit(
+                _write_shard_file,
+                tmp_dir / file_names[s],
+                [(names[i], state_dict[names[i]]) for i in plan[s]],
+                reuse=file_names[s] in reused,
+                **shard_kwargs,
+            )
+            for s in largest_first([sum(layout.sizes[i] for i in idx) for idx in plan])
+        }
+        return [futures[s].result() for s in range(len(plan))]
+
+
+def _write_metadata(
+    state_dict: Mapping[str, torch.Tensor],
+    layout: _Layout,
+    tmp_dir: Path,
+    version: int,
+    *,
+    written: list[tuple[ManifestFile, DeltaFile | None]],
+    extra: Mapping[str, bytes],
+    single_file: str | None,
+    fsync: bool,
+    checksum: str,
+    delta_from: tuple[int | None, tuple[str, ...]],
+    delta_next: bool,
+) -> ShardManifest:
+    """The index (unless `single_file`), the extra files and, last, the manifest, whose presence
+    inside the temporary directory marks the version complete; returns the manifest."""
+    file_of = layout.file_of
+    total_size_bytes = sum(layout.sizes)
+    if single_file is None:
+        index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
+        index_bytes = json.dumps(index, indent=2).encode()
+        _write_small_file(tmp_dir / INDEX_NAME, index_bytes, fsync=fsync, checksum=checksum)
+    extra_records = tuple(
+        _write_small_file(tmp_dir / n, data, fsync=fsync, checksum=checksum) for n, data in sorted(extra.items())
+    )
+    base_version, base_checksums = delta_from
+    delta = None
+    if base_version is not None:
+        delta = ManifestDelta(
+            base_version=base_version,
+            base_checksums=base_checksums,
+            files=tuple(d for _, d in written if d is not None),
+        )
+    manifest = ShardManifest(
+        version=version,
+        total_size_bytes=total_size_bytes,
+        tensors=tuple(
+            ManifestTensor(
+                name=n,
+                dtype=dtype_name(state_dict[n].dtype),
+                shape=tuple(state_dict[n].shape),
+                file=file_of[n],
+            )
+            for n in layout.names
+        ),
+        files=tuple(record for record, _ in written),
+        extra_files=extra_records,
+        checksum_kind=checksum,
+        delta=delta,
+        delta_next=delta_next,
+    )
+    _write_small_file(tmp_dir / MANIFEST_NAME, manifest.to_json(), fsync=fsync, checksum=checksum)
+    return manifest
+
+
+def _rename_into_place(tmp_dir: Path, final_dir: Path, *, fsync: bool) -> None:
+    """The atomic publish: the complete temporary directory becomes the version directory."""
+    if fsync:
+        _fsync_dir(tmp_dir)
+    os.rename(tmp_dir, final_dir)
+    if fsync:
+        _fsync_dir(final_dir.parent)
+
+
+def _fresh_dir(tmp_dir: Path) -> set[str]:
+    """A new, empty temporary directory (no recycled files in it)."""
+    tmp_dir.mkdir()
+    return set()
+
+
+def _log_published(manifest: ShardManifest, final_dir: Path, *, num_files: int) -> None:
+    delta = manifest.delta
+    logger.info(
+        "published weights version %d: %d tensors, %d bytes in %d shards at %s%s",
+        manifest.version,
+        len(manifest.tensors),
+        manifest.total_size_bytes,
+        num_files,
+        final_dir,
+        f" (delta from {delta.base_version}: {sum(d.size_bytes for d in delta.files)} bytes)" if delta else "",
+    )
+
+
 def write_shards(
     state_dict: Mapping[str, torch.Tensor],
     root: Path,
@@ -321,137 +515,50 @@ def write_shards(
     """
     root = Path(root)
     final_dir = version_dir(root, version)
-    if not state_dict:
-        raise ValueError("state_dict is empty; there are no weights to publish")
-    names = list(state_dict)
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"state_dict keys must be non-empty strings, got {name!r}")
-        t = state_dict[name]
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        safetensors_code(t.dtype, name)
     extra = dict(extra_files or {})
-    for name in extra:
-        _check_extra_name(name)
+    names = _check_state(state_dict, extra)
     if final_dir.exists():
         raise FileExistsError(f"weights version {version} is already published at {final_dir}")
-
-    sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
     streamed = isinstance(state_dict, StreamedState)
     max_threads = 1 if streamed else pool_size(num_threads, len(names))
-    if streamed and single_file is None:
-        plan = _sequential_plan(sizes, max_shard_bytes)
-        file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
-    elif single_file is not None:
-        check_file_name(single_file)
-        if not single_file.endswith(".safetensors") or single_file in extra:
-            raise ValueError(f"single_file must be a new *.safetensors file name, got {single_file!r}")
-        plan = [list(range(len(names)))]
-        file_names = [single_file]
-    else:
-        plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes, num_parallel=max_threads)
-        file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
-    num_shards = len(plan)
-
+    sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
+    layout = _plan_files(
+        names,
+        sizes,
+        streamed=streamed,
+        single_file=single_file,
+        extra=extra,
+        max_shard_bytes=max_shard_bytes,
+        max_threads=max_threads,
+    )
     new_hasher(checksum)  # an unknown kind fails before anything is written
-    base_version, base_checksums = None, ()
-    if delta_base is not None:
-        held = delta_base.version, delta_base.checksums
-        layout = {n: (dtype_name(state_dict[n].dtype), tuple(state_dict[n].shape)) for n in names}
-        if delta_base.prepare(layout) and held[0] != version:
-            base_version, base_checksums = held
-    write_delta = base_version is not None
+    delta_from = _delta_from(delta_base, state_dict, names, version)
     root.mkdir(parents=True, exist_ok=True)
     tmp_dir = temporary_dir(root, f"v{version:08d}")
-    shard_kwargs = dict(fsync=fsync, checksum=checksum, base=delta_base, delta=write_delta)
+    shard_kwargs = dict(fsync=fsync, checksum=checksum, base=delta_base, delta=delta_from[0] is not None)
     try:
-        if reuse_spare:
-            reused = claim_spare(root, tmp_dir, file_names)
-        else:
-            tmp_dir.mkdir()
-            reused = set()
-        if streamed:  # one shard's tensors at a time, produced in order (the plan keeps it)
-            produced = state_dict.produce()
-            written = [
-                _write_shard_file(
-                    tmp_dir / file_names[s],
-                    [next(produced) for _ in plan[s]],
-                    reuse=file_names[s] in reused,
-                    **shard_kwargs,
-                )
-                for s in range(num_shards)
-            ]
-            for _ in produced:  # the producer checks that nothing was left over
-                pass
-        else:
-            with ThreadPoolExecutor(min(max_threads, num_shards), thread_name_prefix="write-shard") as pool:
-                futures = {
-                    s: pool.submit(
-                        _write_shard_file,
-                        tmp_dir / file_names[s],
-                        [(names[i], state_dict[names[i]]) for i in plan[s]],
-                        reuse=file_names[s] in reused,
-                        **shard_kwargs,
-                    )
-                    for s in largest_first([sum(sizes[i] for i in idx) for idx in plan])
-                }
-                written = [futures[s].result() for s in range(num_shards)]
-        shard_files = tuple(record for record, _ in written)
-        file_of = {names[i]: file_names[s] for s, idx in enumerate(plan) for i in idx}
-        total_size_bytes = sum(sizes)
-        if single_file is None:
-            index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
-            index_bytes = json.dumps(index, indent=2).encode()
-            _write_small_file(tmp_dir / INDEX_NAME, index_bytes, fsync=fsync, checksum=checksum)
-        extra_records = tuple(
-            _write_small_file(tmp_dir / n, data, fsync=fsync, checksum=checksum)
-            for n, data in sorted(extra.items())
+        reused = claim_spare(root, tmp_dir, layout.file_names) if reuse_spare else _fresh_dir(tmp_dir)
+        written = _write_tensor_files(
+            state_dict, layout, tmp_dir, reused=reused, max_threads=max_threads, shard_kwargs=shard_kwargs
         )
-        delta = None
-        if write_delta:
-            delta = ManifestDelta(
-                base_version=base_version,
-                base_checksums=base_checksums,
-                files=tuple(d for _, d in written if d is not None),
-            )
-        manifest = ShardManifest(
-            version=version,
-            total_size_bytes=total_size_bytes,
-            tensors=tuple(
-                ManifestTensor(
-                    name=n,
-                    dtype=dtype_name(state_dict[n].dtype),
-                    shape=tuple(state_dict[n].shape),
-                    file=file_of[n],
-                )
-                for n in names
-            ),
-            files=shard_files,
-            extra_files=extra_records,
-            checksum_kind=checksum,
-            delta=delta,
+        manifest = _write_metadata(
+            state_dict,
+            layout,
+            tmp_dir,
+            version,
+            written=written,
+            extra=extra,
+            single_file=single_file,
+            fsync=fsync,
+            checksum=checksum,
+            delta_from=delta_from,
             delta_next=delta_base is not None,
         )
-        # The manifest is written last: its presence inside the temporary directory marks it complete.
-        _write_small_file(tmp_dir / MANIFEST_NAME, manifest.to_json(), fsync=fsync, checksum=checksum)
-        if fsync:
-            _fsync_dir(tmp_dir)
-        os.rename(tmp_dir, final_dir)  # the atomic publish
-        if fsync:
-            _fsync_dir(root)
+        _rename_into_place(tmp_dir, final_dir, fsync=fsync)
         if delta_base is not None:
-            delta_base.commit(version, tuple(f.checksum for f in shard_files))
+            delta_base.commit(version, tuple(f.checksum for f in manifest.files))
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    logger.info(
-        "published weights version %d: %d tensors, %d bytes in %d shards at %s%s",
-        version,
-        len(names),
-        total_size_bytes,
-        num_shards,
-        final_dir,
-        f" (delta from {base_version}: {sum(d.size_bytes for d in delta.files)} bytes)" if delta else "",
-    )
+    _log_published(manifest, final_dir, num_files=len(layout.plan))
     return manifest

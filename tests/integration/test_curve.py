@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from asyncrl.messages import Heartbeat, Hello, StepDone, Trajectories, WeightsPublished
+from asyncrl.messages import Heartbeat, Hello, ShardsPublished, StepDone, Trajectories
 from asyncrl.transport import security, zap
 from asyncrl.transport.codec import encode
 from asyncrl.transport.zmq_io import Endpoint
@@ -122,7 +122,7 @@ def test_a_role_cannot_send_what_its_key_does_not_allow(keys, contexts):
         )
         gen.connect(address)
         learner.connect(address)
-        published = WeightsPublished(version=9, transport="safetensors", location="/etc", num_bytes=1)
+        published = ShardsPublished(version=9, root="/etc", num_bytes=1)
         forged = [any_step_done(), published, Hello(role="learner", peer_id="learner", pid=1)]
         for msg in forged:  # a generator speaking as the learner
             await gen.send(msg)

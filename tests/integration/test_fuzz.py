@@ -34,13 +34,13 @@ from asyncrl.messages import (
     Hello,
     PromptTask,
     SamplingParams,
+    ShardsPublished,
     Shutdown,
     StepDone,
     TensorRef,
     Trajectories,
     Trajectory,
     WeightsLoaded,
-    WeightsPublished,
 )
 from asyncrl.transport.codec import MAX_FRAMES, MAX_HEADER_BYTES, encode
 from tests.conftest import gated_job, read_records
@@ -248,7 +248,7 @@ def test_malformed_messages_on_every_socket_are_rejected_and_counted(tiny_model_
             wrong_types=[
                 Shutdown(),
                 WeightsLoaded(generator_id="gen-0", version=1),
-                WeightsPublished(version=1, transport="safetensors", location="/", num_bytes=0),
+                ShardsPublished(version=1, root="/", num_bytes=0),
                 any_step_done(),
             ],
             canary=canary,

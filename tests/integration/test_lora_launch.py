@@ -254,7 +254,7 @@ def test_default_model_trains_lora_and_servers_load_the_adapters(tmp_path, pid_a
         assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
         publishes = read_records(run_dir, "publish")
         assert sorted(p["version"] for p in publishes) == [1, 2, 3]
-        assert all(p["adapter"] and p["transport"] == "safetensors" for p in publishes)
+        assert all(p["adapter"] and p["transport"] == "shards" for p in publishes)
         # rank 8 on every linear of the 2 decoder layers (hidden 128, MLP 256), float32
         adapter_bytes = 2 * 8 * 4 * (4 * (128 + 128) + 3 * (128 + 256))
         assert {p["num_bytes"] for p in publishes} == {adapter_bytes}

@@ -26,7 +26,7 @@ from asyncrl.generators.sglang.launch import (
     wait_ready,
 )
 from asyncrl.generators.sglang.publisher import SGLangGroupPublisher
-from asyncrl.messages import TensorMeta, WeightsPublished
+from asyncrl.messages import BroadcastPublished, TensorMeta
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_distributed_update_lands_bitwise_on_every_server(launched, tiny_model_d
         updater = GroupUpdater(fleet.call, generator_id="gen-0", pause_mode="retract")
         applied: list[asyncio.Task] = []
 
-        async def announce(msg: WeightsPublished) -> None:  # what the generator does on receipt
+        async def announce(msg: BroadcastPublished) -> None:  # what the generator does on receipt
             async def apply() -> None:
                 if updater.group_name is None:
                     await updater.join(msg, fleet.servers)
@@ -147,15 +147,16 @@ def test_session_rule_errors_surface(tiny_model_dir):
             fleet = Fleet([server.url], max_workers=4, health_interval_s=1.0, wait_timeout_s=10.0)
             updater = GroupUpdater(fleet.call, generator_id="gen-0", pause_mode="retract")
             updater.servers, updater.group_name = list(fleet.servers), "g"
-            msg = WeightsPublished(
+            msg = BroadcastPublished(
                 version=1,
-                transport="broadcast",
-                location="127.0.0.1:1",
+                store_address="127.0.0.1:1",
                 num_bytes=16,
                 tensors=(TensorMeta(name="lm_head.weight", dtype="float32", shape=(4,)),),
                 bucket_bytes=1024,
                 group_name="g",
+                group_backend="gloo",
                 group_members=("gen-0",),
+                group_first_version=1,
             )
             try:
                 with pytest.raises(SGLangRequestError) as err:

@@ -104,8 +104,7 @@ def test_launch_starts_its_servers_and_stops_them(run_short_job, pid_alive, tran
         assert (run_dir / "logs" / f"sglang-gen-0-{s['index']}.log").is_file()
     assert not any(pid_alive(s["pid"]) for s in servers)
     publishes = read_records(run_dir, "publish")
-    wire = "safetensors" if transport == "shards" else "broadcast"
-    assert sorted({p["version"] for p in publishes if p["transport"] == wire}) == [1, 2]
+    assert sorted({p["version"] for p in publishes if p["transport"] == transport}) == [1, 2]
     if transport == "broadcast":
         group = [p for p in publishes if p["transport"] == "broadcast"]
         assert all(p["group_members"] == ["gen-0", "gen-0"] for p in group)

@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.messages import WeightsPublished
+from asyncrl.messages import ShardsPublished, WeightsPublished
 from asyncrl.transport.publisher import BroadcastPublisher, ShardPublisher
 from asyncrl.transport.retention import list_versions
 from tests.integration.test_weights_sync import digest
@@ -294,8 +294,8 @@ def test_a_generator_killed_mid_load_is_named_and_its_restart_loads_the_full_ver
     asyncio.run(scenario())
 
 
-def msg_of(root: Path, version: int) -> WeightsPublished:
-    return WeightsPublished(version=version, transport="safetensors", location=str(root), num_bytes=0)
+def msg_of(root: Path, version: int) -> ShardsPublished:
+    return ShardsPublished(version=version, root=str(root), num_bytes=0)
 
 
 def test_twenty_delta_updates_leave_every_generator_bitwise_equal(tmp_path, gens) -> None:

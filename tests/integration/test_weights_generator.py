@@ -29,11 +29,11 @@ from asyncrl.messages import (
     PromptTask,
     PromptTasks,
     SamplingParams,
+    ShardsPublished,
     Shutdown,
     TasksDone,
     Trajectories,
     WeightsLoaded,
-    WeightsPublished,
 )
 from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.retention import version_dir
@@ -50,9 +50,9 @@ def state_of_version(model_dir: Path, version: int) -> dict[str, torch.Tensor]:
     return {n: (t + 0.01 * version if t.is_floating_point() else t).contiguous() for n, t in sd.items()}
 
 
-def publish(root: Path, model_dir: Path, version: int) -> WeightsPublished:
+def publish(root: Path, model_dir: Path, version: int) -> ShardsPublished:
     write_shards(state_of_version(model_dir, version), root, version, max_shard_bytes=16 << 10, fsync=False)
-    return WeightsPublished(version=version, transport="safetensors", location=str(root), num_bytes=0)
+    return ShardsPublished(version=version, root=str(root), num_bytes=0)
 
 
 def corrupt(root: Path, version: int) -> tuple[Path, bytes]:
@@ -169,7 +169,7 @@ async def _corrupt_shard_keeps_old_weights_and_next_version_loads(tmp_path, tiny
         assert loaded.version == 2 and loaded.generator_id == "gen-0"
         assert h.service.gen.version == 2 and holds(h.service, state_of_version(tiny_model_dir, 2))
         assert not any(isinstance(m, WeightsLoaded) and m.version == 1 for m in h.seen)
-        assert h.service.num_load_errors >= 1
+        assert h.service.weights.num_load_errors >= 1
 
 
 def test_a_dispatch_is_one_batch_with_one_tasks_done(tmp_path, tiny_model_dir) -> None:
@@ -211,7 +211,7 @@ def test_unloadable_version_fails_after_the_retry_timeout(tmp_path, tiny_model_d
 
 
 async def _unloadable_version_fails_after_the_retry_timeout(tmp_path, tiny_model_dir) -> None:
-    from asyncrl.generators.service import WeightsUnavailable
+    from asyncrl.generators.weights import WeightsUnavailable
 
     root = tmp_path / "weights"
     async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=0.5") as h:
@@ -231,9 +231,9 @@ def test_missing_version_is_an_error_not_a_crash(tmp_path, tiny_model_dir) -> No
 async def _missing_version_is_an_error_not_a_crash(tmp_path, tiny_model_dir) -> None:
     root = tmp_path / "weights"
     async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
-        await h.send(WeightsPublished(version=4, transport="safetensors", location=str(root), num_bytes=0))
+        await h.send(ShardsPublished(version=4, root=str(root), num_bytes=0))
         await h.expect(Metrics, lambda m: errors(m))
-        assert "not published" in h.service.last_error and h.service.gen.version == 0
+        assert "not published" in h.service.weights.last_error and h.service.gen.version == 0
 
 
 def test_late_joiner_loads_the_version_it_is_sent(tmp_path, tiny_model_dir) -> None:
@@ -276,7 +276,7 @@ async def _a_fetch_that_hangs_is_given_up_at_the_deadline_and_retried(tmp_path, 
         try:
             await h.send(publish(root, tiny_model_dir, 1))
             await h.expect(Metrics, lambda m: errors(m))
-            assert "weights.update_deadline_s = 0.5" in h.service.last_error
+            assert "weights.update_deadline_s = 0.5" in h.service.weights.last_error
             assert h.service.gen.version == 0 and holds(h.service, v0)
             loaded = await h.expect(WeightsLoaded)  # the retry, in a new thread
             assert loaded.version == 1 and calls == [1, 1]
@@ -306,14 +306,14 @@ async def _a_corrupt_delta_is_counted_and_the_full_version_loads_instead(tmp_pat
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     announce = [
-        WeightsPublished(version=v, transport="safetensors", location=str(root), num_bytes=0) for v in (1, 2)
+        ShardsPublished(version=v, root=str(root), num_bytes=0) for v in (1, 2)
     ]
     async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
         await h.send(announce[0])
         assert (await h.expect(WeightsLoaded)).version == 1
         await h.send(announce[1])
         await h.expect(Metrics, lambda m: errors(m))
-        assert "delta" in h.service.last_error and h.service.gen.version == 1
+        assert "delta" in h.service.weights.last_error and h.service.gen.version == 1
         assert holds(h.service, state_of_version(tiny_model_dir, 1))
         loaded = await h.expect(WeightsLoaded)  # the retry reads the full shards
         assert loaded.version == 2 and holds(h.service, state_of_version(tiny_model_dir, 2))

@@ -20,10 +20,9 @@ def test_short_job_runs_with_each_transport(run_short_job, transport: str) -> No
         name=transport,
     )
     publishes = read_records(run_dir, "publish")
-    wire = "safetensors" if transport == "shards" else "broadcast"
-    assert sorted({p["version"] for p in publishes if p["transport"] == wire}) == [1, 2, 3]
+    assert sorted({p["version"] for p in publishes if p["transport"] == transport}) == [1, 2, 3]
     if transport == "broadcast":
-        catchups = [p for p in publishes if p["transport"] == "safetensors"]
+        catchups = [p for p in publishes if p["transport"] == "shards"]
         assert sorted(p["version"] for p in catchups) == [1, 2, 3]
         assert all(p["catchup"] for p in catchups)
     loaded = read_records(run_dir, "loaded")

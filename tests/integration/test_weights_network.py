@@ -83,9 +83,9 @@ def test_a_corrupt_shard_on_the_server_is_refused_and_the_receiver_keeps_nothing
     async def body(zctx, address, server):
         receiver = WeightsReceiver("gen-0")
         receiver.remote = NetworkWeights(zctx, address, tmp_path / "cache")
-        from asyncrl.messages import WeightsPublished
+        from asyncrl.messages import ShardsPublished
 
-        msg = WeightsPublished(version=1, transport="safetensors", location="/not/on/this/host", num_bytes=0)
+        msg = ShardsPublished(version=1, root="/not/on/this/host", num_bytes=0)
         with pytest.raises(WeightsCorruptError, match="check"):
             await asyncio.to_thread(receiver.fetch, msg)
         assert list_versions(tmp_path / "cache") == []
@@ -100,13 +100,13 @@ def test_deltas_travel_instead_of_shards_when_the_receiver_holds_the_base(tmp_pa
     s2["small.bias"] = s2["small.bias"] + 1
     write_shards(s1, root, 1, max_shard_bytes=CHUNK_BYTES, delta_base=base)
     write_shards(s2, root, 2, max_shard_bytes=CHUNK_BYTES, delta_base=base)
-    from asyncrl.messages import WeightsPublished
+    from asyncrl.messages import ShardsPublished
 
     async def body(zctx, address, server):
         receiver = WeightsReceiver("gen-0")
         receiver.remote = NetworkWeights(zctx, address, tmp_path / "cache")
         for v, want in ((1, s1), (2, s2)):
-            msg = WeightsPublished(version=v, transport="safetensors", location=str(root), num_bytes=0)
+            msg = ShardsPublished(version=v, root=str(root), num_bytes=0)
             got = await asyncio.to_thread(receiver.fetch, msg)
             assert all(torch.equal(got[k], want[k]) for k in want)
         assert receiver.num_delta_fetches == 1

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.messages import WeightsPublished
+from asyncrl.messages import BroadcastPublished, ShardsPublished, WeightsPublished
 from asyncrl.transport.publisher import BroadcastPublisher, ShardPublisher
 from asyncrl.transport.retention import list_versions, spare_dirs
 
@@ -185,17 +185,18 @@ def test_late_generator_outside_the_group_takes_catch_up_shards(tmp_path) -> Non
 
     write_shards(state(3), tmp_path, 3, max_shard_bytes=4096, fsync=False)
     receiver = WeightsReceiver("gen-0")
-    broadcast = WeightsPublished(
+    broadcast = BroadcastPublished(
         version=3,
-        transport="broadcast",
-        location="127.0.0.1:1",
+        store_address="127.0.0.1:1",
         num_bytes=0,
+        tensors=(),
+        bucket_bytes=1 << 20,
+        group_name="late",
+        group_backend="gloo",
         group_members=GENERATORS,
         group_first_version=1,
     )
-    catchup = WeightsPublished(
-        version=3, transport="safetensors", location=str(tmp_path), num_bytes=0, catchup=True
-    )
+    catchup = ShardsPublished(version=3, root=str(tmp_path), num_bytes=0, catchup=True)
     assert not receiver.plan(broadcast)
     assert receiver.plan(catchup)
     assert digest(receiver.fetch(catchup)) == digest(state(3))

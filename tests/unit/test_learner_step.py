@@ -182,8 +182,7 @@ def _task_and_rollout(**rollout_fields):
 
 def test_rollout_values_of_any_numeric_kind_travel_exactly():
     """The generator sends plain lists as arrays; tensors, bools or too-large ints go through torch."""
-    from asyncrl.generators.service import trajectory_frames
-    from asyncrl.transport.codec import decode, encode
+    from asyncrl.transport.codec import decode, encode, trajectory_frames
 
     task, plain = _task_and_rollout()
     as_tensors = dataclasses.replace(
@@ -201,9 +200,8 @@ def test_rollout_values_of_any_numeric_kind_travel_exactly():
 
 
 def test_loss_mask_travels_from_rollout_to_train_sample():
-    from asyncrl.generators.service import trajectory_frames
     from asyncrl.learner.step import sample_from_message
-    from asyncrl.transport.codec import decode, encode
+    from asyncrl.transport.codec import decode, encode, trajectory_frames
 
     task, rollout = _task_and_rollout(loss_mask=[True, False, True])
     msg, tensors = trajectory_frames(task, rollout, "gen-0", 0.1)

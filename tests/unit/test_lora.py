@@ -194,7 +194,7 @@ def test_published_adapter_round_trips_through_peft(tiny_model_dir, tmp_path):
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
     assert config["target_modules"] == lora.default_target_modules(load(tiny_model_dir))
     state = lora.adapter_state(model)
-    assert msg.adapter and msg.transport == "safetensors" and msg.version == 1
+    assert msg.adapter and msg.transport == "shards" and msg.version == 1
     assert msg.num_bytes == sum(t.numel() * t.element_size() for t in state.values())
     assert msg.num_bytes < sum(t.numel() * t.element_size() for t in lora.serving_state(model).values()) / 4
 
@@ -215,24 +215,27 @@ def test_adapter_versions_are_retained_like_shards(tiny_model_dir, tmp_path):
 
 
 def test_make_publisher_picks_the_adapter_publisher(tiny_model_dir, tmp_path):
+    """Given the adapter's config (what the learner passes with learner.lora.publish = "adapter"),
+    make_publisher gives the adapter publisher; without it, full weights as shards."""
     from asyncrl.config_load import load_config
     from asyncrl.transport.publisher import AdapterPublisher, ShardPublisher, make_publisher
 
     sets = ["generators.kind=sglang", 'generators.options.urls="http://127.0.0.1:1"']
-    config = load_config(None, [*sets, "learner.lora.rank=4", "learner.lora.publish=adapter"])
-    with pytest.raises(ValueError, match="adapter_config"):
-        make_publisher(config, run_dir=tmp_path, model_dir=tiny_model_dir, generator_ids=["g0"])
-    publisher = make_publisher(
-        config,
-        run_dir=tmp_path,
-        model_dir=tiny_model_dir,
-        generator_ids=["g0"],
-        adapter_config=lora.adapter_config(trained(tiny_model_dir)),
-    )
-    assert type(publisher) is AdapterPublisher
-    merged = load_config(None, [*sets, "learner.lora.rank=4", "learner.lora.publish=merged"])
-    publisher = make_publisher(merged, run_dir=tmp_path, model_dir=tiny_model_dir, generator_ids=["g0"])
-    assert type(publisher) is ShardPublisher
+    config = load_config(None, sets)
+
+    def build(adapter_config):
+        return make_publisher(
+            config.weights,
+            generator_kind=config.generators.kind,
+            generator_options=config.generators.options,
+            run_dir=tmp_path,
+            model_dir=tiny_model_dir,
+            generator_ids=["g0"],
+            adapter_config=adapter_config,
+        )
+
+    assert type(build(lora.adapter_config(trained(tiny_model_dir)))) is AdapterPublisher
+    assert type(build(None)) is ShardPublisher
 
 
 def test_single_file_needs_a_safetensors_name(tmp_path):

@@ -276,8 +276,7 @@ def test_teacher_with_another_vocabulary_is_rejected(tiny_model_dir, teacher_dir
 
 # ----------------------------------------------------------------------------- wire frames
 def test_trajectory_frames_carry_the_cache_as_frames_3_to_5(tiny_model_dir, teacher_dir):
-    from asyncrl.generators.service import trajectory_frames
-    from asyncrl.transport.codec import decode, encode
+    from asyncrl.transport.codec import decode, encode, trajectory_frames
 
     gen = make_generator(tiny_model_dir, teacher_dir, num_samples=3)
     batch = tasks(1)
@@ -299,7 +298,7 @@ def test_trajectory_frames_carry_the_cache_as_frames_3_to_5(tiny_model_dir, teac
 def test_trajectory_frames_reject_a_missing_or_misshapen_cache(tiny_model_dir, teacher_dir):
     from dataclasses import replace
 
-    from asyncrl.generators.service import trajectory_frames
+    from asyncrl.transport.codec import trajectory_frames
 
     gen = make_generator(tiny_model_dir, teacher_dir, num_samples=2)
     batch = tasks(1)

@@ -308,9 +308,8 @@ def test_ewma_version_is_the_floor_of_its_centre_of_mass():
 
 
 def test_trajectory_frames_carry_the_teacher_version(tiny_model_dir, tok):
-    from asyncrl.generators.service import trajectory_frames
     from asyncrl.generators.torch_gen import TorchGenerator
-    from asyncrl.transport.codec import decode, encode
+    from asyncrl.transport.codec import decode, encode, trajectory_frames
 
     gen = set_up_generator(TorchGenerator, tiny_model_dir, run_seed=5, opd=opd(self_weights="current"))
     gen.offer_weights(3, version_state(gen.model, 3))

@@ -1,4 +1,5 @@
-"""`make_publisher` picks the learner's weight publisher from the config alone: the built-ins for
+"""`make_publisher` picks the learner's weight publisher from the weights section and the generator
+backend's name and options alone (never the whole config): the built-ins for
 shards and broadcast, and a backend's own publisher found through the entry-point group
 `asyncrl.publishers` (`<generator name>.<weights transport>`), so `transport/` names no backend.
 The SGLang group publisher is chosen exactly when the run broadcasts into SGLang servers."""
@@ -20,9 +21,16 @@ from asyncrl.transport.publisher import (
 TWO_URLS = 'generators.options.urls="http://127.0.0.1:1,http://127.0.0.1:2"'
 
 
-def build(tmp_path, *overrides: str):
+def build(tmp_path, *overrides: str, generator_ids=("gen-0", "gen-1")):
     config = load_config(None, list(overrides))
-    return make_publisher(config, run_dir=tmp_path, model_dir=tmp_path, generator_ids=["gen-0", "gen-1"])
+    return make_publisher(
+        config.weights,
+        generator_kind=config.generators.kind,
+        generator_options=config.generators.options,
+        run_dir=tmp_path,
+        model_dir=tmp_path,
+        generator_ids=generator_ids,
+    )
 
 
 @pytest.mark.parametrize("transport", ["shards", "broadcast"])
@@ -52,9 +60,10 @@ def test_sglang_without_catchup_shards_gets_no_catchup(tmp_path):
 
 
 def test_sglang_with_shards_keeps_the_shard_publisher(tmp_path):
-    config = load_config(None, ["generators.kind=sglang", "weights.transport=shards", TWO_URLS])
-    assert publisher_key(config) is None
-    publisher = make_publisher(config, run_dir=tmp_path, model_dir=tmp_path, generator_ids=["gen-0"])
+    assert publisher_key("sglang", "shards") is None
+    publisher = build(
+        tmp_path, "generators.kind=sglang", "weights.transport=shards", TWO_URLS, generator_ids=["gen-0"]
+    )
     assert type(publisher) is ShardPublisher and not publisher.catchup
 
 

@@ -129,7 +129,7 @@ def test_a_role_cannot_speak_as_another():
         step=0, version=1, num_trajectories=1, num_tokens=1, loss=0.0, mean_reward=0.0, max_staleness=0,
         mean_staleness=0.0, clip_fraction=0.0, grad_norm=0.0, step_s=0.0, idle_s=0.0,
     )  # fmt: skip
-    published = m.WeightsPublished(version=1, transport="safetensors", location="/w", num_bytes=0)
+    published = m.ShardsPublished(version=1, root="/w", num_bytes=0)
     for msg in (step, published):
         assert security.may_send("learner", msg)
         assert not security.may_send("generator", msg) and not security.may_send("worker", msg)
@@ -161,8 +161,8 @@ def test_a_shards_location_outside_the_weights_root_is_refused_and_counted(tmp_p
     (tmp_path / "elsewhere").mkdir()
     (root / "escape").symlink_to(tmp_path / "elsewhere")
 
-    def announced(location) -> m.WeightsPublished:
-        return m.WeightsPublished(version=1, transport="safetensors", location=str(location), num_bytes=0)
+    def announced(location) -> m.ShardsPublished:
+        return m.ShardsPublished(version=1, root=str(location), num_bytes=0)
 
     receiver = WeightsReceiver("g0", root=root)
     for outside in ("/etc", root / ".." / "x", root / "escape", str(root) + "-twin", tmp_path):

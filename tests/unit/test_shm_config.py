@@ -23,7 +23,14 @@ def test_an_unknown_value_names_the_key_and_the_valid_values() -> None:
 @pytest.mark.parametrize("local", ["shm", "gloo"])
 def test_the_broadcast_publisher_sends_as_configured(tmp_path, local: str) -> None:
     config = load_config(None, ['weights.transport="broadcast"', f'weights.broadcast_local="{local}"'])
-    publisher = make_publisher(config, run_dir=tmp_path, model_dir=tmp_path, generator_ids=["gen-0"])
+    publisher = make_publisher(
+        config.weights,
+        generator_kind=config.generators.kind,
+        generator_options=config.generators.options,
+        run_dir=tmp_path,
+        model_dir=tmp_path,
+        generator_ids=["gen-0"],
+    )
     try:
         assert isinstance(publisher, BroadcastPublisher) and publisher.local == local
     finally:

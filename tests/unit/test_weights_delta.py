@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.messages import WeightsPublished
+from asyncrl.messages import ShardsPublished
 from asyncrl.transport.checksum import CHECKSUM_KINDS, checksum_of
 from asyncrl.transport.delta import DeltaBase, HeldVersion
 from asyncrl.transport.manifest import ShardManifest, WeightsCorruptError
@@ -63,8 +63,8 @@ def assert_bitwise(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     assert not bad
 
 
-def announce(root: Path, version: int) -> WeightsPublished:
-    return WeightsPublished(version=version, transport="safetensors", location=str(root), num_bytes=0)
+def announce(root: Path, version: int) -> ShardsPublished:
+    return ShardsPublished(version=version, root=str(root), num_bytes=0)
 
 
 def flip_byte(path: Path, offset: int) -> None:

@@ -1,7 +1,7 @@
 """LoRA adapters on the `sglang` generator's servers (learner.lora.publish = "adapter").
 
 Place in the data flow: the learner publishes each version as a PEFT adapter directory
-(`transport.publisher.AdapterPublisher`, announced with `WeightsPublished.adapter`). The generator's
+(`transport.publisher.AdapterPublisher`, announced with `ShardsPublished.adapter`). The generator's
 `load_weights` sees the directory is an adapter (`is_adapter_dir`) and, instead of replacing the
 servers' weights, loads it into every server under a name of its own:
 

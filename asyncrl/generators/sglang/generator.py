@@ -88,7 +88,7 @@ from asyncrl.generators.sglang.options import (
     parse_options,
     resolve_api_key,
 )
-from asyncrl.messages import PromptTask, WeightsPublished
+from asyncrl.messages import BroadcastPublished, PromptTask
 from asyncrl.transport import security
 
 if TYPE_CHECKING:
@@ -540,7 +540,7 @@ class SGLangGenerator:
             elif isinstance(result, BaseException):
                 raise result
 
-    async def receive_broadcast(self, msg: WeightsPublished) -> None:
+    async def receive_broadcast(self, msg: BroadcastPublished) -> None:
         """weights.transport=broadcast: the servers take version `msg.version` over the learner's
         weight update group, joining it on the founding announcement (`group.py`)."""
         from asyncrl.generators.sglang.group import GroupUpdater

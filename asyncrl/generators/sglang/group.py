@@ -2,7 +2,7 @@
 
 Place in the data flow: the learner (`publisher.py`, in the learner process) is rank 0 of a weight update
 group whose other ranks are the SGLang servers themselves (tp_size 1: one rank per server). The
-learner announces each version (`WeightsPublished`, transport "broadcast") and then broadcasts
+learner announces each version (`BroadcastPublished`) and then broadcasts
 every tensor from rank 0, in the announced order. The generator process, which owns the servers
 (their URLs, the pause mode, the version bookkeeping), takes the announcement from its service
 and drives the servers over HTTP (SGLANG_API.md sections 2.2-2.5, 2.8, 6):
@@ -52,7 +52,7 @@ from asyncrl.generators.sglang.client import (
     decode_update,
     error_message,
 )
-from asyncrl.messages import TensorMeta, WeightsPublished
+from asyncrl.messages import BroadcastPublished, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class GroupUpdater:
             if isinstance(result, BaseException):
                 raise result
 
-    async def join(self, msg: WeightsPublished, servers: Sequence[Server]) -> None:
+    async def join(self, msg: BroadcastPublished, servers: Sequence[Server]) -> None:
         """The founding announcement: every server joins the learner's group (blocks until all have)."""
         ranks = member_ranks(msg.group_members, self.generator_id)
         if len(ranks) != len(servers):
@@ -138,9 +138,9 @@ class GroupUpdater:
             )
         self.servers = list(servers)
         await self._everywhere(self._check_tp_size)
-        host, _, port = msg.location.rpartition(":")
+        host, _, port = msg.store_address.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"broadcast announcement has a bad store address {msg.location!r}")
+            raise ValueError(f"broadcast announcement has a bad store address {msg.store_address!r}")
         timeout_s = msg.group_timeout_s + GROUP_CALL_MARGIN_S
 
         async def init(server: Server, rank: int) -> None:
@@ -150,7 +150,7 @@ class GroupUpdater:
                 "rank_offset": rank,
                 "world_size": len(msg.group_members) + 1,
                 "group_name": msg.group_name,
-                "backend": msg.group_backend or "gloo",
+                "backend": msg.group_backend,
             }
             await self._update_call(server, "/init_weights_update_group", body, timeout_s)
 
@@ -185,7 +185,7 @@ class GroupUpdater:
                 "takes one rank per server (tp_size 1, one GPU each); use weights.transport=shards"
             )
 
-    async def update(self, msg: WeightsPublished) -> None:
+    async def update(self, msg: BroadcastPublished) -> None:
         """One version: pause, begin, buckets, version label, end, continue, verify (every server)."""
         if msg.group_name != self.group_name:
             raise ValueError(

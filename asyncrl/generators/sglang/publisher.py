@@ -10,7 +10,7 @@ keys with the group name), and a process group of its own name, never the learne
 (data-parallel) group. Ranks: `group_members[i]` (a generator id, repeated once per server it
 drives) owns rank i + 1, so the world is 1 + the number of servers.
 
-The flow is `GroupPublisher`'s: announce first (`WeightsPublished`, transport "broadcast": store
+The flow is `GroupPublisher`'s: announce first (`BroadcastPublished`: store
 address, group name and backend, the tensors in order, the bucket size for the HTTP calls), then,
 in a worker thread, create the group (first version: this blocks until every server has joined,
 which the generator makes them do through `POST /init_weights_update_group` when the announcement
@@ -24,14 +24,17 @@ every later version.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.generators.sglang.options import parse_options, servers_per_generator
 from asyncrl.transport.publisher import UPDATE_DEADLINE_S, GroupPublisher, ShardPublisher
+
+if TYPE_CHECKING:
+    from asyncrl.config_sections import WeightsConfig
 
 
 def broadcast_in_order(group: dist.ProcessGroup, items: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -83,17 +86,21 @@ class SGLangGroupPublisher(GroupPublisher):
 
 
 def make_sglang_publisher(
-    config: Any, *, generator_ids: Sequence[str], catchup: ShardPublisher | None
+    weights: WeightsConfig,
+    *,
+    generator_options: Mapping[str, Any],
+    generator_ids: Sequence[str],
+    catchup: ShardPublisher | None,
 ) -> SGLangGroupPublisher:
-    """The `sglang.broadcast` publisher plugin: each generator owns one group rank per server it
-    drives (from the same generators.options it reads)."""
-    opts = parse_options(dict(config.generators.options), config.weights.inflight)
+    """The `sglang.broadcast` publisher plugin (`transport.publisher.PublisherFactory`): each
+    generator owns one group rank per server it drives (from the same generators.options it reads)."""
+    opts = parse_options(dict(generator_options), weights.inflight)
     per_generator = servers_per_generator(opts)
     owners = [gid for gid in generator_ids for _ in range(per_generator)]
     return SGLangGroupPublisher(
         rank_owners=owners,
-        bucket_bytes=config.weights.bucket_bytes,
-        timeout_s=config.weights.group_timeout_s,
+        bucket_bytes=weights.bucket_bytes,
+        timeout_s=weights.group_timeout_s,
         catchup=catchup,
-        deadline_s=config.weights.update_deadline_s,
+        deadline_s=weights.update_deadline_s,
     )
