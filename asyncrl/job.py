@@ -19,13 +19,17 @@ import uvloop
 
 from asyncrl.config import Config
 from asyncrl.config_load import write_resolved_config
-from asyncrl.lint import lint
+from asyncrl.lint import Finding, lint
 from asyncrl.runtime import check_cpus
-from asyncrl.scheduler.records import Reporter
+from asyncrl.scheduler.records import Reporter, RunState
 from asyncrl.scheduler.service import Launcher, RunFailed
+from asyncrl.scheduler.summary import AuthFailures, DatasetPosition, RejectedFrames, RunSummary, write_summary
 from asyncrl.tasks.base import Task
 
 log = logging.getLogger(__name__)
+
+# The held-out reward means' entry that is a count: held-out samples with a reward that failed.
+NUM_FAILED = "num_failed"
 
 
 def model_path(config: Config) -> Path:
@@ -95,7 +99,7 @@ def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, f
         scorer.close()
     means = {name: sum(s.parts.get(name, 0.0) for s in scores) / len(scores) for name in scorer.names}
     means["total"] = sum(s.reward for s in scores) / len(scores)
-    means["failed"] = float(sum(s.failed for s in scores))
+    means[NUM_FAILED] = float(sum(s.failed for s in scores))
     key = config.task.scoring.eval_reward or scorer.names[0]
     return means[key], means
 
@@ -175,7 +179,7 @@ def run_job(
     *,
     resume_dir: Path | None = None,
     role_modules: Mapping[str, str] | None = None,
-) -> dict:
+) -> RunSummary:
     """Runs the whole job (or, with `resume_dir`, continues a stopped one from its newest complete
     checkpoint); returns the summary (also written to summary.json). `role_modules` replaces the
     module a role's workers run (`python -m`), e.g. a benchmark's own learner entry module.
@@ -184,11 +188,60 @@ def run_job(
 
     path = model_path(config)
     check_cpus(config)
-    task, tokenizer, task_stats = load_task(config, path)
-    resume_version = 0
+    task, tokenizer, task_stats = load_task(config, path)  # prepared and checked here, once
+    run_dir, resume_version = open_run_dir(config, reporter, resume_dir)
+    warnings = report_settings(config, reporter)
+    launcher = Launcher(
+        config,
+        run_dir,
+        path,
+        reporter,
+        task=task,
+        tokenizer=tokenizer,
+        resume_version=resume_version,
+        role_modules=role_modules,
+        open_stream=partial(open_hub, run_dir=run_dir, config=config, reporter=reporter),
+    )
+    for key, value in task_stats.items():
+        reporter.event(f"task: {key} = {value}")
+    t0 = time.perf_counter()
+    held_out = HeldOut(config, path, task, reporter)
+    if not resume_version:
+        held_out.before_training()
+    failure = None
+    try:
+        state = uvloop.run(launcher.run())
+    except RunFailed as exc:
+        failure = str(exc)
+        state = launcher.state
+    completed = failure is None and not launcher.interrupted
+    held_out.after_training(launcher.evaluations, final=run_dir / "final_model", completed=completed)
+    summary = build_summary(
+        config,
+        launcher,
+        state,
+        held_out=held_out,
+        task=task,
+        task_stats=task_stats,
+        warnings=warnings,
+        run_dir=run_dir,
+        resume_version=resume_version,
+        wall_s=time.perf_counter() - t0,
+        failure=failure,
+    )
+    write_summary(summary, run_dir / "summary.json")
+    if failure:
+        raise RunFailed(failure)
+    return summary
+
+
+def open_run_dir(config: Config, reporter: Reporter, resume_dir: Path | None) -> tuple[Path, int]:
+    """(the run directory, the version the run starts at): a new directory with the resolved
+    config, or `resume_dir` at its newest complete checkpoint (its summary.json set aside)."""
     if resume_dir is None:
         run_dir = make_run_dir(config)
         write_resolved_config(config, run_dir / "config.json")
+        resume_version = 0
     else:
         run_dir = resume_dir
         resume_version = resume_point(run_dir, config)
@@ -196,121 +249,150 @@ def run_job(
             (run_dir / "summary.json").rename(run_dir / f"summary-before-resume-{resume_version}.json")
         reporter.event(f"resuming at policy_version {resume_version}")
     reporter.event(f"run directory: {run_dir}")
+    return run_dir, resume_version
+
+
+def report_settings(config: Config, reporter: Reporter) -> list[Finding]:
+    """The settings linter's warnings, each an event; returned for the summary."""
     warnings = [f for f in lint(config) if f.level == "warning"]
     for finding in warnings:
         reporter.event(f"settings: {finding.line()}")
-    launcher = Launcher(
-        config,
-        run_dir,
-        path,
-        reporter,
-        resume_version=resume_version,
-        role_modules=role_modules,
-        open_stream=partial(open_hub, run_dir=run_dir, config=config, reporter=reporter),
-        task=task,
-        tokenizer=tokenizer,
-    )
-    for key, value in task_stats.items():
-        reporter.event(f"task: {key} = {value}")
-    t0 = time.perf_counter()
-    # Evaluated in the learner when it can be (`Config.evaluates_in_learner`: no second model load,
-    # overlapped with start-up); otherwise here, before any process starts and after the last.
-    in_learner = config.evaluates_in_learner
-    eval_before, rewards_before = float("nan"), {}
-    if not resume_version and not in_learner:
-        eval_before, rewards_before = evaluate(config, path, task)
-        reporter.event(f"held-out accuracy before training: {eval_before:.3f}{_means(rewards_before)}")
-    failure = None
-    try:
-        state = uvloop.run(launcher.run())
-    except RunFailed as exc:
-        failure = str(exc)
-        state = launcher.state
-    train_wall = state.elapsed_s
-    final = run_dir / "final_model"
-    eval_after, rewards_after = float("nan"), {}
-    if in_learner:
-        eval_before, rewards_before = launcher.evaluations.get("before", (eval_before, rewards_before))
-        if failure is None and not launcher.interrupted:
-            eval_after, rewards_after = launcher.evaluations.get("after", (eval_after, rewards_after))
-    elif failure is None and not launcher.interrupted and final.is_dir():
-        eval_after, rewards_after = evaluate(config, final, task)
-        reporter.event(f"held-out accuracy after training: {eval_after:.3f}{_means(rewards_after)}")
+    return warnings
+
+
+class HeldOut:
+    """The held-out evaluation before and after training. In the learner when it can be
+    (`Config.evaluates_in_learner`: no second model load, overlapped with start-up; the launcher
+    hands its `Evaluated` results over); otherwise here, before any process starts and after the
+    last. NaN and no reward means where nothing was evaluated."""
+
+    def __init__(self, config: Config, path: Path, task: Task, reporter: Reporter) -> None:
+        self.config = config
+        self.path = path
+        self.task = task
+        self.reporter = reporter
+        self.in_learner = config.evaluates_in_learner
+        self.before: tuple[float, dict[str, float]] = (float("nan"), {})
+        self.after: tuple[float, dict[str, float]] = (float("nan"), {})
+
+    def before_training(self) -> None:
+        """Here, unless the learner evaluates (a resumed run evaluates nothing before)."""
+        if not self.in_learner:
+            self.before = evaluate(self.config, self.path, self.task)
+            self.report("before", self.before)
+
+    def after_training(
+        self, in_learner: Mapping[str, tuple[float, dict[str, float]]], *, final: Path, completed: bool
+    ) -> None:
+        """`in_learner`: the learner's results by phase (`Launcher.evaluations`); the final model
+        is evaluated only when the run completed."""
+        if self.in_learner:
+            self.before = in_learner.get("before", self.before)
+            if completed:
+                self.after = in_learner.get("after", self.after)
+        elif completed and final.is_dir():
+            self.after = evaluate(self.config, final, self.task)
+            self.report("after", self.after)
+
+    def report(self, phase: str, result: tuple[float, dict[str, float]]) -> None:
+        accuracy, rewards = result
+        self.reporter.event(
+            f"held-out accuracy {phase} training: {accuracy:.3f}{_means(rewards, len(self.task.eval_problems))}"
+        )
+
+
+def build_summary(
+    config: Config,
+    launcher: Launcher,
+    state: RunState,
+    *,
+    held_out: HeldOut,
+    task: Task,
+    task_stats: dict[str, int],
+    warnings: list[Finding],
+    run_dir: Path,
+    resume_version: int,
+    wall_s: float,
+    failure: str | None,
+) -> RunSummary:
+    """summary.json's record of a finished (completed, failed or interrupted) job."""
     completed = failure is None and not launcher.interrupted
     # The ledger (scheduler/tasks.py): at the end of a completed run every admitted sample must be
     # trained; otherwise samples still pending are not lost (a resume would generate them).
     # Pool mode ends with the buffer's lead admitted and not trained: pending, not lost.
     ledger = launcher.book.summary(at_end=completed and launcher.mode.trains_every_admitted_sample)
-    summary = {
-        "mode": config.mode,
-        "resumed_from": resume_version,
-        "status": "failed" if failure else ("interrupted" if launcher.interrupted else "completed"),
-        "policy_versions": state.policy_version,
-        "steps": state.step,
-        "trajectories_generated": state.trajectories_generated,
-        "trajectories_trained": state.trajectories_trained,
-        "trajectories_lost": ledger.num_samples_lost,
-        "trajectories_pending": ledger.num_samples_pending,
-        # Samples trained more than once, or a group trained on more samples than configured.
-        "trajectories_duplicated": ledger.num_duplicated,
-        "tasks_requeued": ledger.num_requeues,
-        "buffer_mode": config.buffer.mode,
-        # Dropped by the buffer (pool mode: past a bound, or withheld and reclaimed), by reason.
-        "trajectories_evicted": ledger.num_samples_evicted,
-        "evicted_by_reason": ledger.evicted_by_reason,
-        "trajectories_replayed": ledger.num_replays,
-        "generator_restarts": state.generator_restarts,
-        "steps_skipped_nonfinite": state.steps_skipped_nonfinite,
-        # Streamed groups the learner could hold open at once (learner.stream_memory_mb); 0 when
-        # it holds no per-group buffers (lockstep ranks, whole batches).
-        "open_group_bound": int(state.metrics.get("learner/open_group_bound", 0)),
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-        "eval_problems": len(task.eval_problems),
-        "eval_rewards_before": rewards_before,
-        "eval_rewards_after": rewards_after,
-        **state.rewards_tally.summary(),
-        # Mean completion length of the samples generated, trained and dropped (length bias).
-        "completion_lengths": state.lengths.summary(),
-        "task": task_stats,
-        "wall_s": time.perf_counter() - t0,
-        "train_wall_s": train_wall,
-        "samples_per_s": state.trajectories_trained / max(1e-9, train_wall),
-        "tokens_per_s": state.tokens_generated / max(1e-9, train_wall),
-        "max_staleness": state.max_staleness,
-        "max_staleness_bound": config.effective_max_staleness,
-        "num_generators": config.generators.num_generators,
-        # Copies the learner received and dropped (a re-run of a group a dead generator had begun).
-        "duplicates": int(state.metrics.get("learner/duplicates", 0)),
-        "rejected_frames": {
-            "launcher": state.rejected_frames,
-            "learner": int(state.metrics.get("learner/rejected_frames", 0)),
-            "launcher_by_reason": launcher.rejected_by_reason,
-        },
-        "stale_messages": state.stale_messages,
-        # Peers refused at the CURVE handshake (unknown key, no CURVE, another run's keys).
-        "auth_failures": {
-            "launcher": int(state.metrics.get("launcher/auth_failures", 0)),
-            "learner": int(state.metrics.get("learner/auth_failures", 0)),
-        },
-        # The settings linter's warnings (asyncrl/lint.py, docs/safety.md).
-        "lint": [f.to_json() for f in warnings],
-        "run_dir": str(run_dir),
-    }
-    if (position := getattr(task, "position", None)) is not None:
+    learner = state.learner_metrics
+    tally = state.rewards_tally
+    train_wall = state.elapsed_s
+    position = None
+    if (position_of := getattr(task, "position", None)) is not None:
         next_group = launcher.mode.admission.num_admitted
-        epoch, row = position(next_group)
-        summary["dataset_position"] = {"next_group": next_group, "epoch": epoch, "row_in_epoch": row}
-    if failure:
-        summary["error"] = failure
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if failure:
-        raise RunFailed(failure)
-    return summary
+        epoch, row = position_of(next_group)
+        position = DatasetPosition(next_group=next_group, epoch=epoch, row_in_epoch=row)
+    return RunSummary(
+        mode=config.mode,
+        resumed_from=resume_version,
+        status="failed" if failure else ("interrupted" if launcher.interrupted else "completed"),
+        policy_versions=state.policy_version,
+        steps=state.step,
+        trajectories_generated=state.trajectories_generated,
+        trajectories_trained=state.trajectories_trained,
+        trajectories_lost=ledger.num_samples_lost,
+        trajectories_pending=ledger.num_samples_pending,
+        trajectories_duplicated=ledger.num_duplicated,
+        tasks_requeued=ledger.num_requeues,
+        buffer_mode=config.buffer.mode,
+        trajectories_evicted=ledger.num_samples_evicted,
+        evicted_by_reason=ledger.evicted_by_reason,
+        trajectories_replayed=ledger.num_replays,
+        generator_restarts=state.generator_restarts,
+        steps_skipped_nonfinite=state.steps_skipped_nonfinite,
+        open_group_bound=learner.open_group_bound if learner is not None else 0,
+        eval_before=held_out.before[0],
+        eval_after=held_out.after[0],
+        eval_problems=len(task.eval_problems),
+        eval_rewards_before=held_out.before[1],
+        eval_rewards_after=held_out.after[1],
+        reward_means=tally.means(),
+        reward_failures=dict(tally.failures),
+        samples_scored=tally.num_scored,
+        samples_with_failed_reward=tally.num_score_failed,
+        samples_regenerated=tally.num_regenerated,
+        samples_overlong=tally.num_overlong,
+        samples_invalid_redrawn=tally.num_invalid,
+        completion_lengths=state.lengths.summary(),
+        task=task_stats,
+        wall_s=wall_s,
+        train_wall_s=train_wall,
+        samples_per_s=state.trajectories_trained / max(1e-9, train_wall),
+        tokens_per_s=state.tokens_generated / max(1e-9, train_wall),
+        max_staleness=state.max_staleness,
+        max_staleness_bound=config.effective_max_staleness,
+        num_generators=config.generators.num_generators,
+        duplicates=learner.duplicates if learner is not None else 0,
+        rejected_frames=RejectedFrames(
+            launcher=state.rejected_frames,
+            learner=learner.rejected_frames if learner is not None else 0,
+            launcher_by_reason=launcher.rejected_by_reason,
+        ),
+        stale_messages=state.stale_messages,
+        auth_failures=AuthFailures(
+            launcher=state.auth_failures, learner=learner.auth_failures if learner is not None else 0
+        ),
+        lint=[f.to_json() for f in warnings],
+        run_dir=str(run_dir),
+        dataset_position=position,
+        error=failure or None,
+    )
 
 
-def _means(rewards: dict[str, float]) -> str:
-    return "" if not rewards else " (" + ", ".join(f"{k} {v:.3f}" for k, v in rewards.items()) + ")"
+def _means(rewards: dict[str, float], num_samples: int) -> str:
+    """The held-out line's reward means, and how many samples had a reward that failed."""
+    if not rewards:
+        return ""
+    means = ", ".join(f"{k} {v:.3f}" for k, v in rewards.items() if k != NUM_FAILED)
+    failed = int(rewards.get(NUM_FAILED, 0))
+    return f" ({means}; {failed} of {num_samples} samples with a failed reward)"
 
 
 def compare_replay(run_dir: Path, replay_dir: Path, *, last: bool) -> dict:

@@ -277,12 +277,107 @@ class GroupsLeft(_Msg, frozen=True, kw_only=True):
     evicted: dict[str, list[int]] = {}
 
 
+class _MetricRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="kind"):
+    """Base of a process's metric record. Each field's encoded name is its flat metric name
+    ("learner/idle_s", "gen/version", ...): metrics.jsonl and the monitor show `values()`, a view
+    of the record; code that decides reads the typed fields."""
+
+    def values(self) -> dict[str, float]:
+        """The flat view: metric name -> float (dict fields hold names of their own, and are
+        flattened into the view)."""
+        out: dict[str, float] = {}
+        for name, value in msgspec.to_builtins(self).items():
+            if name == "kind":
+                continue
+            if isinstance(value, dict):
+                out.update((k, float(v)) for k, v in value.items())
+            else:
+                out[name] = float(value)
+        return out
+
+
+def _named(prefix: str):
+    return lambda field: f"{prefix}/{field}"
+
+
+class LearnerMetrics(_MetricRecord, frozen=True, kw_only=True, tag="learner", rename=_named("learner")):
+    """The learner's counters after each step (cumulative unless the name says otherwise)."""
+
+    idle_ratio: float  # idle / (idle + busy) of the learner's loop
+    busy_s: float
+    idle_s: float
+    tail_s: float  # the step's end: from its last trajectory to its update
+    threads: int
+    streaming: bool  # this step streamed gradients per trajectory (False: whole batches)
+    streamed: int
+    deferred: int
+    stream_peak_bytes: int
+    # Groups a streaming rank may hold open (learner.stream_memory_mb); 0 = lockstep ranks, or
+    # whole batches: no per-group buffers.
+    open_group_bound: int
+    skipped_nonfinite: int
+    duplicates: int  # copies received and dropped (a re-run of a group a dead generator had begun)
+    resume_restored: int
+    resume_regenerated: int
+    invalid_trajectories: int  # rejected before buffering (the launcher's stall message names them)
+    rejected_frames: int
+    auth_failures: int
+    publish_s: float
+    # Received for later steps (async: the generators' lead), not trained yet.
+    held_trajectories: int = msgspec.field(name="buffer/held_trajectories")
+    held_windows: int = msgspec.field(name="buffer/held_windows")
+    # buffer.mode = "pool": the buffer's counters, by their own flat names ("buffer/withheld", ...).
+    buffer: dict[str, float] = {}
+    # Self-distillation (opd.teacher = "self"): the teacher's staleness since the last report.
+    teacher_staleness_mean: float | None = msgspec.field(default=None, name="opd/teacher_staleness_mean")
+    teacher_staleness_max: float | None = msgspec.field(default=None, name="opd/teacher_staleness_max")
+
+
+class GeneratorMetrics(_MetricRecord, frozen=True, kw_only=True, tag="generator", rename=_named("gen")):
+    """A generator's counters (cumulative), sent every few seconds."""
+
+    samples: int
+    tokens: int
+    busy_ratio: float
+    version: int  # the policy_version it samples with
+    rejected_frames: int
+    weights_load_errors: int
+    weights_load_s: float  # the last load
+    weights_fetch_bytes: int  # the last load
+    weights_delta_fetches: int
+    weights_refused_locations: int
+    weights_network_bytes: int
+    inflight_updates: int
+    teacher_s: float
+    teacher_version: int  # -1: no self-distillation teacher
+
+
+class TeacherMetrics(_MetricRecord, frozen=True, kw_only=True, tag="teacher", rename=_named("teacher")):
+    """The shared OPD teacher's counters (opd.placement = "service")."""
+
+    requests: int
+    batches: int
+    sequences: int
+    bad_requests: int
+    undeliverable: int
+    # Requests refused before decoding or by the sender's key role (bad ones included).
+    rejected_frames: int
+    busy_ratio: float
+
+
+MetricRecord = LearnerMetrics | GeneratorMetrics | TeacherMetrics
+
+
 class Metrics(_Msg, frozen=True, kw_only=True):
-    """Free-form numeric metrics from one process (flat names, float values)."""
+    """One process's metric record (typed; `values` is its flat view, as metrics.jsonl shows it)."""
 
     source: str
     time_s: float
-    values: dict[str, float]
+    record: MetricRecord
+
+    @property
+    def values(self) -> dict[str, float]:
+        return self.record.values()
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True):
@@ -323,12 +418,29 @@ class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
     checksum: str  # hex digest of the Welcome's `checksum_kind`
 
 
+class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What a worker process is started with besides its control address, peer id and run
+    directory: one JSON argument on its command line (`asyncrl.runtime.worker_argv`), also written
+    to the torchrun join file and handed to a worker that joins from another host (Assignment).
+    Each role reads the fields it needs; the others keep their defaults."""
+
+    model: str = ""  # the initial model directory (every role)
+    # generator
+    index: int = 0  # its slot's index (seeds its sampling)
+    data: str = ""  # the learner's trajectory endpoint; "" until known (a DataEndpoint brings it)
+    teacher: str = ""  # the shared OPD teacher's address (opd.placement = "service")
+    files: str = ""  # the launcher's file socket, for a worker on a host without the weights root
+    # learner
+    generators: tuple[str, ...] = ()  # the generator slots (its weights retention pins versions per slot)
+    resume_version: int = 0  # the policy_version the run resumes at (0: a fresh run)
+
+
 class Assignment(msgspec.Struct, frozen=True, kw_only=True):
     """One slot a joined worker serves: the peer id its process says Hello with, and the
-    `--extra KEY=VALUE` arguments a local one would have had (`asyncrl.runtime.child_args`)."""
+    arguments a local one would have had."""
 
     peer_id: str
-    extra: dict[str, str] = {}
+    args: WorkerArgs = WorkerArgs()
 
 
 class Welcome(_Msg, frozen=True, kw_only=True):

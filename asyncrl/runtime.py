@@ -1,9 +1,10 @@
 """Process plumbing shared by every child role (generator, learner): the imperative shell.
 
 A child process: parses its few command-line arguments (the control address, its peer id, the
-resolved config file), ignores SIGINT (the launcher owns Ctrl-C and tells children to stop),
-connects a DEALER to the launcher's ROUTER, says Hello, sends Heartbeats, exits when its parent
-disappears, and turns any exception into a `Fatal` message before exiting non-zero.
+run directory with the resolved config, and its `WorkerArgs` as one JSON argument), ignores
+SIGINT (the launcher owns Ctrl-C and tells children to stop), connects a DEALER to the launcher's
+ROUTER, says Hello, sends Heartbeats, exits when its parent disappears, and turns any exception
+into a `Fatal` message before exiting non-zero.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from asyncrl.config import Config
 from asyncrl.config_load import load_resolved_config
-from asyncrl.messages import Fatal, Heartbeat, Hello, Role
+from asyncrl.messages import Fatal, Heartbeat, Hello, Role, WorkerArgs
 from asyncrl.transport.zmq_io import Endpoint
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,18 @@ log = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5
 # What a worker that the launcher did not start reads to join a run (`asyncrl.learner.torchrun`).
 JOIN_FILE = "learner_join.json"
+
+
+class JoinInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """JOIN_FILE's content (JSON): what `child_args` would have been given on the command line."""
+
+    ctrl: str  # the launcher's control address
+    peer_id: str
+    args: WorkerArgs
+
+
+def read_join_info(path: Path) -> JoinInfo:
+    return msgspec.json.decode(path.read_bytes(), type=JoinInfo)
 
 
 @dataclass
@@ -42,10 +56,27 @@ class ChildContext:
     run_dir: Path
     zmq_ctx: zmq.Context
     ctrl: Endpoint
-    extra: dict[str, str]
+    args: WorkerArgs  # what the launcher started it with (model, endpoints, slot, resume point)
 
     async def hello(self, **fields) -> None:
         await self.ctrl.send(Hello(role=self.role, peer_id=self.peer_id, pid=os.getpid(), **fields))
+
+
+def worker_argv(*, ctrl_address: str, peer_id: str, run_dir: Path | str, args: WorkerArgs) -> list[str]:
+    """The command-line arguments `child_args` parses (after `python -m <module>`)."""
+    return [
+        "--ctrl", ctrl_address,
+        "--peer-id", peer_id,
+        "--run-dir", str(run_dir),
+        "--args", msgspec.json.encode(args).decode(),
+    ]  # fmt: skip
+
+
+def _decode_args(text: str) -> WorkerArgs:
+    try:
+        return msgspec.json.decode(text, type=WorkerArgs)
+    except msgspec.DecodeError as exc:  # argparse turns this into a usage error naming --args
+        raise argparse.ArgumentTypeError(f"not the launcher's worker arguments: {exc}") from None
 
 
 def child_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +84,9 @@ def child_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctrl", required=True)
     p.add_argument("--peer-id", required=True)
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--extra", action="append", default=[], help="KEY=VALUE")
+    p.add_argument(
+        "--args", dest="worker_args", type=_decode_args, default=WorkerArgs(), help="WorkerArgs as JSON"
+    )
     return p.parse_args(argv)
 
 
@@ -141,14 +174,13 @@ def run_child(
     # Every socket of this process binds and connects as cluster.* says (CURVE with this role's key).
     install_from_config(config.cluster, role=role)
     pin_process(config.learner.cpus if role == "learner" else config.generators.cpus)
-    extra = dict(kv.split("=", 1) for kv in args.extra)
     parent_pid = os.getppid()
 
     async def amain() -> int:
         zctx = zmq.Context()
         ctrl = Endpoint(zctx, zmq.DEALER, name=f"{args.peer_id}.ctrl", identity=args.peer_id)
         ctrl.connect(args.ctrl)
-        ctx = ChildContext(role, args.peer_id, config, run_dir, zctx, ctrl, extra)
+        ctx = ChildContext(role, args.peer_id, config, run_dir, zctx, ctrl, args.worker_args)
         code = 0
         try:
             async with asyncio.TaskGroup() as tg:

@@ -3,7 +3,7 @@
 Place in the data flow (docs/multi-host.md): the launcher on node A waits for `generators.remote`
 slots to be served (`scheduler/remote.py`). This process, on node B, connects a DEALER to the
 launcher's control address and sends `Join(count)`. The `Welcome` it gets back carries everything
-it needs: the resolved config, the slots it serves (peer ids and their `--extra` arguments) and,
+it needs: the resolved config, the slots it serves (peer ids and their `WorkerArgs`) and,
 with generators.remote_weights = "network", the address of the launcher's file socket and the
 initial model's files with their checksums. Nothing here reads the launcher's run directory.
 
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import msgspec
 import zmq
 
 from asyncrl.config_load import config_from_tree, write_resolved_config
@@ -162,7 +163,7 @@ class Worker:
         write_resolved_config(config, run_dir / "config.json")
         (run_dir / "logs").mkdir()
         if not welcome.weights_network:
-            return Path(welcome.assignments[0].extra.get("model", ""))  # a shared filesystem
+            return Path(welcome.assignments[0].args.model)  # a shared filesystem
         t0 = time.perf_counter()
         nbytes = await fetch_tree(
             zctx,
@@ -182,8 +183,8 @@ class Worker:
         assert self.scratch is not None
         spawner = LocalSpawner(self.scratch, die_with_parent=True)
         for a in welcome.assignments:
-            extra = {**a.extra, "model": str(model)}
-            proc = spawner.start(a.peer_id, GENERATOR_MODULE, ctrl_address=self.address, extra=extra)
+            args = msgspec.structs.replace(a.args, model=str(model))
+            proc = spawner.start(a.peer_id, GENERATOR_MODULE, ctrl_address=self.address, args=args)
             self.children[a.peer_id] = proc
             self.say(f"serving {a.peer_id} (pid {proc.pid}), log {proc.log_path}")
 

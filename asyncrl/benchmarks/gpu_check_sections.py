@@ -344,8 +344,6 @@ def section_exactness(ctx: Context, rec: dict) -> None:
 # ----------------------------------------------------------------------------- 4. throughput
 def section_throughput(ctx: Context, rec: dict) -> None:
     from asyncrl.learner.loop import build_trainer
-    from asyncrl.learner.microbatch import split_microbatches
-    from asyncrl.models.policy import PolicyLM
 
     a = ctx.args
     shape = DRY_THROUGHPUT if ctx.dry else QWEN25_05B
@@ -359,45 +357,10 @@ def section_throughput(ctx: Context, rec: dict) -> None:
         f"learner.logprob_chunk_size={a.chunk_size}",
         f"learner.lr={a.lr}",
     )
-    if ctx.is_cuda:
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    t0 = time.monotonic()
-    lm = qwen2(shape, seed=0, attn="sdpa", device=ctx.device)
-    num_params = sum(p.numel() for p in lm.parameters())  # the tied embedding counted once
-    policy = PolicyLM(lm, chunk_size=cfg.learner.logprob_chunk_size)
-    wrap(policy, device=ctx.device, precision="bf16", checkpointing=True, sharded=True)
-    ctx.sync()
-    rec.update(
-        model=shape,
-        num_params=num_params,
-        attention="sdpa",
-        groups=a.groups,
-        group_size=a.group_size,
-        prompt_len=a.prompt_len,
-        completion_len=a.completion_len,
-        max_tokens_per_microbatch=a.max_tokens_per_microbatch,
-        logprob_chunk_size=a.chunk_size,
-        build_s=round(time.monotonic() - t0, 2),
-        memory_after_build_bytes=torch.cuda.memory_allocated(ctx.device) if ctx.is_cuda else None,
-    )
-    samples = synthetic_groups(
-        num_groups=a.groups, group_size=a.group_size, prompt_len=a.prompt_len,
-        completion_len=a.completion_len, vocab=shape["vocab"], seed=3, ragged=False,
-    )  # fmt: skip
-    t0 = time.monotonic()
-    samples = with_behavior(samples, policy, device=ctx.device, rows=a.group_size, jitter=0.0, seed=4)
-    rec["behavior_logprobs_s"] = round(time.monotonic() - t0, 2)
-    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    completion_tokens = sum(len(s.completion_ids) for s in samples)
-    rec.update(
-        tokens_per_step=tokens,
-        completion_tokens_per_step=completion_tokens,
-        microbatches_per_step=len(
-            split_microbatches(
-                samples, max_seqs=cfg.learner.micro_batch_size, max_tokens=a.max_tokens_per_microbatch
-            )
-        ),
-    )
+    policy, num_params = _throughput_model(ctx, rec, shape, chunk_size=cfg.learner.logprob_chunk_size)
+    samples = _throughput_samples(ctx, rec, policy, shape, micro_batch_size=cfg.learner.micro_batch_size)
+    tokens = rec["tokens_per_step"]
+    completion_tokens = rec["completion_tokens_per_step"]
     peak_name, peak = _peak_flops(ctx)
     rec.update(peak_flops=peak, peak_flops_source=peak_name)
     try:
@@ -430,6 +393,59 @@ def section_throughput(ctx: Context, rec: dict) -> None:
         if key in figures:
             rec[key] = figures[key]
     rec["figures_from"] = "trainer" if rec.get("trainer") else "bare_loop" if rec.get("bare_loop") else None
+
+
+def _throughput_model(ctx: Context, rec: dict, shape: dict, *, chunk_size: int):
+    """The throughput model on the device: `shape` in `PolicyLM`, wrapped in FSDP2 (bf16 compute,
+    activation checkpointing); the workload's shape and the build go into `rec`. (policy, parameters)."""
+    from asyncrl.models.policy import PolicyLM
+
+    a = ctx.args
+    if ctx.is_cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    t0 = time.monotonic()
+    lm = qwen2(shape, seed=0, attn="sdpa", device=ctx.device)
+    num_params = sum(p.numel() for p in lm.parameters())  # the tied embedding counted once
+    policy = PolicyLM(lm, chunk_size=chunk_size)
+    wrap(policy, device=ctx.device, precision="bf16", checkpointing=True, sharded=True)
+    ctx.sync()
+    rec.update(
+        model=shape,
+        num_params=num_params,
+        attention="sdpa",
+        groups=a.groups,
+        group_size=a.group_size,
+        prompt_len=a.prompt_len,
+        completion_len=a.completion_len,
+        max_tokens_per_microbatch=a.max_tokens_per_microbatch,
+        logprob_chunk_size=a.chunk_size,
+        build_s=round(time.monotonic() - t0, 2),
+        memory_after_build_bytes=torch.cuda.memory_allocated(ctx.device) if ctx.is_cuda else None,
+    )
+    return policy, num_params
+
+
+def _throughput_samples(ctx: Context, rec: dict, policy, shape: dict, *, micro_batch_size: int) -> list:
+    """One step's synthetic GRPO groups with behaviour log-probs from `policy`; their token counts
+    and micro-batches per step go into `rec`."""
+    from asyncrl.learner.microbatch import split_microbatches
+
+    a = ctx.args
+    samples = synthetic_groups(
+        num_groups=a.groups, group_size=a.group_size, prompt_len=a.prompt_len,
+        completion_len=a.completion_len, vocab=shape["vocab"], seed=3, ragged=False,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    samples = with_behavior(samples, policy, device=ctx.device, rows=a.group_size, jitter=0.0, seed=4)
+    rec["behavior_logprobs_s"] = round(time.monotonic() - t0, 2)
+    rec.update(
+        tokens_per_step=sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples),
+        completion_tokens_per_step=sum(len(s.completion_ids) for s in samples),
+        microbatches_per_step=len(
+            split_microbatches(samples, max_seqs=micro_batch_size, max_tokens=a.max_tokens_per_microbatch)
+        ),
+    )
+    return samples
 
 
 def _peak_flops(ctx: Context) -> tuple[str, float]:

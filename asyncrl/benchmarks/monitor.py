@@ -235,8 +235,8 @@ def run_job_once(
         job_cpu = _cpu_s() - cpu0
     row = {
         "dashboard": dashboard,
-        "samples_per_s": summary["samples_per_s"],
-        "train_wall_s": summary["train_wall_s"],
+        "samples_per_s": summary.samples_per_s,
+        "train_wall_s": summary.train_wall_s,
         "job_cpu_s": job_cpu,
     }
     if dashboard:

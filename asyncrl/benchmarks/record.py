@@ -78,5 +78,5 @@ def command(
         typer.echo(f"error: run failed: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(
-        f"recorded {summary['trajectories_trained']} trajectories to {Path(summary['run_dir']) / RECORDING_FILE}"
+        f"recorded {summary.trajectories_trained} trajectories to {Path(summary.run_dir) / RECORDING_FILE}"
     )

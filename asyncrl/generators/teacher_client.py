@@ -127,14 +127,14 @@ class TeacherClient:
 def open_teacher(ctx: Any) -> TeacherClient | None:
     """The client of the shared teacher for a generator process (`runtime.ChildContext`), when
     the run has one (opd.enabled with opd.placement = "service"); the launcher passes its address
-    as `--extra teacher=ADDR`."""
+    as `WorkerArgs.teacher`."""
     opd = ctx.config.opd
     if not (opd.enabled and opd.placement == "service"):
         return None
-    endpoint = ctx.extra.get("teacher", "")
+    endpoint = ctx.args.teacher
     if not endpoint:
         raise ValueError(
             "opd.placement = 'service', but this generator was started without the shared teacher's "
-            "address (--extra teacher=ADDR; `asyncrl launch` passes it)"
+            "address (WorkerArgs.teacher; `asyncrl launch` passes it)"
         )
     return TeacherClient(ctx.zmq_ctx, endpoint, peer_id=ctx.peer_id, timeout_s=opd.service_timeout_s)

@@ -19,7 +19,7 @@ counted, and never stops the service; nor does an answer to a generator that has
 (killed and replaced: its answer is dropped and counted). The teacher's weights live here once,
 however many generators there are.
 
-Run as `python -m asyncrl.generators.teacher_service --ctrl ADDR --peer-id ID --run-dir DIR --extra model=DIR`.
+Run as `python -m asyncrl.generators.teacher_service --ctrl ADDR --peer-id ID --run-dir DIR --args '{"model": DIR}'`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import zmq
 
 from asyncrl.generators.opd import teacher_logprobs
-from asyncrl.messages import Metrics, Shutdown, TeacherRequest, TeacherScores
+from asyncrl.messages import Metrics, Shutdown, TeacherMetrics, TeacherRequest, TeacherScores
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport.codec import tensor_ref
 from asyncrl.transport.zmq_io import Endpoint
@@ -101,7 +101,7 @@ class TeacherService:
         cfg = ctx.config
         torch.set_num_threads(cfg.generators.threads)
         device = resolve_device(cfg.generators.device, field="generators.device")
-        tokenizer = AutoTokenizer.from_pretrained(ctx.extra["model"])
+        tokenizer = AutoTokenizer.from_pretrained(ctx.args.model)
         self.pad_token_id = tokenizer.pad_token_id
         self.teacher = load_teacher(
             cfg.opd.teacher, tokenizer, device=str(device), dtype=cfg.learner.publish_dtype
@@ -185,16 +185,15 @@ class TeacherService:
             Metrics(
                 source=self.ctx.peer_id,
                 time_s=time.time(),
-                values={
-                    "teacher/requests": float(self.num_requests),
-                    "teacher/batches": float(self.num_batches),
-                    "teacher/sequences": float(self.num_sequences),
-                    "teacher/bad_requests": float(self.num_bad),
-                    "teacher/undeliverable": float(self.num_undeliverable),
-                    # Requests refused before decoding or by the sender's key role (bad ones included).
-                    "teacher/rejected_frames": float(self.sock.num_rejected),
-                    "teacher/busy_ratio": self.busy_s / max(1e-9, now - self.started),
-                },
+                record=TeacherMetrics(
+                    requests=self.num_requests,
+                    batches=self.num_batches,
+                    sequences=self.num_sequences,
+                    bad_requests=self.num_bad,
+                    undeliverable=self.num_undeliverable,
+                    rejected_frames=self.sock.num_rejected,
+                    busy_ratio=self.busy_s / max(1e-9, now - self.started),
+                ),
             )
         )
 

@@ -17,7 +17,6 @@ nodes on one machine (tests/integration/test_sharded_learner.py).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from asyncrl.runtime import JOIN_FILE
+from asyncrl.runtime import JOIN_FILE, JoinInfo, read_join_info, worker_argv
 
 JOIN_POLL_S = 0.2
 JOIN_TIMEOUT_S = 600.0  # how long ranks wait for `asyncrl launch` to write the join file
@@ -35,7 +34,7 @@ class JoinError(SystemExit):
     """A user mistake in how the ranks were started: one line, no traceback."""
 
 
-def read_join(run_dir: Path, timeout_s: float) -> dict:
+def read_join(run_dir: Path, timeout_s: float) -> JoinInfo:
     """The launcher's join file, waiting for it to appear (torchrun may start first; the
     wait is ASYNCRL_JOIN_TIMEOUT_S, 600 s by default)."""
     path = run_dir / JOIN_FILE
@@ -47,7 +46,7 @@ def read_join(run_dir: Path, timeout_s: float) -> dict:
                 "--set learner.start=torchrun for this run directory first"
             )
         time.sleep(JOIN_POLL_S)  # another process writes it; there is nothing to wait on
-    return json.loads(path.read_text())
+    return read_join_info(path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,14 +85,12 @@ def main(argv: list[str] | None = None) -> None:
         from asyncrl.learner.service import main as service_main
         from asyncrl.runtime import run_child
 
-        argv0 = ["--ctrl", join["ctrl"], "--peer-id", join["peer_id"], "--run-dir", str(run_dir)]
-        for key, value in join["extra"].items():
-            argv0 += ["--extra", f"{key}={value}"]
+        argv0 = worker_argv(ctrl_address=join.ctrl, peer_id=join.peer_id, run_dir=run_dir, args=join.args)
         run_child("learner", service_main, argv0)  # destroys the group when the service stops
         return
     try:
-        resume = int(join["extra"].get("resume_version", "0"))
-        uvloop.run(run_worker(rank, config, run_dir, Path(join["extra"]["model"]), resume))
+        resume = join.args.resume_version
+        uvloop.run(run_worker(rank, config, run_dir, Path(join.args.model), resume))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -23,7 +23,7 @@ from typing import Protocol
 import msgspec
 
 from asyncrl.config import Config
-from asyncrl.messages import LauncherSnapshot, StepDone, TaskDone
+from asyncrl.messages import LauncherSnapshot, LearnerMetrics, StepDone, TaskDone
 from asyncrl.scheduler.lengths import LengthTally
 from asyncrl.scheduler.modes import AdmissionMode
 
@@ -51,12 +51,15 @@ class RunState:
     last_clip_fraction: float = 0.0
     rewards: list[float] = field(default_factory=list)
     loaded_versions: dict[str, int] = field(default_factory=dict)  # generator slot -> version
-    metrics: dict[str, float] = field(default_factory=dict)
+    # The learner's latest metric record (None before its first step): the stall check and the
+    # summary read its typed fields.
+    learner_metrics: LearnerMetrics | None = None
     generator_restarts: int = 0
     steps_skipped_nonfinite: int = 0  # updates the learner skipped (non-finite loss or gradient)
     tasks_requeued: int = 0
     stale_messages: int = 0  # from a generator process already replaced (dropped)
     rejected_frames: int = 0  # on the launcher's control socket (malformed, unknown peer, ...)
+    auth_failures: int = 0  # connections this process refused at the CURVE handshake
     phase: str = "starting"
     rewards_tally: RewardTally = field(default_factory=lambda: RewardTally())
     lengths: LengthTally = field(default_factory=LengthTally)  # generated / trained / evicted
@@ -143,17 +146,6 @@ class RewardTally:
             f"({self.num_score_failed / self.num_scored:.0%}; {by_name}), past task.scoring.failure_budget = "
             f"{budget:g}; the generator logs name each failure: fix the reward, or raise the budget"
         )
-
-    def summary(self) -> dict:
-        return {
-            "reward_means": self.means(),
-            "reward_failures": dict(self.failures),
-            "samples_scored": self.num_scored,
-            "samples_with_failed_reward": self.num_score_failed,
-            "samples_regenerated": self.num_regenerated,
-            "samples_overlong": self.num_overlong,
-            "samples_invalid_redrawn": self.num_invalid,
-        }
 
 
 class Reporter(Protocol):

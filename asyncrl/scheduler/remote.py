@@ -5,7 +5,7 @@ launcher starts every slot through the spawner seam as usual; `RemoteSpawner` st
 remote slot: it hands back a `RemoteHandle` that waits for a worker to join. A worker on another
 host connects a DEALER to the launcher's control socket and sends `Join(count)`; `JoinDesk.on_join`
 gives it up to `count` waiting slots in a `Welcome`: the resolved config, each slot's peer id and
-`--extra` arguments, the file socket's address and the initial model's file list (with checksums),
+`WorkerArgs`, the file socket's address and the initial model's file list (with checksums),
 so nothing on the worker's host reads the launcher's run directory. The worker starts one
 generator process per slot; each connects to the control socket under its slot's peer id, says
 Hello, and is from then on a generator like any other (heartbeats, tasks, weights).
@@ -36,9 +36,18 @@ import msgspec
 import zmq
 
 from asyncrl.config import Config
-from asyncrl.messages import PROTOCOL_VERSION, Assignment, FileEntry, FileRequest, Join, JoinRefused, Welcome
+from asyncrl.messages import (
+    PROTOCOL_VERSION,
+    Assignment,
+    FileEntry,
+    FileRequest,
+    Join,
+    JoinRefused,
+    Welcome,
+    WorkerArgs,
+)
 from asyncrl.scheduler.children import Child
-from asyncrl.scheduler.records import Records, RunState
+from asyncrl.scheduler.records import Records
 from asyncrl.scheduler.spawner import Spawner
 from asyncrl.transport.serve import FileServer, list_tree
 from asyncrl.transport.zmq_io import Endpoint
@@ -49,6 +58,14 @@ log = logging.getLogger(__name__)
 WORKER_COMMAND = "asyncrl worker --join {address} --count {count}"
 
 
+class JoinStats(msgspec.Struct, frozen=True, kw_only=True, rename=lambda name: f"launcher/{name}"):
+    """The join desk's counters, as the run's `files` record shows them ("launcher/worker_joins", ...)."""
+
+    worker_joins: int
+    worker_joins_refused: int  # Joins answered JoinRefused
+    files_bytes_served: int  # by the launcher's file socket (generators.remote_weights = "network")
+
+
 class RemoteHandle:
     """A `WorkerHandle` for a slot served (or to be served) by a worker on another host. It never
     signals anything: it is gone once the launcher gives up on it (`kill`, `terminate`), and
@@ -56,9 +73,9 @@ class RemoteHandle:
 
     remote = True
 
-    def __init__(self, peer_id: str, extra: Mapping[str, str], on_kill: Callable[[str], None] | None) -> None:
+    def __init__(self, peer_id: str, args: WorkerArgs, on_kill: Callable[[str], None] | None) -> None:
         self.peer_id = peer_id
-        self.extra = dict(extra)
+        self.args = args
         self.on_kill = on_kill
         self.waiting_since = time.monotonic()
         self.worker = ""  # "HOST (pid N)" once a worker joined to serve it
@@ -103,10 +120,10 @@ class RemoteSpawner:
         self.waiting: list[RemoteHandle] = []  # started, no worker yet, in start order
         self.on_kill: Callable[[str], None] | None = None
 
-    def start(self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]):
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, args: WorkerArgs):
         if not self.is_remote(peer_id):
-            return self.inner.start(peer_id, module, ctrl_address=ctrl_address, extra=extra)
-        handle = RemoteHandle(peer_id, extra, self.on_kill)
+            return self.inner.start(peer_id, module, ctrl_address=ctrl_address, args=args)
+        handle = RemoteHandle(peer_id, args, self.on_kill)
         self.waiting.append(handle)
         return handle
 
@@ -178,9 +195,7 @@ class JoinDesk:
     def command(self, count: int) -> str:
         return WORKER_COMMAND.format(address=self.ctrl_address, count=count)
 
-    async def on_join(
-        self, msg: Join, children: Mapping[str, Child], state: RunState
-    ) -> Welcome | JoinRefused:
+    async def on_join(self, msg: Join, children: Mapping[str, Child]) -> Welcome | JoinRefused:
         """The answer to a worker's Join (recorded as a `join` record and an event)."""
         reply, handles = await self.answer(msg)
         for h in handles:  # its Hello is due within the start-up timeout from now
@@ -194,7 +209,6 @@ class JoinDesk:
             if refused
             else f"worker on {msg.host} (pid {msg.pid}) joined to serve {', '.join(slots)}"
         )
-        state.metrics.update(self.stats)
         return reply
 
     def drops(self, child: Child, reason: str, *, num_requeued: int) -> bool:
@@ -231,10 +245,8 @@ class JoinDesk:
         assignments = []
         for h in handles:
             h.worker = worker
-            extra = dict(h.extra)
-            if self.network:
-                extra["files"] = self.files_address
-            assignments.append(Assignment(peer_id=h.peer_id, extra=extra))
+            args = msgspec.structs.replace(h.args, files=self.files_address) if self.network else h.args
+            assignments.append(Assignment(peer_id=h.peer_id, args=args))
         self.num_joins += 1
         welcome = Welcome(
             run_name=self.cfg.run.name,
@@ -252,10 +264,9 @@ class JoinDesk:
         self.num_refused += 1
         return JoinRefused(reason=reason, full=full), []
 
-    def tick(self, state: RunState) -> str | None:
-        """Each supervision tick: the counters into the run's metrics; why the run must stop
-        because a remote slot waited too long for a worker, or None."""
-        state.metrics.update(self.stats)
+    def tick(self) -> str | None:
+        """Each supervision tick: why the run must stop because a remote slot waited too long for
+        a worker, or None."""
         timeout_s = self.cfg.generators.remote_join_timeout_s
         h = self.spawner.overdue(timeout_s)
         if h is None:
@@ -267,15 +278,16 @@ class JoinDesk:
         )
 
     @property
-    def stats(self) -> dict[str, float]:
-        return {
-            "launcher/worker_joins": float(self.num_joins),
-            "launcher/worker_joins_refused": float(self.num_refused),
-            "launcher/files_bytes_served": float(self.files.bytes_served),
-        }
+    def stats(self) -> JoinStats:
+        return JoinStats(
+            worker_joins=self.num_joins,
+            worker_joins_refused=self.num_refused,
+            files_bytes_served=self.files.bytes_served,
+        )
 
     def close(self) -> None:
-        self.records.write("files", self.stats)  # what the file socket served, for the run's record
+        # What the file socket served, for the run's record (a `files` record).
+        self.records.write("files", msgspec.to_builtins(self.stats))
         for task in (self._serving, self._model_files):
             if task is not None:
                 task.cancel()

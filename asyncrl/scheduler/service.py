@@ -52,6 +52,7 @@ from asyncrl.messages import (
     Hello,
     Join,
     LauncherSnapshot,
+    LearnerMetrics,
     Metrics,
     PromptTasks,
     ShardsPublished,
@@ -61,6 +62,7 @@ from asyncrl.messages import (
     TasksDone,
     WeightsLoaded,
     WeightsPublished,
+    WorkerArgs,
 )
 from asyncrl.scheduler.checkpoint import checkpoint_due, read_launcher_checkpoint, save_launcher_checkpoint
 from asyncrl.scheduler.children import Child, health
@@ -73,7 +75,7 @@ from asyncrl.scheduler.spawner import ForkSpawner, JoinSpawner, LocalSpawner, Sp
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
 from asyncrl.scheduler.tasks import TaskBook, stall_reason
 from asyncrl.scheduler.workers import TEACHER_PEER, Workers
-from asyncrl.tasks.base import Task, check_privileged, make_task, prepare_task
+from asyncrl.tasks.base import Task
 from asyncrl.transport import security, zap
 from asyncrl.transport.zmq_io import Endpoint
 
@@ -112,15 +114,15 @@ class Launcher:
         model_path: Path,
         reporter: Reporter,
         *,
+        task: Task,
+        tokenizer: Any,
         resume_version: int = 0,
         role_modules: Mapping[str, str] | None = None,
         spawner: Spawner | None = None,
         open_stream: OpenStream | None = None,
-        task: Task | None = None,
-        tokenizer: Any = None,
     ) -> None:
-        """`task` and `tokenizer`: the run's task, already prepared (`tasks.base.prepare_task`), and
-        the tokenizer that renders its prompts; by default both are made here and in `run`."""
+        """`task` and `tokenizer`: the run's task, prepared and checked by the caller once, before
+        any process starts (`asyncrl.job.load_task`), and the tokenizer that renders its prompts."""
         self.cfg = config
         self.run_dir = run_dir
         self.model_path = model_path
@@ -129,10 +131,7 @@ class Launcher:
             total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness
         )
         self.state.lengths.tracks_groups = config.buffer.mode == "pool"  # only the pool evicts
-        self.task = task if task is not None else make_task(config.task)
-        check_privileged(self.task, config.opd, tokenizer)  # opd.teacher = "self": before any process
-        self.task_prepared = task is not None
-        self.task_stats: dict[str, int] = {}
+        self.task = task
         # Resuming at version v: groups [0, v*B) were trained; the later ones the interrupted run
         # had admitted are admitted again (`readmit_checkpointed`); the learner keeps the
         # trajectories its checkpoint held and drops their copies.
@@ -184,10 +183,13 @@ class Launcher:
 
     # ------------------------------------------------------------------ workers
     def spawn_generator(self, inc: Incarnation) -> Child:
-        extra = {"model": str(self.model_path), "data": self.learner_endpoint, "index": str(inc.index)}
-        if self.teacher_endpoint:
-            extra["teacher"] = self.teacher_endpoint
-        child = self.workers.spawn(inc.peer_id, "generator", ctrl_address=self.ctrl_address, extra=extra)
+        args = WorkerArgs(
+            model=str(self.model_path),
+            data=self.learner_endpoint,
+            index=inc.index,
+            teacher=self.teacher_endpoint,
+        )
+        child = self.workers.spawn(inc.peer_id, "generator", ctrl_address=self.ctrl_address, args=args)
         child.slot = inc.slot
         return child
 
@@ -195,7 +197,7 @@ class Launcher:
         """A generator that exits or falls silent is restarted; a learner that does fails the run."""
         timeout_s = self.cfg.monitor.heartbeat_timeout_s
         while not self.finished.is_set():
-            if self.remote is not None and (overdue := self.remote.tick(self.state)):
+            if self.remote is not None and (overdue := self.remote.tick()):
                 self.fail(overdue)
                 return
             for child in list(self.children.values()):
@@ -221,12 +223,11 @@ class Launcher:
         """A `rejected` record whenever the control socket's rejection count has changed."""
         if ctrl.num_rejected != self.state.rejected_frames:
             self.state.rejected_frames = ctrl.num_rejected
-            self.state.metrics["launcher/rejected_frames"] = float(ctrl.num_rejected)
             self.records.write("rejected", {"socket": ctrl.name, "num_rejected": ctrl.num_rejected})
         # Connections refused by CURVE/ZAP in this process (a peer without the run's key; issue #23).
         refused = zap.num_auth_failures()
-        if refused != self.state.metrics.get("launcher/auth_failures", 0.0):
-            self.state.metrics["launcher/auth_failures"] = float(refused)
+        if refused != self.state.auth_failures:
+            self.state.auth_failures = refused
             self.records.write("refused", {"num_refused": refused, "by_reason": zap.auth_failures()})
 
     async def restart_generator(self, ctrl: Endpoint, child: Child, reason: str) -> None:
@@ -253,7 +254,6 @@ class Launcher:
             return
         headline = reason.splitlines()[0].rstrip(".")
         self.state.generator_restarts = self.pool.num_restarts
-        self.state.metrics["launcher/generator_restarts"] = float(self.pool.num_restarts)
         self.records.write(
             "restart",
             {
@@ -333,7 +333,7 @@ class Launcher:
         child = self.children.get(peer)
         if child is None:
             if isinstance(msg, Join) and self.remote is not None:  # a worker on another host
-                await self.send_to(ctrl, peer, await self.remote.on_join(msg, self.children, self.state))
+                await self.send_to(ctrl, peer, await self.remote.on_join(msg, self.children))
             elif self.pool.is_retired(peer):
                 # Sent by a generator before it died and was replaced: its tasks are re-queued.
                 self.state.stale_messages += 1
@@ -414,7 +414,10 @@ class Launcher:
                 self.records.write("left", msgspec.to_builtins(msg))
                 await self.dispatch(ctrl)
             case Metrics():
-                self.state.metrics.update(msg.values)
+                if isinstance(msg.record, LearnerMetrics):
+                    if not is_learner:
+                        raise ValueError(f"learner metrics from {child.role} {peer}")
+                    self.state.learner_metrics = msg.record
                 self.records.write("metrics", {"source": msg.source, **msg.values})
             case Heartbeat():
                 pass
@@ -490,30 +493,15 @@ class Launcher:
 
     # ------------------------------------------------------------------ main
     async def run(self) -> RunState:
-        from asyncrl.models.hf import load_tokenizer
-
-        if self.dispatcher.tokenizer is None:
-            self.dispatcher.tokenizer = load_tokenizer(self.model_path)
-        if not self.task_prepared:
-            self.task_stats = prepare_task(
-                self.task, self.dispatcher.tokenizer, groups_per_step=self.cfg.learner.groups_per_step
-            )
-            self.task_prepared = True
-            check_privileged(self.task, self.cfg.opd, self.dispatcher.tokenizer)
+        """Start every worker, train until the last StepDone (or a failure, or Ctrl-C), stop
+        them all; RunFailed names a failure."""
         if self.resume_version:
             self.readmit_checkpointed()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.interrupt)
         zctx = zmq.Context()
-        if security.current() == security.SocketPolicy():  # unless the caller installed one
-            security.install_from_config(self.cfg.cluster, role="launcher")
-        ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl", accept=CONTROL_ACCEPT)
-        self.ctrl_address = ctrl.bind()
-        if self.remote is not None:  # its file socket; a remote generator given up on gets Shutdown
-            self.remote.start(
-                zctx, self.ctrl_address, lambda p: self.send_to(ctrl, p, Shutdown(reason="replaced"))
-            )
+        ctrl = self.open_control(zctx)
 
         async def on_message(sender: bytes, msg) -> None:
             await self.on_message(ctrl, sender, msg)
@@ -524,57 +512,9 @@ class Launcher:
         try:
             # From here on events and `launcher` snapshots are records; the monitor gets them all.
             self.records.open(self.open_stream(zctx) if self.open_stream is not None else None)
-            self.set_phase("starting learner")
-            if self.cfg.opd.enabled and self.cfg.opd.placement == "service":  # first: generators need it
-                self.teacher = self.workers.spawn(
-                    TEACHER_PEER,
-                    "teacher",
-                    ctrl_address=self.ctrl_address,
-                    extra={"model": str(self.model_path)},
-                )
-            learner_extra = {
-                "model": str(self.model_path),
-                "generators": ",".join(self.generator_ids),
-                "resume_version": str(self.resume_version),
-            }
-            learner = self.workers.spawn(
-                "learner", "learner", ctrl_address=self.ctrl_address, extra=learner_extra
-            )
-            if self.cfg.learner.start == "torchrun":
-                self.records.event(
-                    f"waiting for the learner: torchrun --nproc-per-node {self.cfg.learner.world_size} "
-                    f"-m asyncrl.learner.torchrun {self.run_dir}"
-                )
-            startup_s = self.cfg.learner.startup_timeout_s
-            # The generators start with the learner (imports and model loads overlap); they get the
-            # learner's endpoint once it says Hello, and the shared teacher's on their command line.
-            if self.teacher is not None and not await inbox.wait_until(
-                lambda: self.teacher.ready, timeout_s=STARTUP_TIMEOUT_S
-            ):
-                self.fail(
-                    f"the OPD teacher did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.teacher.log_path}"
-                )
-            for g in [] if self.finished.is_set() else self.generator_ids:
-                self.spawn_generator(self.pool.start(g))
-            if not await inbox.wait_until(lambda: learner.ready, timeout_s=startup_s):
-                self.fail(
-                    f"learner did not say Hello within {startup_s:.0f} s (learner.startup_timeout_s); "
-                    f"see {self.run_dir / 'logs'}"
-                )
+            await self.start_workers(inbox)
             if not self.finished.is_set():
-                self.set_phase("starting generators")
-                await inbox.wait_until(self.pool.all_serving)
-            if not self.finished.is_set():
-                self.state.phase = "training"
-                self.state.started = time.perf_counter()
-                self.state.progressed("training started")
-                await self.dispatch(ctrl)
-                await inbox.go_inline()
-                stop = asyncio.ensure_future(self.finished.wait())
-                await asyncio.wait({receiver, stop}, return_when=asyncio.FIRST_COMPLETED)
-                stop.cancel()
-                if receiver.done():
-                    receiver.result()  # a handler's error ends the run
+                await self.train(ctrl, inbox, receiver)
             self.set_phase("stopping")
         finally:
             self.finished.set()
@@ -583,20 +523,93 @@ class Launcher:
                 self.save_checkpoint()  # stopped early: the learner saved its half on Shutdown
             receiver.cancel()
             supervisor.cancel()
-            if self.remote is not None:
-                self.remote.close()
-            self.state.rejected_frames = ctrl.num_rejected
-            self.rejected_by_reason = dict(ctrl.rejected)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            self.records.close()  # the final snapshot; the monitor's stream closes
-            ctrl.close()
-            # destroy, not term: a socket some code path left open must not block the exit.
-            zctx.destroy(linger=0)
-            self.records.close_file()
+            self.close_control(zctx, ctrl)
         if self.failure is not None:
             raise RunFailed(self.failure)
         return self.state
+
+    def open_control(self, zctx: zmq.Context) -> Endpoint:
+        """The control socket, bound (under the run's socket policy), and the join desk's file
+        socket when generators may join from other hosts."""
+        if security.current() == security.SocketPolicy():  # unless the caller installed one
+            security.install_from_config(self.cfg.cluster, role="launcher")
+        ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl", accept=CONTROL_ACCEPT)
+        self.ctrl_address = ctrl.bind()
+        if self.remote is not None:  # its file socket; a remote generator given up on gets Shutdown
+            self.remote.start(
+                zctx, self.ctrl_address, lambda p: self.send_to(ctrl, p, Shutdown(reason="replaced"))
+            )
+        return ctrl
+
+    def close_control(self, zctx: zmq.Context, ctrl: Endpoint) -> None:
+        """The workers have stopped: the last counts, the final snapshot, every socket closed."""
+        if self.remote is not None:
+            self.remote.close()
+        self.state.rejected_frames = ctrl.num_rejected
+        self.rejected_by_reason = dict(ctrl.rejected)
+        self.records.close()  # the final snapshot; the monitor's stream closes
+        ctrl.close()
+        # destroy, not term: a socket some code path left open must not block the exit.
+        zctx.destroy(linger=0)
+        self.records.close_file()
+
+    async def start_workers(self, inbox: Inbox) -> None:
+        """The shared teacher (if any) first, then the learner and the generators together, until
+        the learner said Hello and every generator serves (or the run failed meanwhile)."""
+        self.set_phase("starting learner")
+        if self.cfg.opd.enabled and self.cfg.opd.placement == "service":  # first: generators need it
+            self.teacher = self.workers.spawn(
+                TEACHER_PEER,
+                "teacher",
+                ctrl_address=self.ctrl_address,
+                args=WorkerArgs(model=str(self.model_path)),
+            )
+        learner_args = WorkerArgs(
+            model=str(self.model_path),
+            generators=tuple(self.generator_ids),
+            resume_version=self.resume_version,
+        )
+        learner = self.workers.spawn("learner", "learner", ctrl_address=self.ctrl_address, args=learner_args)
+        if self.cfg.learner.start == "torchrun":
+            self.records.event(
+                f"waiting for the learner: torchrun --nproc-per-node {self.cfg.learner.world_size} "
+                f"-m asyncrl.learner.torchrun {self.run_dir}"
+            )
+        # The generators start with the learner (imports and model loads overlap); they get the
+        # learner's endpoint once it says Hello, and the shared teacher's on their command line.
+        if self.teacher is not None and not await inbox.wait_until(
+            lambda: self.teacher.ready, timeout_s=STARTUP_TIMEOUT_S
+        ):
+            self.fail(
+                f"the OPD teacher did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.teacher.log_path}"
+            )
+        for g in [] if self.finished.is_set() else self.generator_ids:
+            self.spawn_generator(self.pool.start(g))
+        startup_s = self.cfg.learner.startup_timeout_s
+        if not await inbox.wait_until(lambda: learner.ready, timeout_s=startup_s):
+            self.fail(
+                f"learner did not say Hello within {startup_s:.0f} s (learner.startup_timeout_s); "
+                f"see {self.run_dir / 'logs'}"
+            )
+        if not self.finished.is_set():
+            self.set_phase("starting generators")
+            await inbox.wait_until(self.pool.all_serving)
+
+    async def train(self, ctrl: Endpoint, inbox: Inbox, receiver: asyncio.Task) -> None:
+        """Dispatch, then handle messages as they come until the run is finished; a handler's
+        error (from `receiver`) ends the run."""
+        self.state.phase = "training"
+        self.state.started = time.perf_counter()
+        self.state.progressed("training started")
+        await self.dispatch(ctrl)
+        await inbox.go_inline()
+        stop = asyncio.ensure_future(self.finished.wait())
+        await asyncio.wait({receiver, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if receiver.done():
+            receiver.result()
 
     def set_phase(self, phase: str) -> None:
         self.state.phase = phase

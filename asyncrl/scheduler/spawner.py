@@ -29,11 +29,13 @@ import signal
 import subprocess
 import sys
 import types
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from asyncrl.runtime import JOIN_FILE
+import msgspec
+
+from asyncrl.messages import WorkerArgs
+from asyncrl.runtime import JOIN_FILE, JoinInfo, worker_argv
 
 # How often `wait` looks for the exit status of a process that was killed or exited.
 REAP_POLL_S = 0.05
@@ -64,11 +66,9 @@ class WorkerHandle(Protocol):
 
 
 class Spawner(Protocol):
-    def start(
-        self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]
-    ) -> WorkerHandle:
-        """Start `module` as the worker `peer_id`, connecting to the launcher at `ctrl_address`
-        with the `--extra KEY=VALUE` arguments `extra`."""
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, args: WorkerArgs) -> WorkerHandle:
+        """Start `module` as the worker `peer_id`, connecting to the launcher at `ctrl_address`,
+        with the process arguments `args`."""
 
 
 class LocalProcess:
@@ -119,18 +119,13 @@ class LocalSpawner:
         logs.mkdir(exist_ok=True)
         return logs / f"{peer_id}.log"
 
-    def worker_argv(self, peer_id: str, ctrl_address: str, extra: Mapping[str, str]) -> list[str]:
+    def worker_argv(self, peer_id: str, ctrl_address: str, args: WorkerArgs) -> list[str]:
         """The child arguments of `asyncrl.runtime.child_args`."""
-        argv = ["--ctrl", ctrl_address, "--peer-id", peer_id, "--run-dir", str(self.run_dir)]
-        for k, v in extra.items():
-            argv += ["--extra", f"{k}={v}"]
-        return argv
+        return worker_argv(ctrl_address=ctrl_address, peer_id=peer_id, run_dir=self.run_dir, args=args)
 
-    def start(
-        self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]
-    ) -> LocalProcess:
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, args: WorkerArgs) -> LocalProcess:
         log_path = self.log_path(peer_id)
-        cmd = [sys.executable, "-m", module, *self.worker_argv(peer_id, ctrl_address, extra)]
+        cmd = [sys.executable, "-m", module, *self.worker_argv(peer_id, ctrl_address, args)]
         preexec = _die_with_parent if self.die_with_parent and sys.platform == "linux" else None
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
@@ -181,21 +176,19 @@ class JoinedProcess:
 class JoinSpawner:
     """Starts nothing for the roles in `joined` (e.g. the learner under torchrun): writes what a
     joining worker needs, `<run>/learner_join.json` (the launcher's control address, its peer id
-    and its `--extra` arguments), and hands back a `JoinedProcess`. Other roles go to `inner`."""
+    and its `WorkerArgs`), and hands back a `JoinedProcess`. Other roles go to `inner`."""
 
     def __init__(self, inner: Spawner, run_dir: Path, joined: frozenset[str]) -> None:
         self.inner = inner
         self.run_dir = Path(run_dir)
         self.joined = joined
 
-    def start(self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]):
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, args: WorkerArgs):
         if peer_id not in self.joined:
-            return self.inner.start(peer_id, module, ctrl_address=ctrl_address, extra=extra)
-        import json
-
-        info = {"ctrl": ctrl_address, "peer_id": peer_id, "extra": dict(extra)}
+            return self.inner.start(peer_id, module, ctrl_address=ctrl_address, args=args)
+        info = JoinInfo(ctrl=ctrl_address, peer_id=peer_id, args=args)
         tmp = self.run_dir / f".{JOIN_FILE}.tmp"
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(info), indent=2) + b"\n")
         tmp.replace(self.run_dir / JOIN_FILE)  # atomic: a joiner never reads half of it
         return JoinedProcess(self.run_dir / "logs" / f"{peer_id}.log")
 
@@ -276,14 +269,12 @@ class ForkSpawner(LocalSpawner):
     """`LocalSpawner`'s workers, forked from the warm fork server (`prewarm`, called here if the
     caller has not)."""
 
-    def start(
-        self, peer_id: str, module: str, *, ctrl_address: str, extra: Mapping[str, str]
-    ) -> ForkedProcess:
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, args: WorkerArgs) -> ForkedProcess:
         import multiprocessing
 
         prewarm()
         log_path = self.log_path(peer_id)
-        argv = self.worker_argv(peer_id, ctrl_address, extra)
+        argv = self.worker_argv(peer_id, ctrl_address, args)
         proc = multiprocessing.get_context("forkserver").Process(
             target=_run_module, args=(module, argv, str(log_path)), name=peer_id
         )

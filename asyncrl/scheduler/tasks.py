@@ -140,7 +140,7 @@ def stall_reason(state, book: TaskBook, live_peers: list[str], *, timeout_s: flo
     long step while every admitted group is done is not a stall. `state`: the launcher's RunState."""
     if not timeout_s or state.phase != "training" or now - state.last_progress < timeout_s:
         return None
-    invalid = int(state.metrics.get("learner/invalid_trajectories", 0))
+    invalid = state.learner_metrics.invalid_trajectories if state.learner_metrics is not None else 0
     if not book.open and not invalid:
         return None
     rejected = f"; the learner rejected {invalid} trajectories (logs/learner.log)" if invalid else ""

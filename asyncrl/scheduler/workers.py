@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 
+from asyncrl.messages import WorkerArgs
 from asyncrl.scheduler.children import Child, stop_all
 from asyncrl.scheduler.records import Records
 from asyncrl.scheduler.spawner import Spawner
@@ -42,9 +43,9 @@ class Workers:
         self.children: dict[str, Child] = {}  # peer id -> a worker not (yet) retired
         self.retired: list[Child] = []  # generator workers that died and were replaced
 
-    def spawn(self, peer_id: str, role: str, *, ctrl_address: str, extra: Mapping[str, str]) -> Child:
+    def spawn(self, peer_id: str, role: str, *, ctrl_address: str, args: WorkerArgs) -> Child:
         """Start the module of `role` as the worker `peer_id`."""
-        handle = self.spawner.start(peer_id, self.role_modules[role], ctrl_address=ctrl_address, extra=extra)
+        handle = self.spawner.start(peer_id, self.role_modules[role], ctrl_address=ctrl_address, args=args)
         child = Child(peer_id, role, handle)
         self.children[peer_id] = child
         if getattr(handle, "remote", False):  # scheduler/remote.py: a worker on another host serves it

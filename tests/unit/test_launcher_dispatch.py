@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.config import Config
 from asyncrl.config_load import load_config
-from asyncrl.messages import PromptTasks, TaskDone, TasksDone
+from asyncrl.job import load_task
+from asyncrl.messages import PromptTasks, TaskDone, TasksDone, WorkerArgs
 from asyncrl.models.default import DEFAULT_MODEL_DIR
 from asyncrl.scheduler.children import Child
 from asyncrl.scheduler.service import Launcher
@@ -46,9 +48,13 @@ class Quiet:
         pass
 
 
-def serving_launcher(tmp_path: Path, num_generators: int) -> Launcher:
-    from transformers import AutoTokenizer
+def make_launcher(config: Config, tmp_path: Path, **kwargs) -> Launcher:
+    """A launcher with the run's task prepared once, as `asyncrl.job.run_job` hands it over."""
+    task, tokenizer, _ = load_task(config, DEFAULT_MODEL_DIR)
+    return Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), task=task, tokenizer=tokenizer, **kwargs)
 
+
+def serving_launcher(tmp_path: Path, num_generators: int) -> Launcher:
     config = load_config(
         overrides=[
             f"generators.num_generators={num_generators}",
@@ -57,8 +63,7 @@ def serving_launcher(tmp_path: Path, num_generators: int) -> Launcher:
             "task.num_eval=0",
         ]
     )
-    launcher = Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet())
-    launcher.dispatcher.tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    launcher = make_launcher(config, tmp_path)
     launcher.state.phase = "training"
     for slot in launcher.generator_ids:
         inc = launcher.pool.start(slot)
@@ -123,7 +128,7 @@ class RecordingSpawner:
     def __init__(self) -> None:
         self.started: list[tuple[str, str]] = []
 
-    def start(self, peer_id: str, module: str, *, ctrl_address: str, extra) -> NoProcess:
+    def start(self, peer_id: str, module: str, *, ctrl_address: str, args) -> NoProcess:
         self.started.append((peer_id, module))
         return NoProcess()
 
@@ -131,17 +136,10 @@ class RecordingSpawner:
 def test_each_role_runs_its_module_through_the_spawner(tmp_path):
     config = load_config(overrides=["task.num_eval=0"])
     spawner = RecordingSpawner()
-    launcher = Launcher(
-        config,
-        tmp_path,
-        DEFAULT_MODEL_DIR,
-        Quiet(),
-        spawner=spawner,
-        role_modules={"learner": "bench.my_learner"},
-    )
-    launcher.workers.spawn("learner", "learner", ctrl_address="tcp://127.0.0.1:1", extra={})
+    launcher = make_launcher(config, tmp_path, spawner=spawner, role_modules={"learner": "bench.my_learner"})
+    launcher.workers.spawn("learner", "learner", ctrl_address="tcp://127.0.0.1:1", args=WorkerArgs())
     launcher.spawn_generator(launcher.pool.start("gen-0"))
     assert spawner.started == [("learner", "bench.my_learner"), ("gen-0", "asyncrl.generators.service")]
     assert launcher.children["gen-0"].slot == "gen-0"
     with pytest.raises(ValueError, match="unknown role"):
-        Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), role_modules={"critic": "x"})
+        make_launcher(config, tmp_path, role_modules={"critic": "x"})

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.config import Config
 from asyncrl.config_load import load_config
-from asyncrl.messages import Join, JoinRefused, Welcome
+from asyncrl.messages import Join, JoinRefused, Welcome, WorkerArgs
 from asyncrl.scheduler.remote import JoinDesk, RemoteHandle
 
 
@@ -31,7 +31,7 @@ class LocalStarts:
     def __init__(self) -> None:
         self.started: list[str] = []
 
-    def start(self, peer_id, module, *, ctrl_address, extra):
+    def start(self, peer_id, module, *, ctrl_address, args):
         self.started.append(peer_id)
         return object()
 
@@ -52,7 +52,7 @@ def _join(count: int, **kw) -> Join:
 def test_the_last_slots_wait_for_workers_and_the_first_are_started_here(tmp_path):
     desk, inner, _ = _desk(tmp_path)
     handles = [
-        desk.spawner.start(p, "m", ctrl_address="tcp://x:1", extra={"index": p[-1]})
+        desk.spawner.start(p, "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=int(p[-1])))
         for p in ("gen-0", "gen-1", "gen-2")
     ]
     assert inner.started == ["gen-0"]
@@ -62,11 +62,13 @@ def test_the_last_slots_wait_for_workers_and_the_first_are_started_here(tmp_path
 def test_a_join_takes_waiting_slots_and_a_second_is_told_the_run_is_full(tmp_path):
     desk, _, cfg = _desk(tmp_path)
     for p in ("gen-1", "gen-2"):
-        desk.spawner.start(p, "m", ctrl_address="tcp://x:1", extra={"index": p[-1], "model": "/a/model"})
+        desk.spawner.start(
+            p, "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=int(p[-1]), model="/a/model")
+        )
     desk.files_address = "tcp://10.0.0.1:5"
     reply, handles = asyncio.run(desk.answer(_join(1)))
     assert isinstance(reply, Welcome) and [a.peer_id for a in reply.assignments] == ["gen-1"]
-    assert reply.assignments[0].extra == {"index": "1", "model": "/a/model", "files": "tcp://10.0.0.1:5"}
+    assert reply.assignments[0].args == WorkerArgs(index=1, model="/a/model", files="tcp://10.0.0.1:5")
     assert msgspec.json.decode(reply.config_json, type=Config) == cfg  # the resolved config, whole
     assert handles[0].joined and handles[0].worker == "node-b (pid 42)"
     reply, _ = asyncio.run(desk.answer(_join(4)))
@@ -81,33 +83,30 @@ def test_a_join_takes_waiting_slots_and_a_second_is_told_the_run_is_full(tmp_pat
 )
 def test_a_bad_join_is_refused_for_good(tmp_path, join, why):
     desk, _, _ = _desk(tmp_path)
-    desk.spawner.start("gen-1", "m", ctrl_address="tcp://x:1", extra={})
+    desk.spawner.start("gen-1", "m", ctrl_address="tcp://x:1", args=WorkerArgs())
     reply, handles = asyncio.run(desk.answer(join))
     assert isinstance(reply, JoinRefused) and why in reply.reason and not reply.full and not handles
     assert len(desk.spawner.waiting) == 1  # the slot still waits
 
 
 def test_a_slot_that_waits_too_long_fails_the_run_naming_the_command(tmp_path):
-    from asyncrl.scheduler.records import RunState
-
     desk, _, _ = _desk(tmp_path, "generators.remote_join_timeout_s=30")
     desk.ctrl_address = "tcp://10.0.0.1:7"
-    h = desk.spawner.start("gen-1", "m", ctrl_address="tcp://x:1", extra={})
-    state = RunState(total_steps=1, max_staleness_bound=0)
-    assert desk.tick(state) is None
+    h = desk.spawner.start("gen-1", "m", ctrl_address="tcp://x:1", args=WorkerArgs())
+    assert desk.tick() is None
     h.waiting_since = time.monotonic() - 31
-    reason = desk.tick(state)
+    reason = desk.tick()
     assert "gen-1 waited 30 s" in reason and "asyncrl worker --join tcp://10.0.0.1:7 --count 1" in reason
     h.kill()  # given up (the run stops anyway): no longer waiting
-    assert desk.tick(state) is None
+    assert desk.tick() is None
 
 
 def test_a_given_up_remote_handle_is_gone_and_is_told_to_stop_once_joined():
     told: list[str] = []
-    h = RemoteHandle("gen-1", {}, told.append)
+    h = RemoteHandle("gen-1", WorkerArgs(), told.append)
     h.kill()
     assert h.exit_code() == 0 and told == []  # never joined: nobody to tell
-    h = RemoteHandle("gen-1-r1", {}, told.append)
+    h = RemoteHandle("gen-1-r1", WorkerArgs(), told.append)
     h.worker = "node-b (pid 1)"
     h.kill()
     h.kill()
