@@ -18,7 +18,8 @@ its servers in the broadcast group), and whose `gen-acks` task sends `WeightsLoa
 that cannot be loaded is retried, and never acked (the failure rules are in `weights.py`). The
 Trajectory frames are built next to the codec (`transport.codec.trajectory_frames`).
 
-Run as `python -m asyncrl.generators.service --ctrl ADDR --peer-id ID --run-dir DIR --extra data=ADDR`.
+Run as `python -m asyncrl.generators.service --ctrl ADDR --peer-id ID --run-dir DIR --args '{"model": DIR, "data": ADDR}'`
+(`asyncrl.runtime.worker_argv`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from asyncrl.generators.weights import WeightUpdates
 from asyncrl.messages import (
     BroadcastPublished,
     DataEndpoint,
+    GeneratorMetrics,
     Metrics,
     PromptTasks,
     ShardsPublished,
@@ -63,7 +65,7 @@ class GeneratorService:
         self.ctx = ctx
         cfg = ctx.config
         self.gen = resolve_generator(cfg.generators.kind)()
-        model_path = ctx.extra["model"]
+        model_path = ctx.args.model
         self.teacher = open_teacher(ctx)  # opd.placement = "service": the shared teacher, else None
         self.gen.setup(
             GeneratorContext(
@@ -71,7 +73,7 @@ class GeneratorService:
                 model_path=model_path,
                 sampling=cfg.sampling,
                 task=cfg.task,
-                seed=cfg.run.seed * 1000 + int(ctx.extra.get("index", "0")),
+                seed=cfg.run.seed * 1000 + ctx.args.index,
                 threads=cfg.generators.threads,
                 run_seed=cfg.run.seed,
                 inflight=cfg.weights.inflight,
@@ -92,7 +94,7 @@ class GeneratorService:
         # The learner's endpoint: on the command line when it was known at spawn, else the
         # launcher's DataEndpoint brings it (generators start while the learner does).
         self.data_endpoint = ""
-        self.connect_data(ctx.extra.get("data", ""))
+        self.connect_data(ctx.args.data)
         self.feed = SampleFeed()
         self.wake = asyncio.Event()
         self.stopping = False
@@ -103,7 +105,7 @@ class GeneratorService:
         self.metrics_sent_at = -math.inf
         # Shards announced outside the weights root are refused (issue #23, security).
         self.receiver = WeightsReceiver(ctx.peer_id, root=weights_root(cfg.weights.dir, ctx.run_dir))
-        if files := ctx.extra.get("files"):  # a worker that joined from a host without the weights root
+        if files := ctx.args.files:  # a worker that joined from a host without the weights root
             from asyncrl.transport.serve import NetworkWeights
 
             self.receiver.remote = NetworkWeights(ctx.zmq_ctx, files, ctx.run_dir / "weights")
@@ -257,22 +259,22 @@ class GeneratorService:
             Metrics(
                 source=self.ctx.peer_id,
                 time_s=time.time(),
-                values={
-                    "gen/samples": float(self.num_samples),
-                    "gen/tokens": float(self.num_tokens),
-                    "gen/busy_ratio": self.busy_s / wall if wall > 0 else 0.0,
-                    "gen/version": float(self.gen.version),
-                    "gen/rejected_frames": float(self.ctx.ctrl.num_rejected),
-                    "gen/weights_load_errors": float(self.weights.num_load_errors),
-                    "gen/weights_load_s": self.weights.last_load_s,
-                    "gen/weights_fetch_bytes": float(self.receiver.last_fetch_bytes),
-                    "gen/weights_delta_fetches": float(self.receiver.num_delta_fetches),
-                    "gen/weights_refused_locations": float(self.receiver.num_refused_locations),
-                    "gen/weights_network_bytes": float(getattr(self.receiver.remote, "bytes_fetched", 0)),
-                    "gen/inflight_updates": float(getattr(self.gen, "num_inflight_updates", 0)),
-                    "gen/teacher_s": float(getattr(self.gen, "teacher_s", 0.0)),
-                    "gen/teacher_version": float(getattr(self.gen, "teacher_version", -1)),
-                },
+                record=GeneratorMetrics(
+                    samples=self.num_samples,
+                    tokens=self.num_tokens,
+                    busy_ratio=self.busy_s / wall if wall > 0 else 0.0,
+                    version=int(self.gen.version),
+                    rejected_frames=self.ctx.ctrl.num_rejected,
+                    weights_load_errors=self.weights.num_load_errors,
+                    weights_load_s=self.weights.last_load_s,
+                    weights_fetch_bytes=int(self.receiver.last_fetch_bytes),
+                    weights_delta_fetches=int(self.receiver.num_delta_fetches),
+                    weights_refused_locations=int(self.receiver.num_refused_locations),
+                    weights_network_bytes=int(getattr(self.receiver.remote, "bytes_fetched", 0)),
+                    inflight_updates=int(getattr(self.gen, "num_inflight_updates", 0)),
+                    teacher_s=float(getattr(self.gen, "teacher_s", 0.0)),
+                    teacher_version=int(getattr(self.gen, "teacher_version", -1)),
+                ),
             )
         )
 

@@ -1,1 +1,1 @@
-"""Transport: the ZeroMQ wire (msgspec codec, framed tensors) and weight shipping (safetensors, broadcast)."""
+"""Transport: the ZeroMQ wire (msgspec codec, framed tensors) and weight shipping (shards, broadcast)."""

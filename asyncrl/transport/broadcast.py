@@ -2,7 +2,7 @@
 
 Place in the data flow: learner rank 0 is rank 0 of a dedicated "weight update" process group whose
 other ranks are generator processes (or SGLang server TP ranks). After an optimizer step the learner
-announces `WeightsPublished(version, transport="broadcast")` with the tensor metadata over ZMQ, then
+announces `BroadcastPublished(version, ...)` with the tensor metadata over ZMQ, then
 calls `broadcast_tensors`; each generator calls `receive_tensors` with the same metadata and acks with
 `WeightsLoaded`.
 

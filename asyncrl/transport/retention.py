@@ -1,4 +1,4 @@
-"""Version directories of the safetensors path: naming, listing, and which ones may be deleted.
+"""Version directories of the shards path: naming, listing, and which ones may be deleted.
 
 Place in the data flow: the process that publishes shards (learner rank 0, or the scheduler on its
 behalf) records every `WeightsPublished` with `publish(v)` and every generator's `WeightsLoaded` with
@@ -109,22 +109,6 @@ def claim_spare(root: Path, tmp_dir: Path, file_names: list[str]) -> set[str]:
     for name in old[len(file_names) :]:
         os.unlink(tmp_dir / name)
     return set(file_names[: len(old)])
-
-
-def remove_incomplete(root: Path) -> list[Path]:
-    """Delete temporary directories left by writers or pruners that died; returns what was removed.
-
-    Spare directories (`spare_dirs`) are removed too. Call only when no writer is running on
-    `root` (e.g. at learner start-up).
-    """
-    root = Path(root)
-    removed = []
-    if root.is_dir():
-        for entry in os.scandir(root):
-            if entry.name.startswith(TMP_PREFIX) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-                removed.append(Path(entry.path))
-    return removed
 
 
 class VersionRetention:

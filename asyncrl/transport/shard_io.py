@@ -1,6 +1,6 @@
 """Byte-level helpers shared by the shard writer, the shard reader and the broadcast receiver.
 
-Place in the data flow: below both ends of the safetensors path. `shards.py` (learner rank 0) and
+Place in the data flow: below both ends of the shards path. `shards.py` (learner rank 0) and
 `shard_read.py` (generators) move tensor bytes between memory and files in `CHUNK_BYTES` pieces,
 hashing each piece while it is in cache, and size their thread pools with `pool_size`;
 `shard_read.py` and `broadcast.py` read new weights into `fresh_cpu_bytes` buffers. Nothing here

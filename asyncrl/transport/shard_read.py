@@ -1,7 +1,7 @@
-"""Reading and verifying published shards: the generator end of the safetensors weight path.
+"""Reading and verifying published shards: the generator end of the shards weight path.
 
 Place in the data flow: learner rank 0 publishes a version with `shards.write_shards` and announces
-`WeightsPublished(version, transport="safetensors", location=root)`; a generator calls `read_shards`
+`ShardsPublished(version, root=root)`; a generator calls `read_shards`
 (the torch generator, `receiver.WeightsReceiver`) or `read_manifest` (the SGLang generator checks the
 files before it hands the directory to `/update_weights_from_disk`), then acks with `WeightsLoaded`.
 

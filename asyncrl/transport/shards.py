@@ -1,8 +1,8 @@
 """Versioned safetensors shards: the disk path of weight sync (learner -> generators), writing end.
 
 Place in the data flow: after an optimizer step, learner rank 0 calls `write_shards` to publish the
-full Hugging Face-named state dict as `root/v{version:08d}/`, announces `WeightsPublished(version,
-transport="safetensors", location=<that dir>)` over ZMQ, and each generator loads it with
+full Hugging Face-named state dict as `root/v{version:08d}/`, announces `ShardsPublished(version,
+root=root)` over ZMQ, and each generator loads it with
 `shard_read.read_shards` (torch generator) or hands the directory to SGLang's
 `/update_weights_from_disk`, then acks with `WeightsLoaded`. `retention.py` decides when old version
 directories may be deleted; `shard_io.py` holds the byte-level helpers both ends share.

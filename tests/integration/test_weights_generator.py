@@ -34,6 +34,7 @@ from asyncrl.messages import (
     TasksDone,
     Trajectories,
     WeightsLoaded,
+    WorkerArgs,
 )
 from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.retention import version_dir
@@ -87,7 +88,7 @@ class Harness:
             tmp_path,
             self.zctx,
             dealer,
-            {"model": str(model_dir), "data": data_address, "index": "0"},
+            WorkerArgs(model=str(model_dir), data=data_address, index=0),
         )
         self.service = GeneratorService(ctx)
         self.dealer = dealer
@@ -133,7 +134,7 @@ def prompt_task(model_dir: Path, task_id: int) -> PromptTask:
         num_samples=2,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3),
         dataset_index=task_id,
-        step=0,
+        window=0,
         answer="42",
     )
 

@@ -13,7 +13,6 @@ from asyncrl.transport.retention import (
     VersionRetention,
     list_versions,
     prune,
-    remove_incomplete,
     spare_dirs,
     version_dir,
 )
@@ -89,7 +88,7 @@ def test_prune_deletes_only_deletable_directories(tmp_path: Path) -> None:
     assert prune(tmp_path, r) == [] and r.published == [4, 5]
 
 
-def test_prune_keeps_one_spare_and_remove_incomplete_clears_it(tmp_path: Path) -> None:
+def test_prune_keeps_one_spare(tmp_path: Path) -> None:
     r = VersionRetention(keep_last=1)
     for v in range(1, 5):
         version_dir(tmp_path, v).mkdir(parents=True)
@@ -104,8 +103,6 @@ def test_prune_keeps_one_spare_and_remove_incomplete_clears_it(tmp_path: Path) -
     assert prune(tmp_path, r, keep_spare=True) == [3]
     assert spare_dirs(tmp_path) == [spare]  # one spare at most
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([spare.name, "v00000004"])
-    assert remove_incomplete(tmp_path) == [spare]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000004"]
 
 
 def test_prune_tolerates_an_already_deleted_directory(tmp_path: Path) -> None:
