@@ -71,7 +71,7 @@ class Hello(_Msg, frozen=True, kw_only=True):
 
 
 class PromptTask(_Msg, frozen=True, kw_only=True):
-    """One group: `num_samples` completions of one prompt, all for the same learner step."""
+    """One group: `num_samples` completions of one prompt, all in the same admission window."""
 
     task_id: int
     group_id: int
@@ -79,7 +79,10 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
     num_samples: int
     sampling: SamplingParams
     dataset_index: int
-    step: int  # the learner step (admission window) this group is trained in
+    # The admission window the group belongs to, a policy_version. buffer.mode = "window": the
+    # learner step that trains it (step s trains at policy_version s). buffer.mode = "pool": the
+    # version the generators held when it was admitted (the pool's `windowed` order reads it).
+    window: int
     answer: str  # what the task's verifier checks against
     extras: dict[str, Any] = {}  # the dataset row's extra fields, for the rewards (task.dataset.extra_fields)
     attempt: int = 0  # > 0: samples drawn again (a reward failed): seeds fold it in
@@ -108,7 +111,7 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     group_id: int
     task_id: int
     sample_index: int
-    step: int
+    window: int  # its task's PromptTask.window
     num_samples: int
     prompt_ids: list[int]
     completion_ids: TensorRef  # int64 [T]

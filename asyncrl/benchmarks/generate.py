@@ -89,7 +89,7 @@ def tasks_of(problems, prompts, params):
             num_samples=SAMPLES,
             sampling=params,
             dataset_index=j,
-            step=0,
+            window=0,
             answer=p.answer,
         )
         for j, (p, ids) in enumerate(zip(problems, prompts, strict=True))

@@ -48,7 +48,7 @@ class BufferItem(Generic[P]):
     traj_id: int
     group_id: int
     num_samples: int  # members of the group; the group is ready when all arrived
-    step: int  # admission step of the group (PromptTask.step)
+    step: int  # the group's admission window (PromptTask.window)
     min_version: int  # oldest policy_version among the item's tokens
     freshness: float  # in (0, 1]
     num_tokens: int

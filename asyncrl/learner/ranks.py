@@ -191,7 +191,7 @@ class RankGroup:
                 sys.executable, "-m", "asyncrl.learner.ranks", "--rank", str(rank),
                 "--world", str(self.world_size), "--store-port", str(store_port),
                 "--run-dir", str(self.ctx.run_dir), "--model", str(self.model_path),
-                "--resume-version", self.ctx.extra.get("resume_version", "0"),
+                "--resume-version", str(self.ctx.args.resume_version),
             ]  # fmt: skip
             env = {**os.environ, "LOCAL_RANK": str(rank)}  # its GPU on a GPU host
             with open(self.logs[rank], "ab") as out:
@@ -268,7 +268,7 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
         while True:
             _, msg, tensors = await feed.recv()
             if isinstance(msg, Trajectory):
-                loop.add(msg.step, sample_from_message(msg, tensors))
+                loop.add(msg.window, sample_from_message(msg, tensors))
             elif isinstance(msg, Shutdown):
                 loop.stop()
                 stopped.set()

@@ -11,7 +11,7 @@ in the inbox until step s - 1 is done, then each is trained as soon as the train
 so the update follows the window's last reward by about one trajectory's backward. Admission
 guarantees that every token came from a version >= s - max_staleness; the trainer asserts it.
 
-Run as `python -m asyncrl.learner.service --ctrl ADDR --peer-id learner --run-dir DIR --extra model=PATH`.
+Run as `python -m asyncrl.learner.service --ctrl ADDR --peer-id learner --run-dir DIR --args '{"model": PATH}'`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,16 @@ from asyncrl.learner.ranks import (
 from asyncrl.learner.replay import ScheduleRecorder
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.trainer import NonFiniteError, StepResult
-from asyncrl.messages import Evaluated, GroupsLeft, Metrics, Shutdown, Trajectories, Trajectory, WeightsLoaded
+from asyncrl.messages import (
+    Evaluated,
+    GroupsLeft,
+    LearnerMetrics,
+    Metrics,
+    Shutdown,
+    Trajectories,
+    Trajectory,
+    WeightsLoaded,
+)
 from asyncrl.runtime import ChildContext, run_child
 from asyncrl.transport import zap
 from asyncrl.transport.codec import split_trajectories
@@ -63,7 +72,7 @@ class LearnerService:
         self.ctx = ctx
         cfg = ctx.config
         self.cfg = cfg.learner
-        self.model_path = Path(ctx.extra["model"])
+        self.model_path = Path(ctx.args.model)
         self.ranks = RankGroup(ctx, self.model_path) if self.cfg.world_size > 1 else None
         self.data = Endpoint(ctx.zmq_ctx, zmq.PULL, name="learner.data")
         self.data.bind()
@@ -78,7 +87,7 @@ class LearnerService:
         self.teacher_staleness: list[int] = []
         self.restored: set[int] = set()  # traj ids put back from the checkpoint on resume
         self.num_regenerated = 0  # re-admitted copies of restored trajectories, dropped
-        self.start_version = int(ctx.extra.get("resume_version", "0"))
+        self.start_version = ctx.args.resume_version
         self.version = self.start_version
         # The held-out evaluation runs here, on the model being trained (`Config.evaluates_in_learner`).
         self.evaluates = cfg.evaluates_in_learner
@@ -97,7 +106,7 @@ class LearnerService:
             generator_options=cfg.generators.options,
             run_dir=self.ctx.run_dir,
             model_dir=self.model_path,
-            generator_ids=filter(None, self.ctx.extra.get("generators", "").split(",")),
+            generator_ids=self.ctx.args.generators,
             adapter_config=lora.adapter_config(self.model) if publishes_adapter else None,
         )
         self.trainer = build_trainer(cfg, self.policy, pad_token_id=self.tokenizer.pad_token_id)
@@ -157,11 +166,11 @@ class LearnerService:
             self.num_duplicates += 1
             log.error("learner: duplicate trajectory %d dropped", msg.traj_id)
             return
-        if not self.loop.accepts(msg.step, self.version):
+        if not self.loop.accepts(msg.window, self.version):
             log.error(
-                "learner: trajectory %d for past step %d dropped (now at %d)",
+                "learner: trajectory %d for past window %d dropped (now at %d)",
                 msg.traj_id,
-                msg.step,
+                msg.window,
                 self.version,
             )
             return
@@ -178,10 +187,10 @@ class LearnerService:
             return
         self.seen.add(msg.traj_id)
         if msg.teacher_version is not None:
-            self.teacher_staleness.append(max(self.version, msg.step) - msg.teacher_version)
+            self.teacher_staleness.append(max(self.version, msg.window) - msg.teacher_version)
         if self.ranks is not None:
             await self.ranks.forward(msg, tensors)  # every rank sees every trajectory, in this order
-        self.loop.add(msg.step, sample_from_message(msg, tensors))
+        self.loop.add(msg.window, sample_from_message(msg, tensors))
         # A group withheld or dropped as it arrived frees its credit now (pool mode; per
         # trajectory, so no coroutine when there is nothing to send).
         if (left := self.loop.take_left()) is not None:
@@ -296,47 +305,41 @@ class LearnerService:
             Metrics(
                 source="learner",
                 time_s=time.time(),
-                values={
-                    "learner/idle_ratio": loop.idle_s / max(1e-9, loop.idle_s + loop.busy_s),
-                    "learner/busy_s": loop.busy_s,
-                    "learner/idle_s": loop.idle_s,
-                    "learner/tail_s": tail_s,
-                    "learner/threads": float(self.trainer.active_threads),
-                    "learner/streaming": 0.0 if result.fallback else 1.0,
-                    "learner/streamed": float(result.streamed),
-                    "learner/deferred": float(result.deferred),
-                    "learner/stream_peak_bytes": float(result.peak_stream_bytes),
-                    # Groups a streaming rank may hold open (learner.stream_memory_mb); 0 = lockstep
-                    # ranks, or whole batches: no per-group buffers.
-                    "learner/open_group_bound": float(
+                record=LearnerMetrics(
+                    idle_ratio=loop.idle_s / max(1e-9, loop.idle_s + loop.busy_s),
+                    busy_s=loop.busy_s,
+                    idle_s=loop.idle_s,
+                    tail_s=tail_s,
+                    threads=int(self.trainer.active_threads),
+                    streaming=not result.fallback,
+                    streamed=int(result.streamed),
+                    deferred=int(result.deferred),
+                    stream_peak_bytes=int(result.peak_stream_bytes),
+                    open_group_bound=int(
                         self.trainer.max_open_groups if self.trainer.streams_per_trajectory else 0
                     ),
-                    "learner/skipped_nonfinite": float(self.trainer.nonfinite_total),
-                    "learner/duplicates": float(self.num_duplicates),
-                    "learner/resume_restored": float(len(self.restored)),
-                    "learner/resume_regenerated": float(self.num_regenerated),
-                    "learner/invalid_trajectories": float(self.num_invalid),
-                    "learner/rejected_frames": float(self.data.num_rejected + self.ctx.ctrl.num_rejected),
-                    "learner/auth_failures": float(zap.num_auth_failures()),
-                    "learner/publish_s": published.publish_s,
-                    # Received for later steps (async: the generators' lead), not trained yet.
-                    "buffer/held_trajectories": float(held),
-                    "buffer/held_windows": float(windows),
-                    **loop.metrics(),
+                    skipped_nonfinite=int(self.trainer.nonfinite_total),
+                    duplicates=self.num_duplicates,
+                    resume_restored=len(self.restored),
+                    resume_regenerated=self.num_regenerated,
+                    invalid_trajectories=self.num_invalid,
+                    rejected_frames=self.data.num_rejected + self.ctx.ctrl.num_rejected,
+                    auth_failures=zap.num_auth_failures(),
+                    publish_s=published.publish_s,
+                    held_trajectories=held,
+                    held_windows=windows,
+                    buffer=loop.metrics(),
                     **self.teacher_metrics(),
-                },
+                ),
             )
         )
 
     def teacher_metrics(self) -> dict[str, float]:
-        """`opd/teacher_staleness_{mean,max}` since the last report (self-distillation only)."""
+        """`LearnerMetrics.teacher_staleness_{mean,max}` since the last report (self-distillation only)."""
         lags, self.teacher_staleness = self.teacher_staleness, []
         if not lags:
             return {}
-        return {
-            "opd/teacher_staleness_mean": sum(lags) / len(lags),
-            "opd/teacher_staleness_max": float(max(lags)),
-        }
+        return {"teacher_staleness_mean": sum(lags) / len(lags), "teacher_staleness_max": float(max(lags))}
 
     def evaluate(self) -> tuple[float, float]:
         """(greedy held-out accuracy of the model as it is now, seconds): the launcher's
@@ -475,8 +478,8 @@ def _invalid(msg: Trajectory, ids, logps, versions, *, num_steps: int) -> str:
         return f"{ids.shape[0]} tokens, {logps.shape[0]} log-probs, {versions.shape[0]} versions"
     if ids.dtype != torch.int64 or versions.dtype != torch.int64 or not logps.is_floating_point():
         return "wrong tensor dtypes"
-    if not 0 <= msg.sample_index < msg.num_samples or not 0 <= msg.step < num_steps:
-        return f"sample {msg.sample_index}/{msg.num_samples} for step {msg.step} is out of range"
+    if not 0 <= msg.sample_index < msg.num_samples or not 0 <= msg.window < num_steps:
+        return f"sample {msg.sample_index}/{msg.num_samples} for window {msg.window} is out of range"
     lowest, highest = torch.aminmax(logps)  # one reduction: NaN propagates into both
     if not (math.isfinite(float(lowest)) and float(highest) <= 0):
         return "behavior log-probs must be finite and <= 0"

@@ -54,8 +54,8 @@ class CreditAdmission:
     """Pool mode (buffer.mode = "pool"): groups are not tied to a step, so admission counts
     credits instead. There are (K + 1) x B of them; admitting a group takes one, and it comes back
     only when the learner reports that the group left its buffer (trained for the last time,
-    dropped or withheld; StepDone.groups_released) *and* every serving generator has loaded the
-    version that step produced. So at most (K + 1) x B groups are ever admitted and not yet out
+    dropped or withheld: `GroupsLeft.released`, with the `version` it names) *and* every serving
+    generator has loaded that version. So at most (K + 1) x B groups are ever admitted and not yet out
     of the pool, and the groups admitted on a credit returned by step s are generated at versions
     >= s + 1: handed out in admission order (fifo), none is more than K versions stale when it
     trains. Other orders can keep a group longer; the buffer's staleness bound withholds, drops or

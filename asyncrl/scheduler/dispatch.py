@@ -7,7 +7,7 @@ awaits: the oldest version a serving generator holds and the serving generators 
 `{peer: [PromptTask]}` plan out, with the task book already updated.
 
 Order: re-queued tasks first, oldest first, then newly admitted groups (`AdmissionMode`). A
-re-queued task waits while its step is beyond the staleness bound of the loaded weights (only
+re-queued task waits while its window is beyond the staleness bound of the loaded weights (only
 groups re-admitted on resume can be, until the generators load the resumed version). Each task
 goes to the serving generator with the fewest outstanding tasks, the first in slot order on a tie;
 with none serving it waits in the re-queue. Every choice is recorded before the caller awaits a
@@ -91,7 +91,7 @@ class Dispatcher:
         oldest version a serving generator holds), each assigned to one of `serving`."""
         book = self.book
         tasks = []
-        while book.requeued and book.open[book.requeued[0]].step <= loaded_version + self.bound_of(
+        while book.requeued and book.open[book.requeued[0]].window <= loaded_version + self.bound_of(
             book.requeued[0]
         ):
             tasks.append(book.pop_requeued())
@@ -116,7 +116,7 @@ class Dispatcher:
                 num_samples=self.book.samples_per_group,
                 sampling=self.sampling,
                 dataset_index=j,
-                step=self.mode.task_step(j, loaded_version=loaded_version),
+                window=self.mode.task_window(j, loaded_version=loaded_version),
                 answer=problem.answer,
                 extras=dict(problem.extras),
                 privileged_ids=privileged_ids,
@@ -159,7 +159,7 @@ class Dispatcher:
 
     def readmit(self, saved: dict, *, resume_version: int) -> list[PromptTask]:
         """Resume: admit again every group the interrupted run's checkpoint (`saved`, decoded
-        JSON) had admitted and not trained, re-queued for the generators. Their steps were
+        JSON) had admitted and not trained, re-queued for the generators. Their windows were
         within the bound of versions <= v + K, and the generators serve v before they get any."""
         tasks = self.admit(self.mode.readmit(saved), loaded_version=resume_version)
         for task in tasks:

@@ -1,7 +1,7 @@
 """Window or pool admission, chosen once (pure): the only place the scheduler reads `buffer.mode`.
 
 Place in the data flow: the launcher (`scheduler/service.py`) holds one `AdmissionMode` and asks
-it, without knowing which it is, how many groups may be admitted now, which step a group's task
+it, without knowing which it is, how many groups may be admitted now, which window a group's task
 carries, what a StepDone or GroupsLeft means for the task book, which groups a resume admits
 again, and how many admission credits are used and free (for the monitor's snapshot).
 
@@ -43,8 +43,9 @@ class AdmissionMode(Protocol):
     def admit(self, loaded_version: int) -> range:
         """Group indices admitted now, given the oldest version a serving generator holds."""
 
-    def task_step(self, group_id: int, *, loaded_version: int) -> int:
-        """The `step` field of the group's PromptTask when it is admitted at `loaded_version`."""
+    def task_window(self, group_id: int, *, loaded_version: int) -> int:
+        """The `window` of the group's PromptTask when it is admitted at `loaded_version`: the
+        step that trains it (window mode), or `loaded_version`, at most the last step (pool mode)."""
 
     def readmit(self, saved: dict) -> list[int]:
         """Resume: the groups of a launcher checkpoint (decoded JSON) to admit again; advances
@@ -86,7 +87,7 @@ class WindowMode:
     def admit(self, loaded_version: int) -> range:
         return self.admission.admit(loaded_version)
 
-    def task_step(self, group_id: int, *, loaded_version: int) -> int:
+    def task_window(self, group_id: int, *, loaded_version: int) -> int:
         return step_of(group_id, groups_per_step=self.admission.groups_per_step)
 
     def readmit(self, saved: dict) -> list[int]:
@@ -143,7 +144,7 @@ class PoolMode:
     def admit(self, loaded_version: int) -> range:
         return self.admission.admit(loaded_version)
 
-    def task_step(self, group_id: int, *, loaded_version: int) -> int:
+    def task_window(self, group_id: int, *, loaded_version: int) -> int:
         return min(loaded_version, self.total_steps - 1)
 
     def readmit(self, saved: dict) -> list[int]:

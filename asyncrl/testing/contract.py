@@ -114,7 +114,7 @@ def default_tasks(ctx: GeneratorContext, *, first_task_id: int = 0) -> list[Prom
             num_samples=n,
             sampling=sampling,
             dataset_index=first_task_id + i,
-            step=0,
+            window=0,
             answer=answer,
         )
         for i, (text, answer, n) in enumerate(specs)

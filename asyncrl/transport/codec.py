@@ -255,7 +255,7 @@ def trajectory_frames(
         group_id=task.group_id,
         task_id=task.task_id,
         sample_index=r.sample_index,
-        step=task.step,
+        window=task.window,
         num_samples=task.num_samples,
         prompt_ids=list(task.prompt_ids),
         completion_ids=tensor_ref(0, ids),

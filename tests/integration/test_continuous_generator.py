@@ -30,7 +30,7 @@ def tasks(num: int, *, n: int = 4, max_new_tokens: int = 8, temperature: float =
             num_samples=n,
             sampling=SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens),
             dataset_index=i,
-            step=0,
+            window=0,
             answer="46",
         )
         for i in range(num)

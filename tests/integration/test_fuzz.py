@@ -92,7 +92,7 @@ def _trajectory(**refs: TensorRef) -> Trajectory:
         group_id=10**8,
         task_id=10**8,
         sample_index=0,
-        step=0,
+        window=0,
         num_samples=2,
         prompt_ids=[1],
         reward=0.0,
@@ -112,7 +112,7 @@ def malformed_messages(rng: random.Random, *, wrong_types: list, canary: Path) -
             num_samples=2,
             sampling=SamplingParams(),
             dataset_index=1,
-            step=0,
+            window=0,
             answer="7",
         )
     )[0]
@@ -302,7 +302,7 @@ def any_prompt_task() -> PromptTask:
         num_samples=2,
         sampling=SamplingParams(),
         dataset_index=0,
-        step=0,
+        window=0,
         answer="0",
     )
 

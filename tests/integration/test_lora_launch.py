@@ -98,7 +98,7 @@ def task(task_id: int = 0, *, num_samples: int = 2, max_new_tokens: int = 6) -> 
         num_samples=num_samples,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
         dataset_index=task_id,
-        step=0,
+        window=0,
         answer="46",
     )
 

@@ -96,7 +96,7 @@ def task(
         num_samples=num_samples,
         sampling=SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=max_new_tokens),
         dataset_index=task_id,
-        step=0,
+        window=0,
         answer="46",
     )
 

@@ -65,7 +65,7 @@ def tasks() -> list[PromptTask]:
             num_samples=SAMPLES_PER_TASK,
             sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW_TOKENS),
             dataset_index=t,
-            step=0,
+            window=0,
             answer="46",
         )
         for t in range(NUM_TASKS)

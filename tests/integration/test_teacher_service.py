@@ -152,7 +152,7 @@ def test_scores_batching_and_bad_requests(tmp_path, tiny_model_dir, teacher_dir)
                 num_samples=1,
                 sampling=SamplingParams(),
                 dataset_index=0,
-                step=0,
+                window=0,
                 answer="",
             )
             ids = completions(3)[:1]

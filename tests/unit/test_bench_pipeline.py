@@ -144,7 +144,7 @@ def _task(group_id, prompt, num_samples=2):
         num_samples=num_samples,
         sampling=SamplingParams(max_new_tokens=2),
         dataset_index=group_id,
-        step=0,
+        window=0,
         answer="",
     )
 

@@ -28,7 +28,7 @@ def _trajectory(ids, logps, versions):
         group_id=1,
         task_id=1,
         sample_index=1,
-        step=0,
+        window=0,
         num_samples=4,
         prompt_ids=[1, 2, 3],
         completion_ids=tensor_ref(0, ids),
@@ -82,7 +82,7 @@ def test_plain_messages_round_trip():
             num_samples=2,
             sampling=SamplingParams(),
             dataset_index=1,
-            step=0,
+            window=0,
             answer="3",
         ),
     ):

@@ -56,7 +56,7 @@ def test_admitted_groups_carry_the_task_prompt_and_are_spread_by_outstanding_cou
     # Bound K=1 at version 0: steps 0 and 1, 2 groups each; fewest outstanding first, ties in order.
     assert ids(plan.by_peer) == {"a": [0, 2], "b": [1, 3]} and plan.num_admitted == 4
     task = plan.by_peer["b"][1]
-    assert (task.prompt_ids, task.answer, task.step, task.num_samples) == ([3, 7], "3", 1, N)
+    assert (task.prompt_ids, task.answer, task.window, task.num_samples) == ([3, 7], "3", 1, N)
     assert d.task.num_renders == 1  # one render call per dispatch
     assert d.outstanding == {"a": 2, "b": 2}
     assert all(d.book.ledger.is_in_flight(t, "a") for t in (0, 2))
@@ -111,12 +111,12 @@ def test_a_task_done_from_the_wrong_generator_changes_nothing():
 def test_pool_tasks_carry_the_loaded_version_and_wait_for_credits():
     d = dispatcher(PoolMode(groups_per_step=B, max_staleness=K, total_steps=STEPS))
     plan = d.plan(loaded_version=0, serving=["a"])
-    assert plan.num_admitted == (K + 1) * B and {t.step for t in plan.by_peer["a"]} == {0}
+    assert plan.num_admitted == (K + 1) * B and {t.window for t in plan.by_peer["a"]} == {0}
     assert d.plan(loaded_version=0, serving=["a"]).by_peer == {}  # no credit left
     d.mode.on_groups_left(d.book, GroupsLeft(version=1, released=[0, 1]))
     assert d.plan(loaded_version=0, serving=["a"]).by_peer == {}  # back once version 1 is loaded
     plan = d.plan(loaded_version=1, serving=["a"])
-    assert [t.task_id for t in plan.by_peer["a"]] == [4, 5] and {t.step for t in plan.by_peer["a"]} == {1}
+    assert [t.task_id for t in plan.by_peer["a"]] == [4, 5] and {t.window for t in plan.by_peer["a"]} == {1}
 
 
 def test_resume_readmits_what_the_checkpoint_had_admitted_and_not_trained():
@@ -130,7 +130,7 @@ def test_resume_readmits_what_the_checkpoint_had_admitted_and_not_trained():
     after = dispatcher(WindowMode(groups_per_step=B, max_staleness=K, total_steps=STEPS, resume_version=1))
     after.book.num_steps_trained = 1
     tasks = after.readmit(saved, resume_version=1)
-    assert [t.task_id for t in tasks] == [2, 3] and [t.step for t in tasks] == [1, 1]
+    assert [t.task_id for t in tasks] == [2, 3] and [t.window for t in tasks] == [1, 1]
     assert list(after.book.requeued) == [2, 3] and not after.book.ledger.is_in_flight(2, INTERRUPTED_RUN)
     assert after.mode.admission.num_admitted == 4
     # Version 1 loaded: the re-admitted groups go first, then step 2's.

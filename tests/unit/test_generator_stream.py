@@ -30,7 +30,7 @@ def task(task_id: int, n: int = 3) -> PromptTask:
         num_samples=n,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=4),
         dataset_index=task_id,
-        step=0,
+        window=0,
         answer="7",
     )
 

@@ -152,7 +152,7 @@ def test_learner_rejects_malformed_trajectories():
 
     ids, logps, versions = torch.tensor([5, 2]), torch.tensor([-0.1, -0.2]), torch.tensor([0, 0])
     msg = Trajectory(
-        traj_id=0, group_id=0, task_id=0, sample_index=1, step=0, num_samples=2, prompt_ids=[1, 4],
+        traj_id=0, group_id=0, task_id=0, sample_index=1, window=0, num_samples=2, prompt_ids=[1, 4],
         completion_ids=tensor_ref(0, ids), behavior_logprobs=tensor_ref(1, logps), token_versions=tensor_ref(2, versions),
         reward=1.0, finish_reason="stop", generator_id="g",
     )  # fmt: skip
@@ -171,7 +171,7 @@ def _task_and_rollout(**rollout_fields):
 
     task = PromptTask(
         task_id=3, group_id=3, prompt_ids=[1, 5], num_samples=2, sampling=SamplingParams(),
-        dataset_index=3, step=1, answer="x",
+        dataset_index=3, window=1, answer="x",
     )  # fmt: skip
     fields = dict(
         task_id=3, sample_index=1, completion_ids=[7, 8, 9], behavior_logprobs=[-0.1, -0.2, -0.3],

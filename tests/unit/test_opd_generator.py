@@ -203,7 +203,7 @@ def tasks(num_samples: int = 3):
             num_samples=num_samples,
             sampling=params,
             dataset_index=i,
-            step=0,
+            window=0,
             answer="0",
         )
         for i, p in enumerate(PROMPTS[:2])

@@ -207,7 +207,7 @@ def prompt_tasks(tok, num_samples: int = 3) -> list[PromptTask]:
             num_samples=num_samples,
             sampling=SamplingParams(temperature=1.0, max_new_tokens=4),
             dataset_index=i,
-            step=0,
+            window=0,
             answer=p.answer,
             privileged_ids=priv,
         )

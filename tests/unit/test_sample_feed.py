@@ -29,7 +29,7 @@ def task(
         num_samples=n,
         sampling=params,
         dataset_index=task_id,
-        step=0,
+        window=0,
         answer="7",
         attempt=attempt,
         extras=extras,

@@ -128,7 +128,7 @@ def test_torch_generator_with_ignore_eos_scores_the_answer_up_to_its_eos():
             num_samples=8,
             sampling=params,
             dataset_index=i,
-            step=0,
+            window=0,
             answer=a,
         )
         for i, (p, a) in enumerate(problems)

@@ -29,7 +29,7 @@ def task(j: int) -> PromptTask:
         num_samples=N,
         sampling=SamplingParams(temperature=0.7),
         dataset_index=j,
-        step=j // B,
+        window=j // B,
         answer=str(j),
     )
 

@@ -19,7 +19,7 @@ def task(j: int, *, num_samples: int = N) -> PromptTask:
         num_samples=num_samples,
         sampling=SamplingParams(),
         dataset_index=j,
-        step=j // B,
+        window=j // B,
         answer="5",
     )
 

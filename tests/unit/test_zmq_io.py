@@ -24,7 +24,7 @@ def _traj(step: int, payload: torch.Tensor):
         group_id=0,
         task_id=0,
         sample_index=0,
-        step=step,
+        window=step,
         num_samples=1,
         prompt_ids=[1],
         completion_ids=tensor_ref(0, payload),
@@ -59,7 +59,7 @@ def test_order_kept_and_nothing_lost_when_the_queue_fills():
             while len(received) < n:
                 _, msg, tensors = await pull.recv()
                 assert torch.equal(tensors[0], payload)
-                received.append(msg.step)
+                received.append(msg.window)
 
         task = asyncio.create_task(consume())
         for v in range(n):
@@ -118,7 +118,7 @@ def test_tensors_arrive_packed_and_intact():
             group_id=0,
             task_id=0,
             sample_index=1,
-            step=0,
+            window=0,
             num_samples=2,
             prompt_ids=[1, 2],
             completion_ids=tensor_ref(0, ids),
@@ -216,7 +216,7 @@ def test_two_way_sockets_send_while_their_receive_waits():
                     beats.append(int(msg.time_s))
                 else:
                     assert torch.equal(tensors[0], payload)
-                    echoed.append(msg.step)
+                    echoed.append(msg.window)
 
         async def request():
             for k in range(n):
