@@ -249,7 +249,7 @@ def replay(
     quiet_offline()
     try:
         config = load_resolved_config(run_dir / "config.json")
-        from asyncrl.learner.replay import run_replay
+        from asyncrl.replay import run_replay
 
         result = run_replay(
             run_dir, out or run_dir / "replay", config, model_path(config), until=until, resume=resume

@@ -52,7 +52,7 @@ class RunConfig(Section, frozen=True, kw_only=True):
     allow_unsafe: list[str] = []
     # Record the learner's schedule (each step's trajectories in offer order, its work calls and
     # thread count) under <run>/schedule/, so that `asyncrl replay RUN_DIR` reproduces the run's
-    # parameters bitwise (asyncrl/learner/replay.py). One plain learner rank, window admission.
+    # parameters bitwise (asyncrl/replay.py). One plain learner rank, window admission.
     record_schedule: bool = False
 
 

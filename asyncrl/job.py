@@ -399,7 +399,7 @@ def compare_replay(run_dir: Path, replay_dir: Path, *, last: bool) -> dict:
     """`asyncrl replay`'s verdict: the replayed steps' training values against the run's step
     records, and (when the replay reached the end) its parameters against the run's final model,
     bit for bit. None where the run has nothing to compare with (it stopped early)."""
-    from asyncrl.learner.replay import same_values
+    from asyncrl.replay import same_values
 
     def steps(path: Path) -> dict[int, dict]:
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

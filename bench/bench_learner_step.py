@@ -101,7 +101,7 @@ def run_threads(threads: int, repeats: int, sets: list[str]) -> dict:
     # threads, learner.threads > 1) drives pieces on threads of one torch thread each; the plain
     # step runs in the main thread with `threads` torch threads.
     compute = ThreadPoolExecutor(
-        1, initializer=torch.set_num_threads, initargs=(1 if trainer.threads > 1 else threads,)
+        1, initializer=torch.set_num_threads, initargs=(1 if trainer.engine.threads > 1 else threads,)
     )
     torch.set_num_threads(threads)
 
@@ -118,7 +118,7 @@ def run_threads(threads: int, repeats: int, sets: list[str]) -> dict:
             while trainer.has_work():
                 trainer.work()
         else:
-            trainer.batch_backward(trainer.arrivals)
+            trainer.batch_backward(trainer.state.arrivals)
         trainer.finish_step()
         step += 1
         return time.perf_counter() - start

@@ -109,11 +109,8 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable
         "world_size": trainer.world_size,
         "torch_rng": torch.get_rng_state(),
         "python_rng": list(random.getstate()[1]),
-        "ewma": None
-        if trainer.ewma is None
-        else {"params": trainer.ewma.params, "total": trainer.ewma.total},
-        "snapshots": {str(v): s for v, s in trainer.snapshots.items()},
-        "nonfinite_total": trainer.nonfinite_total,
+        **trainer.copies.state_dict(),  # "ewma" and "snapshots"
+        "nonfinite_total": trainer.updater.nonfinite_total,
         "held": [_held_state(*entry) for entry in held],
     }
     torch.save(extras, tmp / EXTRAS)
@@ -135,8 +132,6 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: boo
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from asyncrl.staleness.ewma import EwmaParams
-
     path = learner_checkpoint_path(run_dir, version)
     try:
         state = torch.load(path / EXTRAS, weights_only=True)
@@ -156,9 +151,7 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: boo
     )
     torch.set_rng_state(state["torch_rng"])
     random.setstate((3, tuple(state["python_rng"]), None))
-    if state["ewma"] is not None:
-        trainer.ewma = EwmaParams(state["ewma"]["params"], float(state["ewma"]["total"]))
-    trainer.snapshots = {int(v): s for v, s in state["snapshots"].items()}
-    trainer.nonfinite_total = int(state.get("nonfinite_total", 0))
+    trainer.copies.load_state_dict(state)
+    trainer.updater.nonfinite_total = int(state.get("nonfinite_total", 0))
     held = [(int(h["step"]), TrainSample(**h["sample"]), h.get("extra", {})) for h in state.get("held", [])]
     return held if extras else [(step, sample) for step, sample, _ in held]

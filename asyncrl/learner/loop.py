@@ -34,7 +34,7 @@ import torch
 
 from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
 from asyncrl.learner.cores import resolve_threads
-from asyncrl.learner.replay import ScheduleRecorder
+from asyncrl.learner.schedule import StepSchedule
 from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import StepResult, Trainer
 from asyncrl.models.policy import PolicyLM
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def window_size(config) -> int:
     """Trajectories of one step's window. Every rank sees all of them (lockstep ranks each train
-    their share of every chunk, `recipes.py`)."""
+    their share of every chunk, `plans.py`)."""
     return config.learner.groups_per_step * config.learner.samples_per_group
 
 
@@ -159,7 +159,7 @@ class StepLoop:
         before_update: Callable[[], Awaitable[None]] | None = None,
         min_chunk: int = 1,
         chunking: ChunkChoice | None = None,
-        recorder: ScheduleRecorder | None = None,
+        on_step_end: Callable[[StepSchedule], None] | None = None,
     ) -> None:
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
@@ -185,8 +185,9 @@ class StepLoop:
         self.idle_s = 0.0
         self.busy_s = 0.0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-compute")
-        # run.record_schedule: each step's offers, work calls and threads, for `asyncrl replay`.
-        self.recorder = recorder
+        # Given each step's schedule (offers, work calls, threads) when it ends, off the loop
+        # (run.record_schedule: `schedule.ScheduleRecorder.write`, for `asyncrl replay`).
+        self.on_step_end = on_step_end
 
     def add(self, step: int, sample: TrainSample) -> None:
         """Loop thread: a validated, deduplicated trajectory of `step` arrived."""
@@ -262,7 +263,7 @@ class StepLoop:
         trainer.begin_step(step, window_groups=expected // trainer.group_size)
         self.taken_step, self.taken = step, []
         whole_window = self.sink is not None or bool(trainer.fallback)
-        threads = trainer.active_threads if self.recorder is not None else 0
+        threads = trainer.active_threads if self.on_step_end is not None else 0
         calls: list[int] = []  # the offered count at each `work()` call (the replay schedule)
         min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
         begin = time.perf_counter()
@@ -303,15 +304,8 @@ class StepLoop:
         if self.before_update is not None:
             await self.before_update()
         result = await self._busy(trainer.finish_step)
-        if self.recorder is not None:
-            await asyncio.to_thread(
-                self.recorder.write,
-                step,
-                samples=self.taken,
-                calls=calls,
-                whole=whole_window,
-                threads=threads,
-            )
+        if self.on_step_end is not None:
+            await asyncio.to_thread(self.on_step_end, StepSchedule(step, self.taken, calls, whole_window, threads))
         if self.chunking is not None and (choice := self.chunking.observe(time.perf_counter() - begin)):
             log.info("%s", choice)
             self.note = choice

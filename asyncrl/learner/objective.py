@@ -4,9 +4,9 @@ distillation, and whether it streams.
 Place in the data flow: the learner's `Trainer` builds one `Objective` from `learner.*` (and
 `opd.*`) with `Objective.from_config`, which returns an `RLObjective`, a
 `DistillationObjective`, or (`opd.reward` != "off") a `CombinedObjective`: the RL objective plus a
-distillation term; the trainer's recipe for that kind (`recipes.py`) asks it for group
-advantages and for the loss of a packed chunk of trajectories and, per arriving trajectory, for
-the sign-free streamed loss (`stream_loss`). The staleness policy describes itself
+distillation term; the trainer's work for that kind (`rl_work.py`, `distill_work.py`) asks it for
+group advantages and for the loss of a packed chunk of trajectories and, per arriving trajectory,
+for the sign-free streamed loss (`stream_loss`). The staleness policy describes itself
 (`asyncrl.staleness.base.StalenessPolicy`); nothing here lists policy names.
 
 Every loss here is an *unnormalised sum*: aggregation denominators are 1, and the trainer divides

@@ -1,8 +1,8 @@
-"""The learner's off-policy optimal baseline path (no sockets): what `RLRecipe` adds when
+"""The learner's off-policy optimal baseline path (no sockets): what `rl_work.OpobWork` uses when
 `staleness.vcpo_baseline` is "opob" or "opob_released" (ALGORITHMS.md 2.2, 5.3).
 
 Place in the data flow: with the optimal baseline every trajectory of a step takes its own forward
-and backward (`RLRecipe._stream_one`, on arrival or, for whole-batch steps, group by group) into
+and backward (`rl_work.OpobWork`, on arrival or, for whole-batch steps, group by group) into
 its group's sums of the `StreamingAccumulator`, which records W_i = ||h_i||^2 x `baseline_scale`
 and folds the group with b_g = sum W R / sum W when it closes. This module holds the three pieces
 around that: the released variant's factor on ||h_i||^2, the closed group's loss value, and the
@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.learner.step import PackedBatch, TrainSample, pack
+from asyncrl.learner.step import PackedBatch
 from asyncrl.learner.streaming import GroupFold, token_weight
 from asyncrl.staleness.vcpo import opob_released_scale, sequence_log_weights
 
 if TYPE_CHECKING:
+    from asyncrl.learner.engine import Engine
     from asyncrl.learner.objective import RLObjective
-    from asyncrl.learner.trainer import Trainer
+    from asyncrl.learner.state import StepState
 
 
 def baseline_scale(objective: RLObjective, batch: PackedBatch, logp_1L: torch.Tensor) -> float:
@@ -57,20 +58,20 @@ def folded_loss(
     return total
 
 
-def opob_step_lr_scale(trainer: Trainer, rows: Sequence[tuple[TrainSample, torch.Tensor]]) -> None:
+def step_lr_scale(engine: Engine, state: StepState) -> None:
     """With a batch-global policy (admitted only if its lr scale is all that is batch-global:
     `config_objective`), each trajectory's own correction saw a batch of one. Take the correction
     over the step's trajectories and their recorded step-start log-probs [1, L_i] now, as the
     whole-batch step would, and set the step's `lr_scale` (and its ESS statistic) from it."""
-    t = trainer
-    if not (rows and t.policy.batch_global):
+    rows = state.opob_logp
+    if not (rows and engine.policy.batch_global):
         return
     rows = sorted(rows, key=lambda r: r[0].traj_id)
-    batch = pack([s for s, _ in rows], pad_token_id=t.pad_token_id, require_complete=False).to(t.device)
-    logp_BL = torch.zeros(batch.input_ids_BL.shape, dtype=t.dtype, device=t.device)
+    batch = engine.pack([s for s, _ in rows])
+    logp_BL = torch.zeros(batch.input_ids_BL.shape, dtype=engine.dtype, device=engine.device)
     for b, (_, logp_1L) in enumerate(rows):
         logp_BL[b, : logp_1L.shape[1]] = logp_1L[0]
-    corr = t.correct(batch, logp_BL, torch.zeros(len(rows), dtype=t.dtype, device=t.device))
-    t.totals.lr_scale = corr.lr_scale
-    if "ess_ratio" in t.totals.stats:  # the token-weighted mean of the per-trajectory ratios (1 each)
-        t.totals.stats["ess_ratio"] = float(corr.stats.ess_ratio) * t.totals.stats_tokens
+    corr = engine.correct(batch, logp_BL, torch.zeros(len(rows), dtype=engine.dtype, device=engine.device), state.step)
+    state.set_lr_scale(corr.lr_scale)
+    if "ess_ratio" in state.totals.stats:  # the token-weighted mean of the per-trajectory ratios (1 each)
+        state.set_stat("ess_ratio", float(corr.stats.ess_ratio) * state.totals.stats_tokens)

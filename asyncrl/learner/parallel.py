@@ -21,7 +21,7 @@ root's forward is `PolicyLM.forward`). Mixed precision is FSDP2's `MixedPrecisio
 forward and backward run in bf16/fp16, the sharded master weights, optimizer state and the
 gradient reduction stay float32. A single plain rank in float32 (the default CPU job) is not
 wrapped at all: it keeps per-trajectory gradient streaming, which needs the unreduced gradient
-of one trajectory (`recipes.py`).
+of one trajectory (`rl_work.py`).
 """
 
 from __future__ import annotations

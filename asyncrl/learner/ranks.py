@@ -5,7 +5,7 @@ Place in the data flow: generators push every trajectory to rank 0 (the learner 
 validates and deduplicates it and forwards it to every other rank over a PUSH socket, in the
 order it offers it to its own trainer. Every rank therefore sees the same sequence of
 trajectories, and the trainer picks its chunks of complete groups from that sequence alone
-(`recipes.py`), so every rank runs the same forwards and backwards in the same order, each on its
+(`plans.py`), so every rank runs the same forwards and backwards in the same order, each on its
 share of the chunk: FSDP2's collectives (`parallel.py`) pair up. After each step every rank takes
 part in the same gathers and checkpoint writes as rank 0 (`after_step`). Only rank 0 publishes
 weights and talks to the launcher.
@@ -52,7 +52,7 @@ from asyncrl.learner.chunking import fixed_min_chunk
 from asyncrl.learner.loop import StepLoop, build_trainer, load_policy_model, window_size
 from asyncrl.learner.parallel import backend_for, iter_full_state, resolve_device, serving_dtype
 from asyncrl.learner.step import sample_from_message
-from asyncrl.learner.trainer import NonFiniteError
+from asyncrl.learner.update import NonFiniteError
 from asyncrl.messages import Shutdown, Trajectory
 from asyncrl.transport.shards import StreamedState
 from asyncrl.transport.zmq_io import Endpoint

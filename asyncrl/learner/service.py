@@ -42,9 +42,10 @@ from asyncrl.learner.ranks import (
     keep_before_fault,
     publish_state,
 )
-from asyncrl.learner.replay import ScheduleRecorder
+from asyncrl.learner.schedule import ScheduleRecorder
 from asyncrl.learner.step import sample_from_message
-from asyncrl.learner.trainer import NonFiniteError, StepResult
+from asyncrl.learner.step import StepResult
+from asyncrl.learner.update import NonFiniteError
 from asyncrl.messages import (
     Evaluated,
     GroupsLeft,
@@ -131,7 +132,7 @@ class LearnerService:
                     if self.cfg.min_chunk == "auto" and self.trainer.streams_per_trajectory
                     else None
                 ),
-                recorder=ScheduleRecorder(self.ctx.run_dir) if cfg.run.record_schedule else None,
+                on_step_end=ScheduleRecorder(self.ctx.run_dir).write if cfg.run.record_schedule else None,
             )
         )
         if is_wrapped(self.cfg):
@@ -356,7 +357,7 @@ class LearnerService:
         self.model.eval()
         threads = torch.get_num_threads()
         # The trainer's data-parallel threads run one torch thread each; decoding is one batch.
-        torch.set_num_threads(max(threads, self.trainer.threads))
+        torch.set_num_threads(max(threads, self.trainer.engine.threads))
         try:
             accuracy = greedy_accuracy(
                 self.model,

@@ -1,8 +1,9 @@
 """Trajectories in the learner's terms, packed into padded batches (no sockets, no model).
 
-`trainer.py` packs what it trains on with `pack`; `staleness_B` gives each sequence's staleness;
-`StepTotals` sums a step's figures and `StepResult` reports them. The learner service sends a
-step's result to the launcher as the `StepDone` message that `StepResult.step_done` builds.
+The engine (`engine.py`) packs what a unit trains on with `pack`; `staleness_B` gives each
+sequence's staleness; `StepResult` reports a step's figures (summed in `state.StepTotals`). The
+learner service sends a step's result to the launcher as the `StepDone` message that
+`StepResult.step_done` builds.
 
 Legend: B sequences, L packed length (prompt + completion, right-padded), G groups, N samples
 per group. Log-probs are aligned with input positions: position t holds log pi(x_t | x_<t).
@@ -10,18 +11,14 @@ per group. Log-probs are aligned with input positions: position t holds log pi(x
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
 
 from asyncrl.messages import StepDone
-
-if TYPE_CHECKING:
-    from asyncrl.learner.objective import DistillStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +61,6 @@ class PackedBatch(NamedTuple):
         return self._replace(
             **{k: v.to(device) for k, v in self._asdict().items() if isinstance(v, torch.Tensor)}
         )
-
-
-class StepStats(NamedTuple):
-    loss: float
-    clip_fraction: float
-    mean_reward: float
-    num_tokens: int
-    max_staleness: int
-    mean_staleness: float
-    lr_scale: float
-    policy_stats: dict[str, float]  # the staleness policy's diagnostics (finite ones)
 
 
 def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
@@ -222,42 +208,3 @@ class StepResult:
 # StepDone's field names, read once; a field added to the message is filled from a StepResult
 # field or property of the same name, or must come from the service.
 _STEP_DONE_FIELDS = tuple(f.name for f in msgspec.structs.fields(StepDone))
-
-
-@dataclass
-class StepTotals:
-    """Per-step sums; the first seven (units .. staleness_sum) and `distill_loss` are all-reduced
-    across ranks."""
-
-    units: float = 0.0
-    loss: float = 0.0
-    clipped_tokens: float = 0.0
-    tokens: float = 0.0
-    reward: float = 0.0
-    seqs: float = 0.0
-    staleness_sum: float = 0.0
-    max_staleness: int = 0
-    stats_tokens: float = 0.0
-    stats: dict[str, float] = field(default_factory=dict)
-    lr_scale: float = 1.0
-    streamed: int = 0
-    deferred: int = 0
-    distill_loss: float = 0.0  # the distillation term's part of `loss` (all-reduced with it)
-    distill: DistillStats | None = None  # the distillation term's figures (this rank's)
-
-    def add_samples(self, samples: Sequence[TrainSample], stale_B: torch.Tensor) -> None:
-        self.reward += sum(s.reward for s in samples)
-        self.seqs += len(samples)
-        self.staleness_sum += float(stale_B.sum())
-        self.max_staleness = max(self.max_staleness, int(stale_B.max()))
-
-    def add_distill(self, stats: DistillStats) -> None:
-        """A distillation term's figures: its loss (already in `loss`) and its selection counts."""
-        self.distill_loss += stats.loss
-        self.distill = stats if self.distill is None else self.distill.plus(stats)
-
-    def add_stats(self, stats: dict[str, float], tokens: float) -> None:
-        for k, v in stats.items():
-            if math.isfinite(v):
-                self.stats[k] = self.stats.get(k, 0.0) + v * tokens
-        self.stats_tokens += tokens

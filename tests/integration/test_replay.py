@@ -1,4 +1,4 @@
-"""Bitwise replay of an asynchronous run (asyncrl/learner/replay.py): a run with two generators
+"""Bitwise replay of an asynchronous run (asyncrl/replay.py): a run with two generators
 records its learner schedule; `asyncrl replay` reproduces its parameters and every step's
 training values bit for bit, also when replayed to step N with a checkpoint and resumed; and a
 schedule that was tampered with is reported as different."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -47,6 +48,16 @@ def _same(a: TrainSample, b: TrainSample) -> bool:
     return True
 
 
+class _Copies:
+    """No staleness-policy weight copies (what `WeightCopies` saves without EWMA or snapshots)."""
+
+    def state_dict(self) -> dict:
+        return {"ewma": None, "snapshots": {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        assert state["ewma"] is None and state["snapshots"] == {}
+
+
 class _Trainer:
     """What the checkpoint reads and writes of a trainer."""
 
@@ -59,9 +70,8 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.model(torch.ones(2, 4)).sum().backward()
         self.optimizer.step()
-        self.ewma = None
-        self.snapshots = {}
-        self.nonfinite_total = 2
+        self.copies = _Copies()
+        self.updater = types.SimpleNamespace(nonfinite_total=2)
 
 
 def test_trainer_state_and_held_trajectories_round_trip(tmp_path):
@@ -75,7 +85,7 @@ def test_trainer_state_and_held_trajectories_round_trip(tmp_path):
         assert torch.equal(dst.model.state_dict()[name], value)
     for a, b in zip(src.optimizer.state.values(), dst.optimizer.state.values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
-    assert dst.nonfinite_total == 2
+    assert dst.updater.nonfinite_total == 2
     assert [step for step, _ in restored] == [5, 5, 6]
     assert all(_same(a, b) for (_, a), (_, b) in zip(held, restored, strict=True))
     # Only tensors and plain containers are stored: weights_only loading is what restored it.

@@ -67,9 +67,9 @@ def test_every_policy_trains_and_micro_batching_changes_nothing(tiny_model_dir, 
             temperature=1.0, pad_token_id=0, group_size=4, micro_batch_size=micro, max_open_groups=8,
             max_staleness=3,
         )  # fmt: skip
-        if "old_train" in trainer.policy.needs:  # snapshots of the versions the samples carry
+        if "old_train" in trainer.engine.policy.needs:  # snapshots of the versions the samples carry
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            trainer.snapshots = {v: state for v in range(3, 7)}
+            trainer.copies.snapshots = {v: state for v in range(3, 7)}
         trainer.begin_step(6)
         trainer.batch_backward(_samples())
         result = trainer.finish_step()

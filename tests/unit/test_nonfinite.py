@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_trainer import STEP, _model, _samples, _trainer
 
-from asyncrl.learner.trainer import FAULT_ENV, NonFiniteError
+from asyncrl.learner.update import FAULT_ENV, NonFiniteError
 
 
 def _state(trainer):
@@ -35,14 +35,14 @@ def test_a_nan_gradient_skips_the_step_and_training_goes_on(tiny_model_dir, monk
     params, opt = _state(t)
     skipped = _step(t, samples, STEP + 1)
     assert skipped.skipped_nonfinite
-    assert t.nonfinite_total == 1 and t.nonfinite_in_a_row == 1
+    assert t.nonfinite_total == 1 and t.updater.nonfinite_in_a_row == 1
     assert all(torch.equal(a, p) for a, p in zip(params, t.params, strict=True))
     after = t.optimizer.state_dict()
     for k, v in opt["state"].items():
         assert all(torch.equal(v[name], after["state"][k][name]) for name in v)
     assert all(p.grad is None for p in t.params)  # the poisoned gradient is gone
     again = _step(t, samples, STEP + 2)
-    assert not again.skipped_nonfinite and t.nonfinite_in_a_row == 0 and t.nonfinite_total == 1
+    assert not again.skipped_nonfinite and t.updater.nonfinite_in_a_row == 0 and t.nonfinite_total == 1
     assert any(not torch.equal(a, p) for a, p in zip(params, t.params, strict=True))
 
 
@@ -51,7 +51,7 @@ def test_too_many_in_a_row_end_training_with_one_clear_error(tiny_model_dir, mon
     model = _model(tiny_model_dir)
     samples = _samples(model)
     t = _trainer(model, "learner.streaming=off")
-    t.max_nonfinite_steps = 2  # learner.max_nonfinite_steps
+    t.updater.max_nonfinite_steps = 2  # learner.max_nonfinite_steps
     before = [p.detach().clone() for p in t.params]
     assert _step(t, samples, STEP).skipped_nonfinite
     with pytest.raises(NonFiniteError, match="2 steps in a row had a non-finite loss or gradient"):

@@ -85,9 +85,9 @@ def test_streamed_combined_and_selected_steps_equal_the_batch_step(setup, name):
 
 
 def test_micro_batches_and_threads_change_no_combined_update(setup, monkeypatch):
-    from asyncrl.learner import trainer as trainer_mod
+    from asyncrl.learner import engine as engine_mod
 
-    monkeypatch.setattr(trainer_mod, "MIN_PIECE", 2)
+    monkeypatch.setattr(engine_mod, "MIN_PIECE", 2)
     base, samples = setup
     sets = [*OPD, *MODES["weight_failed+entropy"]]
     whole, split, threaded = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
@@ -107,8 +107,8 @@ def _sgd_update(base, samples, *sets, streaming=True):
     """The parameter change of one step under plain SGD with lr 1 (minus the gradient)."""
     model = copy.deepcopy(base)
     t = _trainer(model, *sets, *([] if streaming else ["learner.streaming=off"]))
-    t.optimizer = torch.optim.SGD(t.params, lr=1.0)
-    t.max_grad_norm = 1e9
+    t.updater.optimizer = torch.optim.SGD(t.params, lr=1.0)
+    t.updater.max_grad_norm = 1e9
     before = _params(model)
     t.begin_step(STEP)
     if t.fallback:

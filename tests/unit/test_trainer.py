@@ -18,7 +18,8 @@ from asyncrl.config_objective import check_staleness_policy
 from asyncrl.learner.loop import max_open_groups
 from asyncrl.learner.objective import Objective
 from asyncrl.learner.step import TrainSample
-from asyncrl.learner.trainer import StalenessViolation, Trainer
+from asyncrl.learner.state import StalenessViolation
+from asyncrl.learner.trainer import Trainer
 from asyncrl.models.policy import PolicyLM
 
 STEP = 6  # the trainer's policy_version in these tests
@@ -329,7 +330,7 @@ def test_exact_old_logits_come_from_the_snapshot_of_each_tokens_version(tiny_mod
     v1 = mask & (batch.versions_BL == 1)
     torch.testing.assert_close(old[v0], logp_v0[v0], rtol=0, atol=1e-12)
     assert v1.any() and not torch.allclose(old[v1], logp_v0[v1])  # version 1 is the updated model
-    assert sorted(trainer.snapshots) == [0, 1, 2]  # max_staleness 2: versions >= 2 - 2 kept
+    assert sorted(trainer.copies.snapshots) == [0, 1, 2]  # max_staleness 2: versions >= 2 - 2 kept
 
 
 def test_ewma_network_tracks_the_decayed_average_of_the_parameters(tiny_model_dir):
@@ -347,7 +348,7 @@ def test_ewma_network_tracks_the_decayed_average_of_the_parameters(tiny_model_di
         trainer.finish_step()
         history.append(state())
     # Bias-corrected EWMA with decay 0.5 over [theta0, theta1, theta2]: weights 1/4, 1/2, 1 over 7/4.
-    for name, got in trainer.ewma.params.items():
+    for name, got in trainer.copies.ewma.params.items():
         expected = (0.25 * history[0][name] + 0.5 * history[1][name] + history[2][name]) / 1.75
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6, msg=name)
     assert not torch.equal(history[0]["lm_head.weight"], history[2]["lm_head.weight"])
@@ -419,7 +420,7 @@ def test_a_group_weight_scales_its_policy_gradient_exactly(tiny_model_dir, strea
     def update(weight):
         model = copy.deepcopy(base)
         t = _trainer(model, *([] if streaming else ["learner.streaming=off"]))
-        t.optimizer = torch.optim.SGD(t.params, lr=1.0)  # the update is minus the gradient
+        t.updater.optimizer = torch.optim.SGD(t.params, lr=1.0)  # the update is minus the gradient
         before = _params(model)
         batch = [
             dataclasses.replace(s, weight=weight, token_versions=torch.full_like(s.token_versions, STEP - 3))
@@ -564,10 +565,10 @@ def test_data_parallel_threads_give_the_one_thread_update(tiny_model_dir, tmp_pa
     """learner.threads > 1 on one CPU rank: a micro-batch's pieces train on several threads and
     their gradients are added in piece order. The update equals one thread's (float64: up to
     summation order) and does not depend on which thread finished first (bitwise across runs)."""
-    from asyncrl.learner import trainer as trainer_mod
+    from asyncrl.learner import engine as engine_mod
     from asyncrl.models.tiny import create_base
 
-    monkeypatch.setattr(trainer_mod, "MIN_PIECE", 2)  # the test's groups are small
+    monkeypatch.setattr(engine_mod, "MIN_PIECE", 2)  # the test's groups are small
     sets, step = THREADED[name]
     base = _model(tiny_model_dir)
     samples = _samples(base, num_groups=6, stale=0.5)
@@ -575,9 +576,9 @@ def test_data_parallel_threads_give_the_one_thread_update(tiny_model_dir, tmp_pa
         teacher = create_base(tmp_path / "teacher", hidden_size=32, num_layers=1, num_heads=2, seed=7)
         samples = _with_opd(base, _model(teacher), samples)
     pieces = []
-    real = trainer_mod.Trainer._piece_grads
+    real = engine_mod.Engine._piece_grads
     monkeypatch.setattr(
-        trainer_mod.Trainer,
+        engine_mod.Engine,
         "_piece_grads",
         lambda self, f, piece: pieces.append(len(piece)) or real(self, f, piece),
     )

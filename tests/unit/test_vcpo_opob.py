@@ -138,8 +138,8 @@ def _opob_update(base, samples, *sets, streaming, seed=0):
 
     model = copy.deepcopy(base)
     t = _trainer(model, *sets, *([] if streaming else ["learner.streaming=off"]))
-    t.optimizer = torch.optim.SGD(t.params, lr=1.0)
-    t.lr, t.max_grad_norm = 1.0, 1e9
+    t.updater.optimizer = torch.optim.SGD(t.params, lr=1.0)
+    t.updater.lr, t.updater.max_grad_norm = 1.0, 1e9
     before = _params(model)
     t.begin_step(STEP)
     if t.fallback:

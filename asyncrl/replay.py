@@ -25,7 +25,6 @@ loader allows with `run.record_schedule`). Files are written with `torch.save` a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import warnings
@@ -35,10 +34,9 @@ from pathlib import Path
 import msgspec
 import torch
 
+from asyncrl.learner.schedule import read_step
 from asyncrl.learner.step import StepResult, TrainSample
 
-SCHEDULE_DIR = "schedule"
-FORMAT = 1
 # The StepDone fields that are training values (what a replay must reproduce): everything but
 # timings and the learner's own notes.
 TRAINING_FIELDS = (
@@ -58,74 +56,11 @@ TRAINING_FIELDS = (
 )
 
 
-def schedule_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / SCHEDULE_DIR / f"step-{step:08d}.pt"
-
-
-def _sample_state(sample: TrainSample) -> dict:
-    fields = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
-    fields["prompt_ids"] = [int(t) for t in sample.prompt_ids]
-    return fields
-
-
-class ScheduleRecorder:
-    """Learner side: writes each step's schedule when the step ends (`StepLoop.run_step`)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = Path(run_dir)
-        (self.run_dir / SCHEDULE_DIR).mkdir(parents=True, exist_ok=True)
-
-    def write(
-        self, step: int, *, samples: Sequence[TrainSample], calls: Sequence[int], whole: bool, threads: int
-    ) -> None:
-        path = schedule_path(self.run_dir, step)
-        tmp = path.with_name(f".{path.name}.tmp")
-        record = {
-            "format": FORMAT,
-            "step": step,
-            "threads": threads,
-            "whole": whole,
-            "calls": [int(c) for c in calls],
-            "samples": [_sample_state(s) for s in samples],
-        }
-        torch.save(record, tmp)
-        tmp.replace(path)  # a step re-run after a resume replaces its record
-
-
-def read_step(run_dir: Path, step: int) -> dict:
-    path = schedule_path(run_dir, step)
-    if not path.is_file():
-        raise ValueError(
-            f"{run_dir} has no schedule for step {step} ({path} missing): record runs with "
-            "--set run.record_schedule=true; a run stopped early has a schedule up to where it stopped"
-        )
-    try:
-        record = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise ValueError(f"schedule file {path} cannot be read: {exc}") from None
-    if record.get("format") != FORMAT or record.get("step") != step:
-        raise ValueError(f"schedule file {path} is not a format-{FORMAT} record of step {step}")
-    return record
-
-
-def force_threads(trainer, threads: int) -> None:
-    """The data-parallel thread count the step trained on (a replay may not re-decide it)."""
-    if threads > max(trainer.threads, 1):
-        raise ValueError(
-            f"the recorded step trained on {threads} data-parallel threads; this replay's learner has "
-            f"{trainer.threads}: run it with --set learner.threads={threads} or on a host with as many CPUs"
-        )
-    if trainer.core_share is not None:
-        trainer.core_share.threads = threads
-    else:
-        trainer.threads = threads
-
-
 def replay_step(trainer, record: dict) -> StepResult:
     """Re-execute one recorded step on `trainer`: the same offers, work calls and thread count."""
     step = int(record["step"])
     samples = [TrainSample(**s) for s in record["samples"]]
-    force_threads(trainer, int(record["threads"]))
+    trainer.engine.force_threads(int(record["threads"]))
     trainer.begin_step(step, window_groups=len(samples) // trainer.group_size)
     if record["whole"]:
         trainer.batch_backward(samples)

@@ -1,0 +1,494 @@
+"""The units of an RL learner step (no sockets): group advantages, staleness corrections, losses
+and backwards. It runs what the step's plan (`plans.py`) names and records what it measured in
+the step's `StepState`.
+
+Place in the data flow: the `Trainer` builds one `RLWork` (or `OpobWork`, for the off-policy
+optimal baseline) from an `RLObjective` and the `Engine`. Units:
+* `StreamOne`: one trajectory's forward and backward into its group's S0/S1 sums, when its
+  gradient is linear in its advantage (else it is deferred: it waits for its group);
+* `CloseGroups`: the waiting members of complete groups train in one backward with known
+  advantages; the groups' streamed members fold from S0/S1;
+* `TrainGroups` (lockstep ranks): this rank's share of complete groups, advantages known;
+* `whole`: the step's whole batch at once (batch-global corrections, KL terms, epochs).
+With a `CombinedObjective` (`opd.reward`) every forward is the distillation forward over the
+cached ids (column 0 gives the RL part's log-probs) and each loss adds the trajectory's
+distillation term; a streamed trajectory's term goes straight into `.grad` (the step's sum), its
+RL part into the group sums.
+
+Legend: B sequences, L packed length, N samples per group (RL) or cached ids per position (OPD),
+G groups, P flattened parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from asyncrl.learner.advantages import group_rewards
+from asyncrl.learner.distill_work import OpdArrays, distill_term, opd_arrays
+from asyncrl.learner.engine import Engine
+from asyncrl.learner.objective import CombinedObjective, DistillStats, RLObjective
+from asyncrl.learner.opob import baseline_scale, folded_loss, step_lr_scale
+from asyncrl.learner.plans import CloseGroups, StreamOne, TrainGroups, Unit
+from asyncrl.learner.state import StepState
+from asyncrl.learner.step import TrainSample, pack
+from asyncrl.learner.streaming import StreamingAccumulator
+from asyncrl.staleness.base import Correction
+
+
+class RLWork:
+    def __init__(self, engine: Engine, objective: RLObjective, *, streams: bool, max_open_groups: int) -> None:
+        self.engine = engine
+        self.objective = objective
+        # Whether a step keeps group S0/S1 sums (trajectories stream into them).
+        self.streams = streams
+        self.max_open_groups = max_open_groups
+        self.reference = None  # the initial model, for a KL term
+        if objective.uses_reference:
+            self.reference = copy.deepcopy(engine.actor).eval().requires_grad_(False)
+        # The distillation part of a combined objective (opd.reward), None for RL alone.
+        self.distill: CombinedObjective | None = objective if isinstance(objective, CombinedObjective) else None
+
+    def accumulator(self, group_size: int) -> StreamingAccumulator | None:
+        """A new step's group S0/S1 sums (None: nothing streams into groups)."""
+        if not self.streams:
+            return None
+        return StreamingAccumulator(
+            self.engine.params,
+            estimator=self.objective.stream_estimator,
+            agg=self.objective.agg,
+            group_size=group_size,
+            drop_degenerate_groups=self.objective.drop_degenerate_groups,
+            max_open_groups=self.max_open_groups,
+            norm_constant=1.0,
+            dtype=self.engine.dtype,
+            baseline=self.baseline,
+        )
+
+    def run(self, unit: Unit, state: StepState) -> None:
+        match unit:
+            case StreamOne(sample):
+                if self.stream_one(state, sample):
+                    state.take([sample])
+                else:
+                    state.defer(sample)
+            case CloseGroups(gids):
+                self._close_groups(state, gids)
+            case TrainGroups(gids):
+                self._train_groups(state, gids)
+            case _:
+                raise TypeError(f"RL work has no unit {type(unit).__name__}")
+
+    def end(self, state: StepState) -> None:
+        """Before the update: what needs the whole step (nothing, for the group mean)."""
+
+    # ------------------------------------------------------------------ forwards
+    def _forward(
+        self, ids_BL: torch.Tensor, opd: OpdArrays | None, lengths_B: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs of the sampled tokens [B, L] (with grad) and, for a combined
+        objective, of the cached ids [B, L, N] (the same forward: column 0 is the first)."""
+        if opd is None:
+            return self.engine.logp(self.engine.actor, ids_BL, lengths_B), None
+        logp_BLN = self.engine.candidate_logp(ids_BL, opd.ids_BLN, lengths_B)
+        return logp_BLN[..., 0], logp_BLN
+
+    def _opd_for(self, samples: Sequence[TrainSample], width: int) -> OpdArrays | None:
+        """The teacher arrays of a packed batch and each trajectory's gate (combined objective)."""
+        if self.distill is None:
+            return None
+        gate_B = self.distill.gate(torch.tensor([s.reward for s in samples], dtype=torch.float64))
+        return opd_arrays(samples, width, self.engine, gate_B)
+
+    # ------------------------------------------------------------------ streaming
+    def stream_one(self, state: StepState, sample: TrainSample, *, on_arrival: bool = True) -> bool:
+        """One trajectory's forward and backward into its group's sums (its distillation term, if
+        any, into `.grad`); False if its gradient is not linear in its advantage (it waits)."""
+        if sample.weight != 1.0 and not self.every_trajectory_streams:
+            return False  # a weighted group trains when complete (its advantages are scaled)
+        e = self.engine
+        batch = e.pack([sample])
+        opd = self._opd_for([sample], batch.input_ids_BL.shape[1])
+        logp_1L, logp_1LN = self._forward(batch.input_ids_BL, opd)
+        corr = e.correct(batch, logp_1L.detach(), torch.ones(1, dtype=e.dtype, device=e.device), state.step)
+        found = self.objective.stream_loss(logp_1L, corr, batch.completion_mask_BL)
+        if found is None:
+            return self._not_linear(sample)
+        loss_pos, stats = found
+        h_P = e.flat_grad(loss_pos, retain_graph=opd is not None).neg_()
+        self._fold(state, sample, h_P, batch, logp_1L, float(loss_pos.detach()) * sample.weight, on_arrival)
+        if logp_1LN is not None:  # the distillation term needs no group: straight into the step's sum
+            d_loss, d_stats = distill_term(self.distill.distill, logp_1LN, opd, batch.completion_mask_BL)
+            d_loss.backward()
+            state.add_loss(d_stats.loss)
+            state.add_distill(d_stats)
+        state.account(
+            batch,
+            [sample],
+            stats_dict(corr),
+            tokens=float(stats.num_tokens),
+            clipped=float(stats.clip_fraction) * float(stats.num_tokens),
+        )
+        return True
+
+    # Whether every trajectory streams on its own, weighted or not (the optimal baseline).
+    every_trajectory_streams = False
+    baseline = "mean"  # the group sums' baseline (`StreamingAccumulator`)
+
+    def _not_linear(self, sample: TrainSample) -> bool:
+        return False
+
+    def _fold(self, state: StepState, sample, h_P, batch, logp_1L, loss_value: float, on_arrival: bool) -> None:
+        """h_P into the group's sums; the loss value waits for the group's advantages."""
+        state.acc.add_trajectory(
+            h_P, num_tokens=trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
+        )
+        state.note_streamed(sample, loss_value, on_arrival=on_arrival)
+
+    # ------------------------------------------------------------------ complete groups
+    def _close_groups(self, state: StepState, gids: list[int]) -> None:
+        """Train the waiting members of complete groups with known advantages, then fold."""
+        chunk = [s for g in gids for s in state.waiting[g]]
+        adv_of, keep_of = self._group_advantages(state, gids)
+        self._backward_parts(state, chunk, adv_of, keep_of)
+        # Their gradient stays in `.grad` (summed with the step's other complete groups); the
+        # streamed members of these groups fold from S0/S1 into the accumulator.
+        for g in gids:
+            known = state.take_groups([g])
+            state.acc.close_with_known(
+                g, [s.reward for s in known], num_tokens=sum(trained_tokens(s) for s in known)
+            )
+
+    def _train_groups(self, state: StepState, gids: list[int]) -> None:
+        """Lockstep: this rank's share of complete groups `gids`, with known advantages (the
+        backward reduces the gradient over the ranks)."""
+        chunk = [s for g in gids for s in state.sorted_members(g)]
+        adv_of, keep_of = self._group_advantages(state, gids)
+        self._backward_parts(state, self.engine.share(chunk), adv_of, keep_of)
+        state.take_groups(gids)
+        state.mark_groups_trained(len(gids))
+
+    def _group_advantages(self, state: StepState, gids: list[int]) -> tuple[dict[int, float], dict[int, bool]]:
+        """Each member's advantage (times its group's weight) and keep flag, by traj id; adds
+        the streamed members' loss values now that their advantages are known."""
+        adv_of: dict[int, float] = {}
+        keep_of: dict[int, bool] = {}
+        for g in gids:
+            members = state.sorted_members(g)
+            rewards_1N = torch.tensor([[s.reward for s in members]], dtype=torch.float64)
+            adv_1N, keep_1N = self.objective.group_advantages(rewards_1N)
+            for k, s in enumerate(members):
+                adv_of[s.traj_id] = float(adv_1N[0, k]) * s.weight
+                keep_of[s.traj_id] = bool(keep_1N[0, k])
+            # Streamed members' loss value: A_i * l_i(+1), their gradient folds from S0/S1.
+            slots = [s.sample_index for s in members]
+            for slot, loss_pos, _ in state.pop_streamed_loss(g):
+                state.add_loss(float(adv_1N[0, slots.index(slot)]) * loss_pos)
+        return adv_of, keep_of
+
+    def _backward_parts(self, state: StepState, samples: list[TrainSample], adv_of: dict, keep_of: dict) -> None:
+        e = self.engine
+        for part in e.microbatches(samples):
+            if part is None:
+                e.dummy_backward()
+                continue
+            e.backward_pieces(
+                [samples[i] for i in part], functools.partial(self._chunk_loss, state, adv_of, keep_of)
+            )
+
+    def _chunk_loss(self, state: StepState, adv_of: dict, keep_of: dict, samples: Sequence[TrainSample]):
+        """Loss over complete-group members with known advantages (local policies only), and
+        what accounts for it once its gradient is in (`Engine.backward_pieces`)."""
+        e = self.engine
+        batch = e.pack(samples)
+        adv_B = torch.tensor([adv_of[s.traj_id] for s in samples], dtype=e.dtype, device=e.device)
+        keep_B = torch.tensor([keep_of[s.traj_id] for s in samples], device=e.device)
+        mask = batch.completion_mask_BL & keep_B[:, None]
+        opd = self._opd_for(samples, batch.input_ids_BL.shape[1])
+        logp_BL, logp_BLN = self._forward(batch.input_ids_BL, opd, batch.lengths_B)
+        corr = e.correct(batch, logp_BL.detach(), adv_B, state.step)
+        adv_BL = torch.where(mask, adv_B[:, None], 0.0)
+        loss, stats = self.objective.policy_loss(logp_BL, corr, adv_BL, mask)
+        d_stats = None
+        if logp_BLN is not None:  # every trajectory's tokens, dropped (keep False) or not
+            d_loss, d_stats = distill_term(self.distill.distill, logp_BLN, opd, batch.completion_mask_BL)
+            loss = loss + d_loss
+
+        def account() -> None:
+            state.add_loss(float(loss.detach()))
+            if d_stats is not None:
+                state.add_distill(d_stats)
+            if state.acc is None:  # lockstep: no accumulator counts Z for these members
+                state.add_units(self.objective.units(mask))
+            tokens = float(stats.num_tokens)
+            state.account(batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens)
+
+        return loss, account
+
+    # ------------------------------------------------------------------ whole batch
+    def whole(self, state: StepState, samples: Sequence[TrainSample]) -> None:
+        """The whole step at once, `samples` in trajectory-id order: advantages from the whole
+        batch, corrections over this rank's rows (lockstep ranks each train their share)."""
+        e = self.engine
+        whole = pack(samples, pad_token_id=e.pad_token_id)
+        rows = list(range(e.rank, len(samples), e.world_size))
+        mine = [samples[i] for i in rows]
+        parts = e.microbatches(mine)
+        if not mine:  # more ranks than rows: this rank only takes part in the collectives
+            self._no_rows(state, parts)
+            return
+        batch = pack(mine, pad_token_id=e.pad_token_id, require_complete=False)
+        ids = batch.input_ids_BL.to(e.device)
+        # (With data-parallel threads the rows train in pieces: an anchor forward, then each piece.)
+        single = len(parts) == 1 and parts[0] is not None and len(parts[0]) == len(mine)
+        single = single and self.reference is None and not e.lockstep and e.threads == 1
+        opd = self._opd_for(mine, ids.shape[1])
+        logp_ref_BL = self._reference_logp(ids, parts)
+        logp_BL = logp_BLN = None
+        if single:
+            logp_BL, logp_BLN = self._forward(ids, opd)
+            logp_now_BL = logp_BL.detach()
+        else:
+            logp_now_BL = self._anchor_logp(ids, parts, opd)
+        adv_GN, keep_GN = self._batch_advantages(whole, logp_now_BL, logp_ref_BL, batch)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        g_B, n_B = whole.group_B[rows_t], whole.slot_B[rows_t]
+        adv_B = adv_GN[g_B, n_B].to(e.dtype)
+        if any(s.weight != 1.0 for s in mine):
+            adv_B = adv_B * torch.tensor([s.weight for s in mine], dtype=e.dtype)
+        batch = batch.to(e.device)
+        adv_B = adv_B.to(e.device)
+        mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(e.device)[:, None]
+        corr = e.correct(batch, logp_now_BL, adv_B, state.step)
+        adv_BL = torch.where(mask, adv_B[:, None], 0.0)
+        plan = WholeRows(ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL, batch.lengths_B)
+        if self.objective.epochs > 1:
+            state.add_rerun(functools.partial(self._rows_backward, plan))
+        sums = self._rows_backward(plan, logp_BL, logp_BLN)
+        state.add_loss(sums.loss)
+        state.add_units(self.objective.units(mask))
+        state.set_lr_scale(corr.lr_scale)
+        stats = stats_dict(corr)
+        if sums.kl_values:
+            stats["kl"] = sum(sums.kl_values) / len(sums.kl_values)
+        if sums.distill is not None:
+            state.add_distill(sums.distill)
+        state.account(batch, mine, stats, tokens=float(mask.sum()), clipped=sums.clipped)
+
+    def _no_rows(self, state: StepState, parts: list) -> None:
+        """A lockstep rank with no rows of the batch still runs its part of every collective:
+        the reference's and the anchor's forwards, then the backward (and later epochs')."""
+        for _ in range(2 if self.reference is not None else 1):
+            for _ in parts:
+                self.engine.dummy_forward()
+        plan = WholeRows(None, None, None, None, None, parts, None, None, None)
+        if self.objective.epochs > 1:
+            state.add_rerun(functools.partial(self._rows_backward, plan))
+        self._rows_backward(plan)
+
+    def _reference_logp(self, ids: torch.Tensor, parts: list) -> torch.Tensor | None:
+        """The reference (initial) model's log-probs of the rows, for a KL term; else None."""
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return _by_parts(lambda sl: self.engine.logp(self.reference, ids[sl]), ids, parts, self.engine)
+
+    def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
+        """The current policy's log-probs of the rows (no grad), micro-batch by micro-batch."""
+        with torch.no_grad():
+            return _by_parts(
+                lambda sl: self._forward(ids[sl], None if opd is None else opd.rows(sl, ids.shape[1]))[0],
+                ids,
+                parts,
+                self.engine,
+            )
+
+    def _batch_advantages(self, whole, logp_now_BL, logp_ref_BL, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(adv_GN, keep_GN) of the whole batch, rewards with the KL penalty where it is placed."""
+        rewards_B = whole.reward_B.double()
+        if logp_ref_BL is not None:
+            penalty_B = self.objective.kl_reward_penalty(
+                logp_now_BL, logp_ref_BL, batch.completion_mask_BL.to(self.engine.device)
+            )
+            rewards_B = rewards_B + penalty_B.cpu()
+        rewards_GN = group_rewards(
+            rewards_B, whole.group_B, whole.slot_B, num_groups=whole.num_groups, group_size=whole.group_size
+        )
+        return self.objective.group_advantages(rewards_GN)
+
+    def _rows_backward(
+        self, plan: WholeRows, logp_BL: torch.Tensor | None = None, logp_BLN: torch.Tensor | None = None
+    ) -> RowSums:
+        """Loss and backward of a packed batch, micro-batch by micro-batch, under the model as it
+        is now (`logp_BL`, and `logp_BLN` for a combined objective: its log-probs, with grad, when
+        the caller already has them for the whole batch). Returns the summed loss, the clipped
+        token count, the KL values and the distillation term's figures. A later epoch re-runs it
+        with the same anchors, corrections and advantages (PPO epochs)."""
+        e = self.engine
+        ids = plan.ids_BL
+        sums = RowSums()
+        for part in plan.parts:
+            if part is None:
+                e.dummy_backward()
+            elif logp_BL is not None:  # the whole batch in one part, in row order
+                rows = torch.arange(ids.shape[0], device=ids.device)
+                loss, account = self._rows_loss(plan, sums, rows, ids.shape[1], logp_BL, logp_BLN)
+                loss.backward()
+                account()
+            else:
+                e.backward_pieces(part, functools.partial(self._piece_loss, plan, sums))
+        return sums
+
+    def _piece_loss(self, plan: WholeRows, sums: RowSums, part: Sequence[int]):
+        return self._rows_loss(plan, sums, *_rows(part, plan.valid_BL))
+
+    def _rows_loss(
+        self, plan: WholeRows, sums: RowSums, sl: torch.Tensor, width: int, logp_BL=None, logp_BLN=None
+    ):
+        """The loss of rows `sl` of a packed batch (cut at `width`), and what adds its figures."""
+        ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL, lengths_B = plan
+        opd = None if opd is None else opd.rows(sl, width)
+        if logp_BL is None:
+            lengths = lengths_B[sl].clamp(max=width)
+            logp_BL, logp_BLN = self._forward(ids[sl, :width], opd, lengths)
+        part_corr = corr._replace(
+            logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
+            weight_BT=corr.weight_BT[sl, :width],
+            mask_BT=corr.mask_BT[sl, :width],
+        )
+        loss, stats = self.objective.policy_loss(logp_BL, part_corr, adv_BL[sl, :width], mask[sl, :width])
+        kl_value = None
+        if logp_ref_BL is not None:
+            kl, kl_value = self.objective.kl_term(
+                logp_BL, logp_ref_BL[sl, :width], mask[sl, :width], part_corr.weight_BT * part_corr.mask_BT
+            )
+            loss = loss + kl
+        d_stats = None
+        if logp_BLN is not None:
+            d_loss, d_stats = distill_term(self.distill.distill, logp_BLN, opd, valid_BL[sl, :width])
+            loss = loss + d_loss
+
+        def account() -> None:
+            sums.loss += float(loss.detach())
+            sums.clipped += float(stats.clip_fraction) * float(stats.num_tokens)
+            if kl_value is not None:
+                sums.kl_values.append(kl_value)
+            if d_stats is not None:
+                sums.distill = d_stats if sums.distill is None else sums.distill.plus(d_stats)
+
+        return loss, account
+
+
+class OpobWork(RLWork):
+    """RL with VCPO's off-policy optimal baseline (`staleness.vcpo_baseline` = opob*,
+    ALGORITHMS.md 2.2): every trajectory takes its own backward into its group's sums, complete
+    group or not, weighted or not; the accumulator keeps W_i and folds each group with
+    b_g = sum W R / sum W when it closes. A whole-batch step streams its trajectories group by
+    group. The lr scale of a policy whose only batch-global part it is (VCPO's ESS) is taken
+    over the step at its end (`opob.step_lr_scale`)."""
+
+    every_trajectory_streams = True
+    baseline = "opob"
+
+    def __init__(self, engine: Engine, objective: RLObjective, *, max_open_groups: int) -> None:
+        if engine.lockstep:
+            raise ValueError(
+                "staleness.vcpo_baseline = 'opob' takes one backward per trajectory on one plain float32 "
+                "rank; lockstep ranks (learner.world_size > 1, fsdp or mixed precision) train complete groups"
+            )
+        super().__init__(engine, objective, streams=True, max_open_groups=max_open_groups)
+
+    def _not_linear(self, sample: TrainSample) -> bool:
+        raise RuntimeError(
+            f"trajectory {sample.traj_id}: its gradient is not linear in its advantage, which the "
+            "optimal baseline (staleness.vcpo_baseline) needs; a staleness policy let a clip bind"
+        )
+
+    def _fold(self, state: StepState, sample, h_P, batch, logp_1L, loss_value: float, on_arrival: bool) -> None:
+        if sample.weight != 1.0:  # the group's weight scales every member's gradient
+            h_P.mul_(sample.weight)
+        fold = state.acc.add_trajectory(
+            h_P,
+            num_tokens=trained_tokens(sample),
+            group_id=sample.group_id,
+            reward=sample.reward,
+            baseline_scale=baseline_scale(self.objective, batch, logp_1L),
+        )
+        state.note_streamed(sample, loss_value, on_arrival=on_arrival)
+        if fold is not None:
+            streamed = state.pop_streamed_loss(fold.group_id)
+            state.add_loss(folded_loss(fold, streamed, self.objective.advantage, eps=state.acc.eps))
+        state.keep_opob_logp(sample, logp_1L.detach())
+
+    def whole(self, state: StepState, samples: Sequence[TrainSample]) -> None:
+        """One backward per trajectory, group by group (one group open at a time)."""
+        for sample in sorted(samples, key=lambda s: (s.group_id, s.sample_index)):
+            self.stream_one(state, sample, on_arrival=False)
+
+    def end(self, state: StepState) -> None:
+        step_lr_scale(self.engine, state)
+
+
+@dataclass
+class RowSums:
+    """What `_rows_backward` adds up over its micro-batches (and their pieces)."""
+
+    loss: float = 0.0
+    clipped: float = 0.0
+    kl_values: list[float] = field(default_factory=list)
+    distill: DistillStats | None = None  # the distillation term's figures (`DistillStats.plus`)
+
+
+class WholeRows(NamedTuple):
+    """A packed batch ready for loss and backward: what a later epoch re-runs."""
+
+    ids_BL: torch.Tensor
+    corr: Correction  # anchor log-probs, weights, mask: fixed at the step's start
+    adv_BL: torch.Tensor
+    mask_BL: torch.Tensor
+    logp_ref_BL: torch.Tensor | None
+    parts: list  # row indices per micro-batch (`Engine.microbatches`)
+    opd: OpdArrays | None  # a combined objective's teacher arrays and gates
+    valid_BL: torch.Tensor | None  # every trained completion token (the distillation term's mask)
+    lengths_B: torch.Tensor | None  # real tokens per row (prompt + completion)
+
+
+def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Row indices of a micro-batch and its width: the packed length, cut after the last column
+    any of its rows has a completion token in (right padding beyond it changes nothing)."""
+    sl = torch.tensor(part, dtype=torch.long, device=mask_BL.device)
+    cols = mask_BL[sl].any(dim=0).nonzero()
+    width = int(cols.max()) + 1 if len(cols) else 2
+    return sl, width
+
+
+def _by_parts(fn, ids_BL: torch.Tensor, parts: list, engine: Engine) -> torch.Tensor | None:
+    """`fn(rows)` (a no-grad forward of those rows of `ids_BL`) over micro-batches, reassembled
+    in row order and padded to the batch's width; `None` parts are a lockstep rank's empty turns."""
+    out = None
+    for part in parts:
+        if part is None:
+            engine.dummy_forward()
+            continue
+        sl = torch.tensor(part, dtype=torch.long, device=ids_BL.device)
+        values = fn(sl)
+        if out is None:
+            out = values.new_zeros(ids_BL.shape)
+        out[sl] = values
+    return out
+
+
+def trained_tokens(sample: TrainSample) -> int:
+    """Completion tokens the loss counts (all of them unless a loss mask drops some)."""
+    if sample.loss_mask is None:
+        return len(sample.completion_ids)
+    return int(sample.loss_mask.sum())
+
+
+def stats_dict(corr: Correction) -> dict[str, float]:
+    return {k: float(v) for k, v in corr.stats._asdict().items()}
