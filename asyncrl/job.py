@@ -315,7 +315,8 @@ def build_summary(
     wall_s: float,
     failure: str | None,
 ) -> RunSummary:
-    """summary.json's record of a finished (completed, failed or interrupted) job."""
+    """summary.json's record of a finished (completed, failed or interrupted) job. One
+    constructor call, field by field in the file's order (scheduler/summary.py has the schema)."""
     completed = failure is None and not launcher.interrupted
     # The ledger (scheduler/tasks.py): at the end of a completed run every admitted sample must be
     # trained; otherwise samples still pending are not lost (a resume would generate them).
@@ -324,11 +325,6 @@ def build_summary(
     learner = state.learner_metrics
     tally = state.rewards_tally
     train_wall = state.elapsed_s
-    position = None
-    if (position_of := getattr(task, "position", None)) is not None:
-        next_group = launcher.mode.admission.num_admitted
-        epoch, row = position_of(next_group)
-        position = DatasetPosition(next_group=next_group, epoch=epoch, row_in_epoch=row)
     return RunSummary(
         mode=config.mode,
         resumed_from=resume_version,
@@ -381,9 +377,18 @@ def build_summary(
         ),
         lint=[f.to_json() for f in warnings],
         run_dir=str(run_dir),
-        dataset_position=position,
+        dataset_position=dataset_position(task, next_group=launcher.mode.admission.num_admitted),
         error=failure or None,
     )
+
+
+def dataset_position(task: Task, *, next_group: int) -> DatasetPosition | None:
+    """Where a dataset task's prompt stream stands (None for a task without a position)."""
+    position_of = getattr(task, "position", None)
+    if position_of is None:
+        return None
+    epoch, row = position_of(next_group)
+    return DatasetPosition(next_group=next_group, epoch=epoch, row_in_epoch=row)
 
 
 def _means(rewards: dict[str, float], num_samples: int) -> str:

@@ -76,19 +76,29 @@ def _binned_rate(events: list[tuple[float, int]], bins: int) -> tuple[list[float
 
 
 def _plot(out_dir: Path, s: dict, summary: dict, bound: int | None) -> dict[str, Path]:
+    """The four figures, each drawn by its own function, saved as report_<name>.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figures = {
+        "reward": _plot_reward(plt, s, summary),
+        "throughput": _plot_throughput(plt, s),
+        "staleness": _plot_staleness(plt, s, bound),
+        "idle": _plot_idle(plt, s),
+    }
     paths: dict[str, Path] = {}
-
-    def save(fig, name: str) -> None:
+    for name, fig in figures.items():
         fig.tight_layout()
         paths[name] = out_dir / f"report_{name}.png"
         fig.savefig(paths[name], dpi=110)
         plt.close(fig)
+    return paths
 
+
+def _plot_reward(plt, s: dict, summary: dict):
+    """Mean reward by step and by wall time, `*accuracy*` series, held-out accuracy before/after."""
     fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, x, label in ((ax_step, s["step"], "learner step"), (ax_time, s["step_time_s"], "time (s)")):
         ax.plot(x, s["reward"], marker=".", label="mean reward (training samples)")
@@ -113,8 +123,10 @@ def _plot(out_dir: Path, s: dict, summary: dict, bound: int | None) -> dict[str,
     ax_step.legend(fontsize=8, loc="best")
     ax_step.set_title("reward and accuracy vs steps")
     ax_time.set_title("vs wall time")
-    save(fig, "reward")
+    return fig
 
+
+def _plot_throughput(plt, s: dict):
     fig, ax = plt.subplots(figsize=(10, 3.6))
     ax.plot(s["samples_rate_t"], s["samples_rate"], marker=".", label="trained samples/s (per step)")
     ax.set_xlabel("time (s)")
@@ -127,8 +139,10 @@ def _plot(out_dir: Path, s: dict, summary: dict, bound: int | None) -> dict[str,
         ax2.legend(fontsize=8, loc="lower right")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title("throughput")
-    save(fig, "throughput")
+    return fig
 
+
+def _plot_staleness(plt, s: dict, bound: int | None):
     fig, (ax_line, ax_hist) = plt.subplots(1, 2, figsize=(10, 3.6))
     ax_line.step(s["step"], s["max_staleness"], where="mid", label="max")
     ax_line.plot(s["step"], s["mean_staleness"], marker=".", label="mean")
@@ -144,8 +158,10 @@ def _plot(out_dir: Path, s: dict, summary: dict, bound: int | None) -> dict[str,
     ax_hist.set_ylabel("steps")
     ax_hist.set_xticks(values)
     fig.suptitle("staleness")
-    save(fig, "staleness")
+    return fig
 
+
+def _plot_idle(plt, s: dict):
     fig, ax = plt.subplots(figsize=(10, 3.6))
     for stage, (ts, vs) in sorted(s["idle"].items()):
         ax.plot(ts, vs, marker=".", label=stage)
@@ -158,8 +174,7 @@ def _plot(out_dir: Path, s: dict, summary: dict, bound: int | None) -> dict[str,
     else:
         ax.text(0.5, 0.5, "no idle-ratio metrics in this run", ha="center", transform=ax.transAxes)
     ax.set_title("per-stage idle ratio")
-    save(fig, "idle")
-    return paths
+    return fig
 
 
 def _cell(value, spec: str = ".3f") -> str:

@@ -356,34 +356,7 @@ class Launcher:
         is_learner = child.role == "learner"
         match msg:
             case Hello():
-                if msg.protocol_version != PROTOCOL_VERSION:
-                    ctrl.reject(f"wrong protocol version: {msg.protocol_version} from {peer}")
-                    self.fail(
-                        f"{child.role} {peer} speaks protocol version {msg.protocol_version}, the launcher "
-                        f"{PROTOCOL_VERSION}: run the same asyncrl version in every process"
-                    )
-                    return
-                if child.ready:
-                    raise ValueError(f"{peer} said Hello twice")
-                child.ready = True
-                if child.role == "teacher":
-                    self.teacher_endpoint = msg.endpoint
-                elif is_learner:
-                    self.learner_endpoint = msg.endpoint
-                    if msg.note:
-                        self.records.event(msg.note)
-                    # Generators start with the learner, before its endpoint is known.
-                    for inc in self.pool.said_hello():
-                        await self.send_to(ctrl, inc.peer_id, DataEndpoint(endpoint=msg.endpoint))
-                else:
-                    if self.learner_endpoint:
-                        await self.send_to(ctrl, peer, DataEndpoint(endpoint=self.learner_endpoint))
-                    latest = self.last_published.version if self.last_published else 0
-                    self.pool.on_hello(peer, latest_version=latest)
-                    if self.last_published is not None:
-                        # A late joiner (a replacement) must load the current weights before it serves.
-                        await self.send_to(ctrl, peer, self.last_published)
-                    await self.dispatch(ctrl)
+                await self.on_hello(ctrl, child, msg)
             case TasksDone() if not is_learner:
                 for item in msg.items:  # a bad item is rejected alone, as it was in its own message
                     try:
@@ -432,6 +405,40 @@ class Launcher:
                     self.records.event(f"{child.role} {peer} failed: {msg.error}")
             case _:
                 raise ValueError(f"{type(msg).__name__} from {child.role} {peer} is not expected")
+
+    async def on_hello(self, ctrl: Endpoint, child: Child, msg: Hello) -> None:
+        """The handshake: a worker speaking another protocol version fails the run; the teacher's
+        and the learner's Hello bring their endpoints (generators learn the learner's); a
+        generator gets the current weights and then tasks."""
+        peer = child.peer_id
+        if msg.protocol_version != PROTOCOL_VERSION:
+            ctrl.reject(f"wrong protocol version: {msg.protocol_version} from {peer}")
+            self.fail(
+                f"{child.role} {peer} speaks protocol version {msg.protocol_version}, the launcher "
+                f"{PROTOCOL_VERSION}: run the same asyncrl version in every process"
+            )
+            return
+        if child.ready:
+            raise ValueError(f"{peer} said Hello twice")
+        child.ready = True
+        if child.role == "teacher":
+            self.teacher_endpoint = msg.endpoint
+        elif child.role == "learner":
+            self.learner_endpoint = msg.endpoint
+            if msg.note:
+                self.records.event(msg.note)
+            # Generators start with the learner, before its endpoint is known.
+            for inc in self.pool.said_hello():
+                await self.send_to(ctrl, inc.peer_id, DataEndpoint(endpoint=msg.endpoint))
+        else:
+            if self.learner_endpoint:
+                await self.send_to(ctrl, peer, DataEndpoint(endpoint=self.learner_endpoint))
+            latest = self.last_published.version if self.last_published else 0
+            self.pool.on_hello(peer, latest_version=latest)
+            if self.last_published is not None:
+                # A late joiner (a replacement) must load the current weights before it serves.
+                await self.send_to(ctrl, peer, self.last_published)
+            await self.dispatch(ctrl)
 
     def on_task_done(self, child: Child, msg: TaskDone) -> None:
         self.dispatcher.done(msg.task_id, child.peer_id)
