@@ -312,6 +312,7 @@ class _Layout(NamedTuple):
     sizes: list[int]  # tensor bytes, by index into names
     plan: list[list[int]]
     file_names: list[str]
+    indexed: bool  # with model.safetensors.index.json (not for one named file)
 
     @property
     def file_of(self) -> dict[str, str]:
@@ -319,10 +320,9 @@ class _Layout(NamedTuple):
 
 
 def _plan_files(
+    state_dict: Mapping[str, torch.Tensor],
     names: list[str],
-    sizes: list[int],
     *,
-    streamed: bool,
     single_file: str | None,
     extra: Mapping[str, bytes],
     max_shard_bytes: int,
@@ -330,17 +330,18 @@ def _plan_files(
 ) -> _Layout:
     """One named file, contiguous runs in order for a streamed state, else shards planned even
     for `max_threads` writers."""
+    sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
     if single_file is not None:
         check_file_name(single_file)
         if not single_file.endswith(".safetensors") or single_file in extra:
             raise ValueError(f"single_file must be a new *.safetensors file name, got {single_file!r}")
-        return _Layout(names, sizes, [list(range(len(sizes)))], [single_file])
-    if streamed:
+        return _Layout(names, sizes, [list(range(len(sizes)))], [single_file], indexed=False)
+    if isinstance(state_dict, StreamedState):
         plan = _sequential_plan(sizes, max_shard_bytes)
     else:
         plan = plan_shards(sizes, max_shard_bytes=max_shard_bytes, num_parallel=max_threads)
     file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
-    return _Layout(names, sizes, plan, file_names)
+    return _Layout(names, sizes, plan, file_names, indexed=True)
 
 
 def _delta_from(
@@ -405,17 +406,16 @@ def _write_metadata(
     *,
     written: list[tuple[ManifestFile, DeltaFile | None]],
     extra: Mapping[str, bytes],
-    single_file: str | None,
     fsync: bool,
     checksum: str,
     delta_from: tuple[int | None, tuple[str, ...]],
     delta_next: bool,
 ) -> ShardManifest:
-    """The index (unless `single_file`), the extra files and, last, the manifest, whose presence
+    """The index (when the layout has one), the extra files and, last, the manifest, whose presence
     inside the temporary directory marks the version complete; returns the manifest."""
     file_of = layout.file_of
     total_size_bytes = sum(layout.sizes)
-    if single_file is None:
+    if layout.indexed:
         index = {"metadata": {"total_size": total_size_bytes}, "weight_map": file_of}
         index_bytes = json.dumps(index, indent=2).encode()
         _write_small_file(tmp_dir / INDEX_NAME, index_bytes, fsync=fsync, checksum=checksum)
@@ -519,13 +519,10 @@ def write_shards(
     names = _check_state(state_dict, extra)
     if final_dir.exists():
         raise FileExistsError(f"weights version {version} is already published at {final_dir}")
-    streamed = isinstance(state_dict, StreamedState)
-    max_threads = 1 if streamed else pool_size(num_threads, len(names))
-    sizes = [state_dict[n].numel() * state_dict[n].element_size() for n in names]
+    max_threads = 1 if isinstance(state_dict, StreamedState) else pool_size(num_threads, len(names))
     layout = _plan_files(
+        state_dict,
         names,
-        sizes,
-        streamed=streamed,
         single_file=single_file,
         extra=extra,
         max_shard_bytes=max_shard_bytes,
@@ -548,7 +545,6 @@ def write_shards(
             version,
             written=written,
             extra=extra,
-            single_file=single_file,
             fsync=fsync,
             checksum=checksum,
             delta_from=delta_from,
