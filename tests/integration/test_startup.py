@@ -16,7 +16,7 @@ from asyncrl.config_load import load_config
 
 LAUNCHER_PATH = """
 import sys
-from asyncrl.config import load_config
+from asyncrl.config_load import load_config
 from asyncrl.job import load_task, model_path
 from asyncrl.messages import Hello, StepDone
 from asyncrl.monitor.live import PlainReporter
