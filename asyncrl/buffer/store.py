@@ -208,10 +208,6 @@ class Buffer(Generic[P]):
     def learner_version(self) -> int:
         return self._version
 
-    def can_accept(self, num_tokens: int = 0) -> bool:
-        """Whether a `put` of one item with `num_tokens` tokens would succeed now."""
-        return self._fits(num_tokens, reclaimable=True)
-
     def stats(self) -> BufferStats:
         return BufferStats(
             size=self._size,

@@ -151,10 +151,6 @@ class DecodeBatch:
         if len(first) < len(rows):
             self.select(torch.tensor(rows, dtype=torch.long))
 
-    @property
-    def num_rows(self) -> int:
-        return self.attn_BL.shape[0]
-
     def step(self, tok_B: torch.Tensor) -> None:
         """Feed one token per row; the logits become those of the next position."""
         tok_B = tok_B.to(self.device)

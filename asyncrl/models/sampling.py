@@ -498,10 +498,6 @@ def generate(
     return SampleOutput(*fields, [s.extra_ids for s in out], [s.extra_logprobs for s in out])
 
 
-def strip_eos(ids: Sequence[int], eos_token_id: int) -> list[int]:
-    return list(ids[:-1]) if ids and ids[-1] == eos_token_id else list(ids)
-
-
 def answer_ids(ids: Sequence[int], eos_token_id: int | None) -> list[int]:
     """The answer a verifier reads: the completion up to its first eos. Without `ignore_eos` an
     eos can only be the last token; with it, what was sampled past the eos is not the answer."""

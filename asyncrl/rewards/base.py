@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncrl.config_sections import RewardConfig, TaskConfig
-from asyncrl.plugins import available, load_plugin
+from asyncrl.plugins import load_plugin
 
 ENTRY_POINT_GROUP = "asyncrl.rewards"
 
@@ -134,10 +134,6 @@ def resolve_reward(cfg: RewardConfig, *, index: int | None = None) -> Any:
             "with options set, a 'pkg.mod:fn' path must be a factory that returns one"
         )
     return reward
-
-
-def valid_reward_names() -> str:
-    return ", ".join(sorted(available(ENTRY_POINT_GROUP))) or "(none installed)"
 
 
 def check_rewards(section: TaskConfig) -> None:

@@ -102,12 +102,6 @@ def m2po_cap_mask(m2_N: torch.Tensor, *, tau: float) -> torch.Tensor:
     return m2_N > m2po_cap_bound(m2_N, tau=tau)
 
 
-def m2po_cap_clip_eps(bound: float) -> tuple[float, float]:
-    """PPO (eps_low, eps_high) equivalent to the bound c: ratio clipped to [e^-sqrt(c), e^sqrt(c)]."""
-    t = math.sqrt(bound)
-    return 1.0 - math.exp(-t), math.expm1(t)
-
-
 @dataclass(frozen=True, kw_only=True)
 class M2PO:
     """M2PO masking; `anchor` "behav" (paper) or "old_train" (official code's trainer recompute at v_b);

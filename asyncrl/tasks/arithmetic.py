@@ -115,14 +115,5 @@ def demonstrations(
     return pairs
 
 
-class AdditionReward:
-    """Exact verifier: 1.0 when the completion (up to end-of-sequence) equals the answer, else 0.0."""
-
-    name = "addition"
-
-    def __call__(self, prompt: str, completion: str, answer: str) -> float:
-        return exact_match(completion, answer)
-
-
 def exact_match(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer else 0.0

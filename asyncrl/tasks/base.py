@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from asyncrl.plugins import available, load_plugin
+from asyncrl.plugins import load_plugin
 
 ENTRY_POINT_GROUP = "asyncrl.tasks"
 
@@ -75,11 +75,6 @@ def raw_prompt_ids(problems: Sequence[Problem], tokenizer: Any) -> list[list[int
     if not problems:
         return []
     return tokenizer([p.prompt for p in problems])["input_ids"]
-
-
-def available_tasks() -> dict[str, str]:
-    """Registry name -> `module:object` for every installed task plugin."""
-    return available(ENTRY_POINT_GROUP)
 
 
 def make_task(section: Any) -> Task:

@@ -13,10 +13,10 @@ from asyncrl.kernels.fused_logprobs import fused_token_logprobs
 from asyncrl.kernels.logprobs import (
     candidate_logprobs,
     causal_lm_logprobs,
-    causal_lm_position_logprobs,
     logprobs_from_logits,
     token_logprobs,
 )
+from tests.support.logprob_reference import causal_lm_position_logprobs
 
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 2e-5}
 

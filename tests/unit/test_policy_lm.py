@@ -9,8 +9,9 @@ import torch
 
 from asyncrl.benchmarks.learner import tensor_peak
 from asyncrl.generators.opd import _scores_from_logits, teacher_logprobs
-from asyncrl.kernels.logprobs import causal_lm_logprobs, causal_lm_position_logprobs
+from asyncrl.kernels.logprobs import causal_lm_logprobs
 from asyncrl.models.policy import PolicyLM
+from tests.support.logprob_reference import causal_lm_position_logprobs
 
 transformers = pytest.importorskip("transformers")
 

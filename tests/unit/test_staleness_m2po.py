@@ -10,7 +10,6 @@ import torch
 from asyncrl.staleness import M2PO, TokenBatch
 from asyncrl.staleness.m2po import (
     m2po_cap_bound,
-    m2po_cap_clip_eps,
     m2po_cap_mask,
     m2po_remove_greedy,
     m2po_remove_sorted,
@@ -59,11 +58,6 @@ def test_capping_edges():
     # all values above tau: mean(min(v, c)) = c, solved by c = tau; everything masked
     assert float(m2po_cap_bound(t([1.0, 2.0]), tau=0.5)) == 0.5
     assert m2po_cap_mask(t([1.0, 2.0]), tau=0.5).tolist() == [True, True]
-
-
-def test_cap_clip_eps_maps_bound_to_ratio_interval():
-    eps_low, eps_high = m2po_cap_clip_eps(0.04)
-    assert 1 - eps_low == pytest.approx(math.exp(-0.2)) and 1 + eps_high == pytest.approx(math.exp(0.2))
 
 
 def test_trust_region_tokens():

@@ -234,7 +234,7 @@ def test_open_group_bound_defers_instead_of_allocating(tiny_model_dir):
 def _with_opd(model, teacher, samples, num=3, seed=0):
     """Attach OPD caches: column 0 the sampled token, the rest random ids; teacher and behavior
     log-probs from the two models (the behavior student is the current one, shifted a little)."""
-    from asyncrl.kernels.logprobs import causal_lm_position_logprobs
+    from tests.support.logprob_reference import causal_lm_position_logprobs
 
     g = torch.Generator().manual_seed(seed)
     out = []
