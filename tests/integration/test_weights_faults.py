@@ -229,7 +229,7 @@ def test_a_broadcast_member_that_dies_mid_transfer_is_dropped_alone(
             # takes the catch-up shards
             gens.start("gen-1")
             sent = await publish(publisher, gens, 3, list(GENERATORS))
-            assert [m.transport for m in sent] == ["broadcast", "safetensors"]
+            assert [m.transport for m in sent] == ["broadcast", "shards"]
             assert (await gens.reply("gen-0"))["digest"] == digest(state(3))
             assert (await gens.reply("gen-0"))["skipped"]
             assert (await gens.reply("gen-1"))["skipped"]  # the broadcast: not a member
