@@ -298,6 +298,12 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
     # a learner that outpaces its generators gives cores back (docs/learner.md, "Cores").
     threads: PosInt | Literal["auto"] = "auto"
     cpus: list[NonNegInt] = []  # CPUs the learner's processes may run on; [] = any (see generators.cpus)
+    # Sync mode (mode = "sync") only: "canonical" offers each window's trajectories to the trainer
+    # in traj-id order, each followed by all the work it makes possible, so two runs of one config
+    # train bitwise alike; a trajectory that arrives early waits for those before it (cost:
+    # docs/learner.md, "Reproducible sync runs"). "arrival" streams them as they arrive, as async
+    # mode always does.
+    sync_order: Literal["canonical", "arrival"] = "canonical"
 
     @property
     def publish_dtype(self) -> str:

@@ -29,26 +29,38 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
 from asyncrl.learner.cores import resolve_threads
 from asyncrl.learner.schedule import StepSchedule
-from asyncrl.learner.step import TrainSample
-from asyncrl.learner.trainer import StepResult, Trainer
+from asyncrl.learner.step import StepResult, TrainSample
+from asyncrl.learner.trainer import Trainer
 from asyncrl.models.policy import PolicyLM
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.config_sections import LearnerConfig
+    from asyncrl.learner.objective import Objective
 
 log = logging.getLogger(__name__)
 
 
-def window_size(config) -> int:
+def window_size(lrn: LearnerConfig) -> int:
     """Trajectories of one step's window. Every rank sees all of them (lockstep ranks each train
     their share of every chunk, `plans.py`)."""
-    return config.learner.groups_per_step * config.learner.samples_per_group
+    return lrn.groups_per_step * lrn.samples_per_group
 
 
-def load_policy_model(path: Path, config) -> tuple[PolicyLM, object]:
+def canonical_order(config: Config) -> bool:
+    """Whether the step loops offer each window in traj-id order (sync runs, `learner.sync_order`):
+    every rank of a run decides the same."""
+    return config.mode == "sync" and config.buffer.mode == "window" and config.learner.sync_order == "canonical"
+
+
+def load_policy_model(path: Path, config: Config) -> tuple[PolicyLM, object]:
     """The learner's policy on its device, wrapped for its ranks and precision (`parallel.py`),
     and the tokenizer. On a wrapped model every rank calls this, in the same order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,16 +104,7 @@ def gradient_mode(fallback: str) -> str:
     return "learner: streaming per-trajectory gradients"
 
 
-def config_gradient_mode(config) -> str:
-    """`gradient_mode` from the config alone (the launcher states it before any process starts)."""
-    from asyncrl.config_objective import check_staleness_policy
-    from asyncrl.learner.objective import Objective
-
-    policy = check_staleness_policy(config.staleness)
-    return gradient_mode(Objective.from_config(config).fallback_reason(policy) or "")
-
-
-def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
+def build_trainer(config: Config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
     from asyncrl.config_objective import check_objective_config, check_staleness_policy
     from asyncrl.learner.objective import Objective
 
@@ -132,7 +135,7 @@ def build_trainer(config, actor: PolicyLM, *, pad_token_id: int) -> Trainer:
     )
 
 
-def max_open_groups(lrn, actor: PolicyLM, objective) -> int:
+def max_open_groups(lrn: LearnerConfig, actor: PolicyLM, objective: Objective) -> int:
     """Open groups a streaming rank may hold: learner.stream_memory_mb over one group's buffers
     (parameter-sized, float32, `BUFFERS_PER_OPEN_GROUP` of them for the estimator), at least 1."""
     from asyncrl.learner.streaming import BUFFERS_PER_OPEN_GROUP
@@ -160,6 +163,7 @@ class StepLoop:
         min_chunk: int = 1,
         chunking: ChunkChoice | None = None,
         on_step_end: Callable[[StepSchedule], None] | None = None,
+        canonical: bool = False,
     ) -> None:
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
@@ -188,6 +192,10 @@ class StepLoop:
         # Given each step's schedule (offers, work calls, threads) when it ends, off the loop
         # (run.record_schedule: `schedule.ScheduleRecorder.write`, for `asyncrl replay`).
         self.on_step_end = on_step_end
+        # Offer a window's trajectories in traj-id order, each followed by all the work it makes
+        # possible (learner.sync_order = "canonical" in sync mode): two runs train bitwise alike.
+        self.canonical = canonical
+        self.next_id = 0  # canonical order: the traj id due next
 
     def add(self, step: int, sample: TrainSample) -> None:
         """Loop thread: a validated, deduplicated trajectory of `step` arrived."""
@@ -265,41 +273,15 @@ class StepLoop:
         whole_window = self.sink is not None or bool(trainer.fallback)
         threads = trainer.active_threads if self.on_step_end is not None else 0
         calls: list[int] = []  # the offered count at each `work()` call (the replay schedule)
-        min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
         begin = time.perf_counter()
-        offered = 0
-        draining = False  # streaming: a run of work started, continued while there is work
-        while not self.stopping:
-            if whole_window:
-                if len(self.inbox.get(step, ())) == expected:
-                    samples = self.inbox.pop(step, [])
-                    self.taken.extend(samples)
-                    if self.sink is not None:
-                        return await self.compute(self.sink, step, samples)
-                    await self._busy(trainer.batch_backward, samples)
-                    break
-            else:
-                fresh = self.inbox.pop(step, [])
-                self.taken.extend(fresh)
-                for sample in fresh:
-                    trainer.offer(sample)
-                offered += len(fresh)
-                # Lockstep ranks train the chunks the trainer picks from the offered sequence alone.
-                if trainer.has_work() and (
-                    trainer.lockstep
-                    or draining
-                    or trainer.num_waiting() >= min_chunk
-                    or expected - offered < min_chunk
-                ):
-                    draining = True
-                    calls.append(offered)
-                    if await self._busy(trainer.work):
-                        continue
-                draining = False
-                if offered == expected:
-                    break
-            await self._wait_for_data()
-        if self.stopping:
+        if whole_window:
+            samples = await self._whole_window(step, expected)
+            if samples is None:
+                return None
+            if self.sink is not None:
+                return await self.compute(self.sink, step, samples)
+            await self._busy(trainer.batch_backward, samples)
+        elif not await self._stream(step, expected, calls):
             return None
         if self.before_update is not None:
             await self.before_update()
@@ -310,6 +292,63 @@ class StepLoop:
             log.info("%s", choice)
             self.note = choice
         return result
+
+    async def _whole_window(self, step: int, expected: int) -> list[TrainSample] | None:
+        """The step's whole window, once it is in; None when stopping first."""
+        while not self.stopping:
+            if len(self.inbox.get(step, ())) == expected:
+                samples = self.inbox.pop(step, [])
+                self.taken.extend(samples)
+                return samples
+            await self._wait_for_data()
+        return None
+
+    async def _stream(self, step: int, expected: int, calls: list[int]) -> bool:
+        """Offer the step's trajectories as they come and train what the trainer can; False
+        when stopping first. In canonical order every offer is followed by all the work it makes
+        possible, so the units (and the arithmetic) do not depend on when trajectories arrived."""
+        trainer = self.trainer
+        min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
+        self.next_id = step * expected  # window mode: the window's traj ids are consecutive
+        offered = 0
+        draining = False  # a run of work started, continued while there is work
+        while not self.stopping:
+            for sample in self._take(step):
+                trainer.offer(sample)
+                self.taken.append(sample)
+                offered += 1
+                if self.canonical:
+                    while trainer.has_work():
+                        calls.append(offered)
+                        await self._busy(trainer.work)
+            # Lockstep ranks train the chunks the trainer picks from the offered sequence alone.
+            if trainer.has_work() and (
+                trainer.lockstep or draining or trainer.num_waiting() >= min_chunk or expected - offered < min_chunk
+            ):
+                draining = True
+                calls.append(offered)
+                if await self._busy(trainer.work):
+                    continue
+            draining = False
+            if offered == expected:
+                self.inbox.pop(step, None)
+                return True
+            await self._wait_for_data()
+        return False
+
+    def _take(self, step: int) -> list[TrainSample]:
+        """What to offer now of the step's received trajectories: all of them in arrival order,
+        or (canonical order) the run of consecutive traj ids from the next one due; the rest wait
+        in the inbox (a checkpoint keeps them, `held`)."""
+        if not self.canonical:
+            return self.inbox.pop(step, [])
+        by_id = {s.traj_id: s for s in self.inbox.get(step, ())}
+        run = []
+        while self.next_id in by_id:
+            run.append(by_id.pop(self.next_id))
+            self.next_id += 1
+        self.inbox[step] = list(by_id.values())
+        return run
 
     def tail_s(self, step: int, begin: float, end: float) -> float:
         """From the step's last trajectory arriving (or the step's start, if later) to `end`."""

@@ -32,7 +32,7 @@ from asyncrl.learner.checkpoint import (
     save_learner_checkpoint,
 )
 from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
-from asyncrl.learner.loop import StepLoop, build_trainer, gradient_mode, load_policy_model, window_size
+from asyncrl.learner.loop import StepLoop, build_trainer, canonical_order, gradient_mode, load_policy_model, window_size
 from asyncrl.learner.parallel import is_wrapped
 from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import (
@@ -118,20 +118,22 @@ class LearnerService:
                 self.trainer.max_open_groups,
                 self.cfg.stream_memory_mb,
             )
+        canonical = canonical_order(cfg)
         # The step source, chosen once: windows (the groups admitted for each step) or the pool.
         self.loop: StepLoop = (
             PoolLoop(self.trainer, cfg)
             if cfg.buffer.mode == "pool"
             else StepLoop(
                 self.trainer,
-                lambda step: window_size(cfg),
+                lambda step: window_size(cfg.learner),
                 before_update=self.wait_closed,
                 min_chunk=fixed_min_chunk(self.cfg.min_chunk),
                 chunking=(
-                    ChunkChoice(window_size(cfg))
-                    if self.cfg.min_chunk == "auto" and self.trainer.streams_per_trajectory
+                    ChunkChoice(window_size(cfg.learner))
+                    if self.cfg.min_chunk == "auto" and self.trainer.streams_per_trajectory and not canonical
                     else None
                 ),
+                canonical=canonical,
                 on_step_end=ScheduleRecorder(self.ctx.run_dir).write if cfg.run.record_schedule else None,
             )
         )

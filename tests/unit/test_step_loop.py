@@ -147,3 +147,51 @@ def test_a_started_run_of_work_continues_below_min_chunk():
 def test_min_chunk_below_1_is_refused():
     with pytest.raises(ValueError, match="min_chunk"):
         StepLoop(_Streaming(1), lambda step: 1, min_chunk=0)
+
+
+class _Recording(_Streaming):
+    """A streaming trainer that logs every offer (by traj id) and every work call."""
+
+    def __init__(self) -> None:
+        super().__init__(per_call=1)
+        self.log: list[str] = []
+
+    def offer(self, sample) -> None:
+        super().offer(sample)
+        self.log.append(f"offer {sample.traj_id}")
+
+    def work(self) -> bool:
+        self.log.append(f"work {self.waiting[0].traj_id}")
+        return super().work()
+
+
+def _canonical_log(arrival: list[int], batches: list[int]) -> list[str]:
+    """Window 3 of 6 trajectories (traj ids 18..23) arriving in `arrival` order, `batches` at a time."""
+    import types
+
+    trainer = _Recording()
+
+    async def main():
+        loop = StepLoop(trainer, lambda step: 6, min_chunk=4, canonical=True)
+        step = None
+        it = iter(arrival)
+        for n in batches:
+            for _ in range(n):
+                loop.add(3, types.SimpleNamespace(traj_id=next(it)))
+            step = step or asyncio.create_task(loop.run_step(3))
+            while loop.arrived.is_set() and not step.done():
+                await asyncio.sleep(0)
+        assert await step == "result"
+
+    asyncio.run(main())
+    return trainer.log
+
+
+def test_canonical_order_offers_by_traj_id_and_works_after_each_offer_whatever_the_arrivals():
+    """Sync runs were not reproducible with streaming on: the streamed accumulation followed the
+    trajectories' arrival order (and how many had arrived at each work call). In canonical order
+    the trainer sees the same offers and work calls for any arrival order and batching."""
+    expected = [f"{kind} {t}" for t in range(18, 24) for kind in ("offer", "work")]
+    assert _canonical_log([18, 19, 20, 21, 22, 23], [1] * 6) == expected
+    assert _canonical_log([23, 21, 19, 18, 20, 22], [2, 1, 3]) == expected
+    assert _canonical_log([20, 18, 19, 23, 22, 21], [6]) == expected
