@@ -196,3 +196,21 @@ def test_docs_list_every_summary_key():
     section = text.split("## summary.json", 1)[1].split("\n## ", 1)[0]
     documented = re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M)
     assert documented == summary_keys()
+
+
+def test_the_held_out_line_gives_failed_rewards_as_a_count_of_samples():
+    """Regression: the line read "(flaky 0.950, total 0.950, failed 1.000)", as if every sample had
+    failed, when one of them had."""
+    from types import SimpleNamespace
+
+    from asyncrl.config_load import load_config
+    from asyncrl.job import NUM_FAILED, HeldOut
+
+    events: list[str] = []
+    reporter = SimpleNamespace(event=events.append)
+    task = SimpleNamespace(eval_problems=[object()] * 20)
+    held_out = HeldOut(load_config(None, []), Path("."), task, reporter)
+    held_out.report("after", (0.95, {"flaky": 0.95, "total": 0.95, NUM_FAILED: 1.0}))
+    assert events == [
+        "held-out accuracy after training: 0.950 (flaky 0.950, total 0.950; 1 of 20 samples with a failed reward)"
+    ]
