@@ -187,3 +187,35 @@ def set_up_generator(cls, model_dir, **fields):
         )
     )
     return gen
+
+
+@pytest.fixture
+def gate(tmp_path):
+    """A shut gate (tests/support/gate.py: a FIFO) that the test opens with `gate.open()`, for
+    plugins in the run's processes to wait on; let go of at the end of the test."""
+    from tests.support.gate import Gate
+
+    g = Gate(tmp_path / "gate")
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def launch_streamed():
+    """Starts a process (an `asyncrl launch`) with its output, errors included, read as it comes:
+    `launch_streamed(args, env=None) -> LineStream` (tests/support/waiting.py). A launcher still
+    running when the test ends is killed, by pid; its children follow it (they watch their parent)."""
+    from tests.support.waiting import LineStream
+
+    started: list[subprocess.Popen] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> LineStream:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started.append(proc)
+        return LineStream(proc)
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

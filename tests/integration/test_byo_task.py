@@ -14,10 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import read_records, short_job_args
+
+from tests.support.waiting import RunRecords
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -186,7 +187,7 @@ def test_a_stalled_run_stops_naming_what_it_waits_for(tiny_model_dir, tmp_path):
     assert "gen-0" in proc.stderr and "--resume" in proc.stderr, proc.stderr
 
 
-def test_resume_trains_every_prompt_of_the_epoch_exactly_once(tiny_model_dir, tmp_path, pid_alive):
+def test_resume_trains_every_prompt_of_the_epoch_exactly_once(tiny_model_dir, tmp_path, launch_streamed):
     data = write_rows(tmp_path / "data.jsonl")
     scored = tmp_path / "scored.txt"
     sets = dataset_sets(
@@ -196,26 +197,14 @@ def test_resume_trains_every_prompt_of_the_epoch_exactly_once(tiny_model_dir, tm
         "mode=sync",
     )
     run_dir = tmp_path / "crash"
-    proc = subprocess.Popen(
-        short_job_args(tiny_model_dir, tmp_path, *sets, name="crash"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        # The launcher saves its checkpoint of version 2 before it reports step 3 (sync mode,
-        # checkpoint_every = 1): read its output until then.
-        for line in proc.stdout:
-            if line.startswith("step 3/"):
-                break
-        assert (run_dir / "checkpoints" / "launcher-00000002.json").exists()
-        learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
-        os.kill(learner_pid, signal.SIGKILL)
-        proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
+    lines = launch_streamed(short_job_args(tiny_model_dir, tmp_path, *sets, name="crash"))
+    learner_pid = int(lines.wait_for(r"^started learner \(pid (\d+)\)", timeout_s=200)[1])
+    # The launcher saves its checkpoint of version 2 before it reports step 3 (sync mode,
+    # checkpoint_every = 1): wait for that line.
+    lines.wait_for(r"^step 3/", timeout_s=200)
+    assert (run_dir / "checkpoints" / "launcher-00000002.json").exists()
+    os.kill(learner_pid, signal.SIGKILL)
+    assert lines.wait_exit(timeout_s=120) != 0
     resumed = subprocess.run(
         [sys.executable, "-m", "asyncrl", "launch", "--no-tui", "--resume", str(run_dir)],
         capture_output=True,
@@ -245,7 +234,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_remote_verifier_that_is_down_then_comes_back(tiny_model_dir, tmp_path, pid_alive):
+def test_a_remote_verifier_that_is_down_then_comes_back(tiny_model_dir, tmp_path, launch_streamed):
     """Down at the start (nothing listens on its port): samples scored meanwhile fail, counted;
     once a failure is on record the verifier starts, and later groups score again."""
     port = _free_port()
@@ -265,36 +254,26 @@ def test_a_remote_verifier_that_is_down_then_comes_back(tiny_model_dir, tmp_path
         "task.scoring.failure_budget=1.0",
     )
     run_dir = tmp_path / "byo"
-    job = subprocess.Popen(
-        short_job_args(tiny_model_dir, tmp_path, *sets, name="byo"),
+    lines = launch_streamed(short_job_args(tiny_model_dir, tmp_path, *sets, name="byo"))
+    lines.wait_for(r"^started learner ", timeout_s=200)  # the record stream is up
+    with RunRecords(run_dir, lines) as records:  # the failure is on record there, not in the output
+        records.wait_for(
+            lambda r: any(t["reward_failures"] for t in r.of("task")),
+            timeout_s=200,
+            what="a failed remote reward on record",
+        )
+    verifier = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.testing.verifier", "--port", str(port)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
         text=True,
     )
-    verifier = None
     try:
-        deadline = time.monotonic() + 200
-        while not (
-            (run_dir / "metrics.jsonl").is_file()
-            and any(r["reward_failures"] for r in read_records(run_dir, "task"))
-        ):
-            assert time.monotonic() < deadline and job.poll() is None, "no failed remote reward on record"
-            # Polling another process's metrics.jsonl with a deadline: the failure is recorded
-            # there and nowhere this test can wait on (the run's output does not show it).
-            time.sleep(0.05)
-        verifier = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.testing.verifier", "--port", str(port)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
         assert verifier.stdout.readline().startswith("http://127.0.0.1:")
-        out, _ = job.communicate(timeout=300)
+        code = lines.wait_exit(timeout_s=300)
     finally:
-        for proc in (job, verifier):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert job.returncode == 0, out
+        verifier.kill()  # the verifier this test started
+        verifier.wait()
+    assert code == 0, lines.tail()
     summary = json.loads((run_dir / "summary.json").read_text())
     exact_ledger(summary, steps=steps)
     failed = summary["reward_failures"]["remote"]

@@ -3,13 +3,16 @@ nothing is lost, no group is trained on more samples than configured, and restar
 In both buffer modes: window (each step trains its admitted groups) and pool (each step takes
 groups from the learner's buffer; no group is trained twice as new).
 
-Kills are triggered by observed progress (TaskDone records in metrics.jsonl), never by sleeps, and
-each kill waits until the launcher has recorded the restart before the next one. The generator is
-the torch generator behind a gate: groups of the last steps (by group number) wait for a file
-the test creates after its last kill, so the run cannot finish before every kill has been seen,
-however fast or loaded the machine is. The victims are generator pids that this run's launcher started (its
-`spawn` records), each checked to be that generator process before it is signalled.
-ASYNCRL_CHAOS_SEED reproduces a failing draw (the seed is in every assertion message).
+Kills are triggered by observed progress (TaskDone records on the run's record stream, the
+launcher's metrics PUB socket), never by sleeps, and each kill waits until the launcher has
+recorded the restart before the next one. The generator is the torch generator behind a gate
+(tests/support/gated_generator.py): groups of the last steps (by group number) wait for a FIFO
+gate the test opens after its last kill, so the run cannot finish before every kill has been
+seen, however fast or loaded the machine is. The victims are generator pids that this run's
+launcher started (its `spawn` records) and that have done work for it (a TaskDone or a weights
+load on record: set up, their output on their log), each checked to be that generator process
+before it is signalled. ASYNCRL_CHAOS_SEED reproduces a failing draw (the seed is in every
+assertion message).
 """
 
 from __future__ import annotations
@@ -18,59 +21,33 @@ import json
 import os
 import random
 import signal
-import subprocess
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import gated_job, read_records
+from tests.conftest import read_records
+from tests.support.gated_generator import gated_job_args
+from tests.support.waiting import RunRecords
 
 pytestmark = pytest.mark.slow
 
 STEPS, GROUPS, SAMPLES = 10, 2, 4
 NUM_KILLS = 3
-POLL_S = 0.1  # how often the test re-reads metrics.jsonl for progress
 GATED_STEP = 7  # groups of this step and later wait for the gate
 GATED_GROUP = GATED_STEP * GROUPS  # (in pool mode: groups numbered from here on, the same count)
-
-GATED_PLUGIN = textwrap.dedent(
-    f"""
-    import asyncio
-    import os
-    from pathlib import Path
-
-    from asyncrl.generators.torch_gen import TorchGenerator
-
-    class GatedGenerator(TorchGenerator):
-        async def generate(self, tasks):
-            gate = Path(os.environ["ASYNCRL_TEST_GATE"])
-            while any(t.group_id >= {GATED_GROUP} for t in tasks) and not gate.exists():
-                await asyncio.sleep(0.05)  # a file the test creates; heartbeats keep flowing
-            return await super().generate(tasks)
-    """
-)
+WAIT_S = 300  # hang guard of each wait on the run
 
 
-def records(run_dir: Path, kind: str) -> list[dict]:
-    if not (run_dir / "metrics.jsonl").is_file():
-        return []
-    return read_records(run_dir, kind)
-
-
-def wait_for(condition, proc: subprocess.Popen, what: str) -> None:
-    """Poll the run directory until `condition()`; fail if the launcher exits first."""
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (code {proc.returncode}) while waiting for {what}")
-        time.sleep(POLL_S)  # polling a file for progress; the launcher publishes nothing else
-
-
-def live_generators(run_dir: Path) -> list[dict]:
-    """Generator processes started by this run and not yet reported dead by the launcher."""
-    dead = {r["peer_id"] for r in records(run_dir, "restart")}
-    return [r for r in records(run_dir, "spawn") if r["role"] == "generator" and r["peer_id"] not in dead]
+def live_working_generators(records: RunRecords) -> list[dict]:
+    """`spawn` records of the generator processes started by this run, not yet reported dead by
+    the launcher, that have sent a TaskDone or loaded weights."""
+    dead = {r["peer_id"] for r in records.of("restart")}
+    working = {r["generator_id"] for r in records.of("task") + records.of("loaded")}
+    return [
+        r
+        for r in records.of("spawn")
+        if r["role"] == "generator" and r["peer_id"] not in dead and r["peer_id"] in working
+    ]
 
 
 def is_that_generator(pid: int, peer_id: str, run_dir: Path) -> bool:
@@ -86,56 +63,56 @@ def is_that_generator(pid: int, peer_id: str, run_dir: Path) -> bool:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("buffer_mode", ["window", "pool"])
-def test_generators_sigkilled_at_random_points_lose_nothing(tiny_model_dir, tmp_path, pid_alive, buffer_mode):
+def test_generators_sigkilled_at_random_points_lose_nothing(
+    tiny_model_dir, tmp_path, pid_alive, gate, launch_streamed, buffer_mode
+):
     seed = int(os.environ.get("ASYNCRL_CHAOS_SEED", random.randrange(1_000_000)))
     rng = random.Random(seed)
     total_groups = STEPS * GROUPS
     # Kill points in TaskDone records, all before the gated steps.
     thresholds = sorted(rng.sample(range(1, GATED_STEP * GROUPS), NUM_KILLS))
-    args, env, gate = gated_job(
+    args, env = gated_job_args(
         tiny_model_dir,
         tmp_path,
-        GATED_PLUGIN,
+        gate.path,
         "generators.num_generators=2",
         f"generators.max_restarts={NUM_KILLS}",
         f"buffer.mode={buffer_mode}",
+        first_held=GATED_GROUP,
         steps=STEPS,
         groups=GROUPS,
         samples=SAMPLES,
         name="chaos",
     )
     run_dir = tmp_path / "chaos"
-    out = tmp_path / "launcher.out"
-    with open(out, "w") as stdout:
-        proc = subprocess.Popen(args, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = launch_streamed(args, env)
     killed: list[dict] = []
-    try:
+    lines.wait_for(r"^started learner ", timeout_s=WAIT_S)  # the record stream is up
+    with RunRecords(run_dir, lines) as records:
         for threshold in thresholds:
-            wait_for(lambda t=threshold: len(records(run_dir, "task")) >= t, proc, f"{threshold} tasks done")
-            victim = rng.choice(live_generators(run_dir))
-            # A worker forked from the fork server is recorded as spawned before it has put its
-            # output on its log: wait for that (it is how the test knows the pid is that worker).
-            wait_for(
-                lambda v=victim: is_that_generator(v["pid"], v["peer_id"], run_dir),
-                proc,
-                f"{victim['peer_id']} (pid {victim['pid']}) writing to its log (seed {seed})",
+            records.wait_for(
+                lambda r, t=threshold: len(r.of("task")) >= t,
+                timeout_s=WAIT_S,
+                what=f"{threshold} tasks done (seed {seed})",
             )
+            # A worker forked from the fork server is recorded as spawned before it has put its
+            # output on its log: a victim is drawn among those that have done work since.
+            victims = records.wait_for(
+                live_working_generators, timeout_s=WAIT_S, what=f"a live generator at work (seed {seed})"
+            )
+            victim = rng.choice(victims)
+            assert is_that_generator(victim["pid"], victim["peer_id"], run_dir), (victim, seed)
             os.kill(victim["pid"], signal.SIGKILL)
             killed.append(victim)
-            wait_for(
-                lambda v=victim: any(r["peer_id"] == v["peer_id"] for r in records(run_dir, "restart")),
-                proc,
-                f"the restart of {victim['peer_id']}",
+            records.wait_for(
+                lambda r, v=victim: any(x["peer_id"] == v["peer_id"] for x in r.of("restart")),
+                timeout_s=WAIT_S,
+                what=f"the restart of {victim['peer_id']} (seed {seed})",
             )
-        gate.touch()
-        proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher this test started; its children follow it (they watch their parent)
-            proc.wait()
-    log = out.read_text()
-    context = f"seed {seed}, kills at {thresholds}: {[k['peer_id'] for k in killed]}\n{log[-3000:]}"
-    assert proc.returncode == 0, context
+    gate.open()
+    code = lines.wait_exit(timeout_s=400)
+    context = f"seed {seed}, kills at {thresholds}: {[k['peer_id'] for k in killed]}\n{lines.tail()}"
+    assert code == 0, context
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed", context

@@ -7,9 +7,11 @@ may crash, and the run's results must be those of a clean run: every step trains
 nothing lost, nothing invalid got through, nothing duplicated.
 
 Determinism on a loaded machine: the generator is a plugin that holds back step 2's groups until
-the test opens a gate file, so the fuzzing happens in the middle of the run; the gate opens only
-once both processes have counted every message (the launcher's `rejected` records, the learner's
-log line at each thousandth rejection). Waiting is by polling files, never by sleeping blindly.
+the test opens a FIFO gate (tests/support/gated_generator.py), so the fuzzing happens in the
+middle of the run; the gate opens only once both processes have counted every message (the
+launcher's `rejected` records on the run's record stream; the learner's log line at each
+thousandth rejection, its only report before the step it waits for, read on each write to the
+log). Every wait blocks on what happens (a line, a record, a write), never on a sleep.
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ import json
 import os
 import pickle
 import random
-import subprocess
-import textwrap
-import time
 from pathlib import Path
 
 import msgspec
@@ -43,30 +42,16 @@ from asyncrl.messages import (
     WeightsLoaded,
 )
 from asyncrl.transport.codec import MAX_FRAMES, MAX_HEADER_BYTES, encode
-from tests.conftest import gated_job, read_records
+from tests.conftest import read_records
+from tests.support.gated_generator import gated_job_args
+from tests.support.waiting import RunRecords, wait_for_log_text
 
 pytestmark = pytest.mark.slow
 
 NUM_MESSAGES = 10_000  # per socket; a multiple of 1000 so the receiver's log shows the last one
-POLL_S = 0.1
 STEPS, GROUPS, SAMPLES = 5, 2, 2
-
-GATED_PLUGIN = textwrap.dedent(
-    """
-    import asyncio
-    import os
-    from pathlib import Path
-
-    from asyncrl.generators.torch_gen import TorchGenerator
-
-    class GatedGenerator(TorchGenerator):
-        async def generate(self, tasks):
-            gate = Path(os.environ["ASYNCRL_TEST_GATE"])
-            while any(t.step >= 2 for t in tasks) and not gate.exists():
-                await asyncio.sleep(0.05)  # a file the test creates; heartbeats keep flowing
-            return await super().generate(tasks)
-    """
-)
+GATED_STEP = 2  # groups of this step and later wait for the gate
+WAIT_S = 300  # hang guard of each wait on the run
 
 
 class _Canary:
@@ -162,20 +147,6 @@ def send_all(address: str, kind: int, messages: list[list[bytes]]) -> None:
     ctx.term()
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, *, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (code {proc.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(POLL_S)  # polling the run directory for progress
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return read_records(run_dir, kind) if (run_dir / "metrics.jsonl").is_file() else []
-
-
 def worker_addresses(launcher_pid: int, learner_pid: int, run_dir: Path) -> dict[str, str]:
     """The launcher's control address (the port it listens on besides the monitor's, named in
     monitor.json) and the learner's trajectory address (the one port it listens on), found from
@@ -222,58 +193,61 @@ LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::
 
 
 @pytest.mark.timeout(600)
-def test_malformed_messages_on_every_socket_are_rejected_and_counted(tiny_model_dir, tmp_path, pid_alive):
+def test_malformed_messages_on_every_socket_are_rejected_and_counted(
+    tiny_model_dir, tmp_path, pid_alive, gate, launch_streamed
+):
     canary = tmp_path / "unpickled"
-    args, env, gate = gated_job(
-        tiny_model_dir, tmp_path, GATED_PLUGIN, steps=STEPS, groups=GROUPS, samples=SAMPLES, name="fuzz"
+    args, env = gated_job_args(
+        tiny_model_dir,
+        tmp_path,
+        gate.path,
+        first_held=GATED_STEP * GROUPS,
+        steps=STEPS,
+        groups=GROUPS,
+        samples=SAMPLES,
+        name="fuzz",
     )
     run_dir = tmp_path / "fuzz"
-    out = tmp_path / "launcher.out"
-    with open(out, "w") as stdout:
-        proc = subprocess.Popen(args, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        wait_for(lambda: records(run_dir, "step"), proc, "the first step")
-        spawned = {r["peer_id"]: r["pid"] for r in records(run_dir, "spawn")}
-        addresses = worker_addresses(proc.pid, spawned["learner"], run_dir)
-        pids = [proc.pid, *spawned.values()]
-        listening = listening_addresses(pids)
-        assert len(listening) >= 2 and set(listening) <= LOOPBACK_HEX, listening
+    lines = launch_streamed(args, env)
+    lines.wait_for(r"^step 1/", timeout_s=WAIT_S, what="the first step")
+    spawned = {m[1]: int(m[2]) for m in lines.matches(r"^started (\S+) \(pid (\d+)\)")}
+    addresses = worker_addresses(lines.proc.pid, spawned["learner"], run_dir)
+    pids = [lines.proc.pid, *spawned.values()]
+    listening = listening_addresses(pids)
+    assert len(listening) >= 2 and set(listening) <= LOOPBACK_HEX, listening
 
-        rng = random.Random(0)
-        to_launcher = malformed_messages(
-            rng, wrong_types=[Shutdown(), _trajectory(), any_prompt_task()], canary=canary
-        )
-        to_learner = malformed_messages(
-            rng,
-            wrong_types=[
-                Shutdown(),
-                WeightsLoaded(generator_id="gen-0", version=1),
-                ShardsPublished(version=1, root="/", num_bytes=0),
-                any_step_done(),
-            ],
-            canary=canary,
-        )
+    rng = random.Random(0)
+    to_launcher = malformed_messages(
+        rng, wrong_types=[Shutdown(), _trajectory(), any_prompt_task()], canary=canary
+    )
+    to_learner = malformed_messages(
+        rng,
+        wrong_types=[
+            Shutdown(),
+            WeightsLoaded(generator_id="gen-0", version=1),
+            ShardsPublished(version=1, root="/", num_bytes=0),
+            any_step_done(),
+        ],
+        canary=canary,
+    )
+    with RunRecords(run_dir, lines) as records:
         send_all(addresses["ctrl"], zmq.DEALER, to_launcher)
         send_all(addresses["data"], zmq.PUSH, to_learner)
-        wait_for(
-            lambda: any(r["num_rejected"] >= NUM_MESSAGES for r in records(run_dir, "rejected")),
-            proc,
-            "the launcher to count every message",
+        records.wait_for(
+            lambda r: any(x["num_rejected"] >= NUM_MESSAGES for x in r.of("rejected")),
+            timeout_s=WAIT_S,
+            what="the launcher to count every message",
         )
-        learner_log = run_dir / "logs" / "learner.log"
-        wait_for(
-            lambda: f"{NUM_MESSAGES} rejected so far" in learner_log.read_text(errors="replace"),
-            proc,
-            "the learner to count every message",
-        )
-        gate.touch()
-        proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher this test started; its children exit when it is gone
-            proc.wait()
-    log = out.read_text()
-    assert proc.returncode == 0, log[-3000:]
+    wait_for_log_text(
+        run_dir / "logs" / "learner.log",
+        f"{NUM_MESSAGES} rejected so far",
+        timeout_s=WAIT_S,
+        lines=lines,
+        what="the learner to count every message",
+    )
+    gate.open()
+    code = lines.wait_exit(timeout_s=400)
+    assert code == 0, lines.tail()
     assert not canary.exists(), "a pickle from the wire was unpickled"
 
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -31,16 +30,6 @@ def last_screen(raw: str) -> str:
     start = text.rfind("─ progress ─")
     assert start >= 0, text[-3000:]
     return " ".join(text[text.rfind("\n", 0, start) + 1 :].split())
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)  # polling a condition with a deadline
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow
@@ -94,58 +83,47 @@ def test_launch_shows_the_dashboard_in_a_terminal_then_replay_and_report(tiny_mo
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_attaching_and_detaching_twice_changes_nothing_in_the_run(tiny_model_dir, tmp_path, pid_alive):
+def test_attaching_and_detaching_twice_changes_nothing_in_the_run(
+    tiny_model_dir, tmp_path, pid_alive, launch_streamed
+):
     # The run is far longer than the test needs and is stopped with Ctrl-C once both monitors
     # have detached: a run that could finish while a monitor starts (the tiny model trains
     # hundreds of steps in the seconds a loaded machine takes to import the CLI) would turn the
     # monitor into a replay and the test into a race.
     groups, samples = 2, 4
-    job = subprocess.Popen(
-        short_job_args(tiny_model_dir, tmp_path, "learner.steps=100000", name="att"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    lines = launch_streamed(short_job_args(tiny_model_dir, tmp_path, "learner.steps=100000", name="att"))
+    job = lines.proc
     run_dir = tmp_path / "att"
     monitors: list[int] = []
-    try:
-        wait_for(
-            lambda: read_records(run_dir, "step") if (run_dir / "metrics.jsonl").is_file() else None,
-            180,
-            "a first step",
+    lines.wait_for(r"^step 1/", timeout_s=180, what="a first step")
+    info = json.loads((run_dir / "monitor.json").read_text())
+    assert info["live"] and info["endpoint"].startswith("tcp://127.0.0.1:")
+    for detach in ("q", "ctrl-c"):
+        mon = pexpect.spawn(
+            sys.executable,
+            ["-m", "asyncrl", "monitor", str(run_dir)],
+            dimensions=PTY_SIZE,
+            env=pty_env(),
+            encoding="utf-8",
+            codec_errors="replace",
+            timeout=60,
         )
-        info = json.loads((run_dir / "monitor.json").read_text())
-        assert info["live"] and info["endpoint"].startswith("tcp://127.0.0.1:")
-        for detach in ("q", "ctrl-c"):
-            mon = pexpect.spawn(
-                sys.executable,
-                ["-m", "asyncrl", "monitor", str(run_dir)],
-                dimensions=PTY_SIZE,
-                env=pty_env(),
-                encoding="utf-8",
-                codec_errors="replace",
-                timeout=60,
-            )
-            monitors.append(mon.pid)
-            mon.expect("· live")
-            mon.expect(r"policy_version (\d+)")
-            seen = mon.match.group(1)
-            mon.expect(rf"policy_version (?!{seen}\b)\d+")  # the number moves: it follows the run
-            if detach == "q":
-                mon.send("q")
-            else:
-                mon.sendintr()
-            mon.expect(pexpect.EOF)
-            mon.close()
-            assert mon.exitstatus == 0, mon.before
-            assert job.poll() is None, "the run ended while a monitor was attached"
-        job.send_signal(signal.SIGINT)
-        out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 130, out
+        monitors.append(mon.pid)
+        mon.expect("· live")
+        mon.expect(r"policy_version (\d+)")
+        seen = mon.match.group(1)
+        mon.expect(rf"policy_version (?!{seen}\b)\d+")  # the number moves: it follows the run
+        if detach == "q":
+            mon.send("q")
+        else:
+            mon.sendintr()
+        mon.expect(pexpect.EOF)
+        mon.close()
+        assert mon.exitstatus == 0, mon.before
+        assert job.poll() is None, "the run ended while a monitor was attached"
+    job.send_signal(signal.SIGINT)
+    code = lines.wait_exit(timeout_s=120)
+    assert code == 130, lines.tail()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     steps = summary["steps"]

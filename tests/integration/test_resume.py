@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -39,33 +38,19 @@ def _params(run_dir):
     return _params_of(run_dir / "final_model")
 
 
-def _wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling the file system for the run's progress
-
-
-def _run_then_kill_the_learner(tiny_model_dir, tmp_path, sets) -> tuple:
+def _run_then_kill_the_learner(launch_streamed, tiny_model_dir, tmp_path, sets) -> tuple:
     """Start a job, SIGKILL its learner once the first checkpoint exists; (run_dir, exit code,
     output) of the launcher, which must end on its own."""
     run_dir = tmp_path / "crash"
-    proc = subprocess.Popen(
-        short_job_args(tiny_model_dir, tmp_path, *sets, name="crash"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        _wait_for((run_dir / "checkpoints" / "launcher-00000002.json").exists, 200, "the first checkpoint")
-        learner_pid = next(r["pid"] for r in read_records(run_dir, "spawn") if r["role"] == "learner")
-        os.kill(learner_pid, signal.SIGKILL)  # the launcher started it; this test started the launcher
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return run_dir, proc.returncode, out
+    lines = launch_streamed(short_job_args(tiny_model_dir, tmp_path, *sets, name="crash"))
+    learner_pid = int(lines.wait_for(r"^started learner \(pid (\d+)\)", timeout_s=200)[1])
+    # The launcher writes its half of a checkpoint on the StepDone of that version (the learner
+    # wrote its half before sending it), before it prints the step: step 2 is version 2's.
+    lines.wait_for(r"^step 2/", timeout_s=200, what="the first checkpoint (step 2)")
+    assert (run_dir / "checkpoints" / "launcher-00000002.json").is_file()
+    os.kill(learner_pid, signal.SIGKILL)  # the launcher started it; this test started the launcher
+    code = lines.wait_exit(timeout_s=120)
+    return run_dir, code, lines.text
 
 
 def _resume(run_dir) -> dict:
@@ -80,7 +65,7 @@ def _resume(run_dir) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_learner_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, pid_alive):
+def test_learner_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, launch_streamed):
     whole = subprocess.run(
         short_job_args(tiny_model_dir, tmp_path, *SETS, name="whole"),
         capture_output=True,
@@ -89,7 +74,7 @@ def test_learner_killed_then_resumed_equals_an_uninterrupted_run(tiny_model_dir,
     )
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
-    run_dir, code, out = _run_then_kill_the_learner(tiny_model_dir, tmp_path, SETS)
+    run_dir, code, out = _run_then_kill_the_learner(launch_streamed, tiny_model_dir, tmp_path, SETS)
     assert code == 1 and "learner" in out, out
     first = json.loads((run_dir / "summary.json").read_text())
     assert first["status"] == "failed" and first["policy_versions"] < STEPS
@@ -125,12 +110,14 @@ def _params_of(model_dir):
     return state
 
 
-def test_async_resume_trains_the_checkpointed_buffer_and_loses_nothing(tiny_model_dir, tmp_path):
+def test_async_resume_trains_the_checkpointed_buffer_and_loses_nothing(
+    tiny_model_dir, tmp_path, launch_streamed
+):
     """Async mode: the generators run ahead, so the learner holds trajectories of later windows
     when it checkpoints. The resumed learner puts them back and drops their regenerated copies;
     the ledger shows every group of steps v..STEPS-1 trained exactly once."""
     sets = [s for s in SETS if s not in ("mode=sync", "learner.streaming=off")] + ["mode=async"]
-    run_dir, code, out = _run_then_kill_the_learner(tiny_model_dir, tmp_path, sets)
+    run_dir, code, out = _run_then_kill_the_learner(launch_streamed, tiny_model_dir, tmp_path, sets)
     assert code == 1, out
     from asyncrl.config_load import load_resolved_config
     from asyncrl.job import resume_point
@@ -152,7 +139,7 @@ def test_async_resume_trains_the_checkpointed_buffer_and_loses_nothing(tiny_mode
     assert last["learner/resume_regenerated"] <= len(held)
 
 
-def test_pool_resume_trains_no_group_twice_and_skips_none(tiny_model_dir, tmp_path):
+def test_pool_resume_trains_no_group_twice_and_skips_none(tiny_model_dir, tmp_path, launch_streamed):
     """Pool mode (buffer.mode = "pool", replays on): the resumed learner puts its buffer back,
     reuse counts included, and the launcher re-admits every group the checkpoint's ledger had
     open. Across the two segments no group is trained twice as new, and every group open at the
@@ -162,7 +149,7 @@ def test_pool_resume_trains_no_group_twice_and_skips_none(tiny_model_dir, tmp_pa
 
     sets = [s for s in SETS if s not in ("mode=sync", "learner.streaming=off")]
     sets += ["mode=async", "buffer.mode=pool", "buffer.max_replays=1"]
-    run_dir, code, out = _run_then_kill_the_learner(tiny_model_dir, tmp_path, sets)
+    run_dir, code, out = _run_then_kill_the_learner(launch_streamed, tiny_model_dir, tmp_path, sets)
     assert code == 1, out
     v = resume_point(run_dir, load_resolved_config(run_dir / "config.json"))
     saved = json.loads((run_dir / "checkpoints" / f"launcher-{v:08d}.json").read_text())

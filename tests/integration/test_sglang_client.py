@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 from pathlib import Path
 
 import msgspec
@@ -46,12 +45,31 @@ class RealServer:
         self.url = url.rstrip("/")
 
 
-async def poll(condition, timeout_s: float = 30.0) -> None:
-    """Wait until `condition()` holds (event-loop polling with a deadline, never a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)  # polling with a deadline; the servers run in this loop
+async def readmitted(fleet, *servers, timeout_s: float = 30.0) -> None:
+    """Until every server of `servers` is in service again: the fleet's health loop readmits a
+    server under its condition and notifies it, which is what this waits on (the deadline is a
+    hang guard)."""
+    changed = fleet._ensure_started()
+    async with changed:
+        await asyncio.wait_for(changed.wait_for(lambda: all(s.in_service for s in servers)), timeout_s)
+
+
+def count_acquired(fleet, n: int) -> asyncio.Event:
+    """An event set once `n` requests have taken a server of `fleet` (its `acquire`, observed)."""
+    reached = asyncio.Event()
+    acquire = fleet.acquire
+    num_acquired = 0
+
+    async def counting_acquire():
+        nonlocal num_acquired
+        server = await acquire()
+        num_acquired += 1
+        if num_acquired >= n:
+            reached.set()
+        return server
+
+    fleet.acquire = counting_acquire
+    return reached
 
 
 @pytest.fixture
@@ -196,7 +214,7 @@ def test_server_failing_mid_request_reissues_once_without_duplicates(tiny_model_
         try:
             rollouts = await gen.generate([task(0, num_samples=3)])
             # a is healthy, so the health check readmits it
-            await poll(lambda: all(s.in_service for s in gen.fleet.servers))
+            await readmitted(gen.fleet, *gen.fleet.servers)
             return rollouts
         finally:
             await gen.close()
@@ -349,8 +367,10 @@ def test_requests_wait_while_paused(tiny_model_dir, servers):
     async def go():
         try:
             await gen._control(gen.fleet.servers[0], "/pause_generation", {"mode": "retract"})
+            acquired = count_acquired(gen.fleet, 2)
             job = asyncio.create_task(gen.generate([task(0, num_samples=2)]))
-            await poll(lambda: gen.fleet.servers[0].outstanding == 2)
+            await asyncio.wait_for(acquired.wait(), 30)  # both requests are out (a hang guard)
+            assert gen.fleet.servers[0].outstanding == 2
             assert not job.done()
             if not REAL_URL:
                 assert a.engine.num_generate_requests == 0
@@ -406,7 +426,7 @@ def test_server_behind_on_weights_is_quarantined_and_caught_up(tiny_model_dir, s
             assert a.engine.weight_version == "1" and b.engine.weight_version == "default"
             b.healthy = True
             await gen.generate([task(0, num_samples=1)])  # starts the health loop
-            await poll(lambda: b_server.in_service)
+            await readmitted(gen.fleet, b_server)
             return await gen.generate([task(1, num_samples=4)])
         finally:
             await gen.close()
