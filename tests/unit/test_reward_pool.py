@@ -151,7 +151,7 @@ def test_workers_die_with_their_parent(tmp_path):
     script = textwrap.dedent(
         """
         import asyncio, sys
-        from asyncrl.config import RewardConfig
+        from asyncrl.config_sections import RewardConfig
         from asyncrl.rewards import RewardInput, RewardPool
 
         async def main():
