@@ -34,8 +34,8 @@ from asyncrl.monitor.attach import Follower, resolve_target
 
 T = TypeVar("T")
 
-# How long one blocking wait on the PUB socket lasts before the test looks whether the launcher
-# is still alive (a killed launcher sends no final record); any message ends the wait at once.
+# How long one blocking wait (on the PUB socket, on inotify) lasts before the test looks whether
+# the launcher is still alive (a killed launcher sends no final record); an event ends it at once.
 EXIT_CHECK_S = 1.0
 TAIL_CHARS = 3000  # of output shown with a failed wait
 
@@ -166,9 +166,7 @@ class RunRecords:
         raise AssertionError(f"{why}\nlast records: {self.records[-5:]}\n{tail}")
 
 
-# inotify(7), for the one wait no message or line carries.
-IN_MODIFY = 0x2
-_libc = ctypes.CDLL(None, use_errno=True)
+IN_MODIFY = 0x2  # inotify(7): the watched file was written
 
 
 def wait_for_log_text(
@@ -177,15 +175,17 @@ def wait_for_log_text(
     """Until the file at `path` (it must exist) contains `text`: the file is read again each time
     the kernel reports a write to it. `lines`: the launcher's output, whose end fails the wait."""
     what = what or f"{text!r} in {path.name}"
-    fd = _libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK)
     if fd < 0:
         raise OSError(ctypes.get_errno(), "inotify_init1")
     try:
-        if _libc.inotify_add_watch(fd, os.fsencode(path), IN_MODIFY) < 0:
+        if libc.inotify_add_watch(fd, os.fsencode(path), IN_MODIFY) < 0:
             raise OSError(ctypes.get_errno(), f"inotify_add_watch {path}")
         deadline = time.monotonic() + timeout_s
         # Watched first, read second: a write between the two is in the file or wakes the select.
-        while text not in path.read_text(errors="replace"):
+        found = text in path.read_text(errors="replace")
+        while not found:
             if lines is not None and lines.proc.poll() is not None:
                 raise AssertionError(f"the launcher exited before {what}:\n{lines.tail()}")
             remaining = deadline - time.monotonic()
@@ -193,5 +193,6 @@ def wait_for_log_text(
                 raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
             if select.select([fd], [], [], min(remaining, EXIT_CHECK_S))[0]:
                 os.read(fd, 64 * 1024)  # the events themselves say nothing more than "written"
+                found = text in path.read_text(errors="replace")  # read again only when written
     finally:
         os.close(fd)
