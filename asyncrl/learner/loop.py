@@ -313,7 +313,8 @@ class StepLoop:
         offered = 0
         draining = False  # a run of work started, continued while there is work
         while not self.stopping:
-            for sample in self._take(step):
+            fresh = self._take(step)
+            for sample in fresh:
                 trainer.offer(sample)
                 self.taken.append(sample)
                 offered += 1
@@ -321,6 +322,8 @@ class StepLoop:
                     while trainer.has_work():
                         calls.append(offered)
                         await self._busy(trainer.work)
+            if fresh and self.canonical:
+                continue  # what arrived while it trained is taken before waiting for more
             # Lockstep ranks train the chunks the trainer picks from the offered sequence alone.
             if trainer.has_work() and (
                 trainer.lockstep or draining or trainer.num_waiting() >= min_chunk or expected - offered < min_chunk

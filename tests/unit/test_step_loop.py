@@ -195,3 +195,28 @@ def test_canonical_order_offers_by_traj_id_and_works_after_each_offer_whatever_t
     assert _canonical_log([18, 19, 20, 21, 22, 23], [1] * 6) == expected
     assert _canonical_log([23, 21, 19, 18, 20, 22], [2, 1, 3]) == expected
     assert _canonical_log([20, 18, 19, 23, 22, 21], [6]) == expected
+
+
+def test_canonical_order_takes_what_arrived_while_it_trained_before_waiting():
+    """A trajectory that arrived while the trainer worked (the event set before the loop waited
+    again) was left in the inbox and the step never ended: the loop must take it first."""
+    import types
+
+    trainer = _Recording()
+
+    async def main():
+        loop = StepLoop(trainer, lambda step: 2, canonical=True)
+        event_loop = asyncio.get_running_loop()
+        real_work = trainer.work
+
+        def work() -> bool:  # runs on the compute thread; the second trajectory arrives meanwhile
+            if trainer.log == ["offer 0"]:
+                event_loop.call_soon_threadsafe(loop.add, 0, types.SimpleNamespace(traj_id=1))
+            return real_work()
+
+        trainer.work = work
+        loop.add(0, types.SimpleNamespace(traj_id=0))
+        assert await asyncio.wait_for(loop.run_step(0), timeout=30) == "result"
+
+    asyncio.run(main())
+    assert trainer.log == ["offer 0", "work 0", "offer 1", "work 1"]
