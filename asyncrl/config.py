@@ -48,11 +48,7 @@ class Config(Section, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         lrn = self.learner
-        clip_low, _ = lrn.clip_range()
-        if clip_low > 1.0 or (clip_low == 1.0 and lrn.loss != "cispo"):
-            raise ValueError("learner.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low)")
-        if lrn.dual_clip is not None and lrn.loss != "ppo":
-            raise ValueError(f"learner.dual_clip applies to loss 'ppo' only, not {lrn.loss!r}; remove it")
+        self._check_loss()
         if lrn.kl_placement == "reward" and lrn.kl_estimator != "k1":
             raise ValueError(
                 "learner.kl_placement = 'reward' takes kl_estimator = 'k1' (the unbiased choice); "
@@ -108,6 +104,32 @@ class Config(Section, frozen=True, kw_only=True):
                 "run.record_schedule records one learner rank's window steps: use learner.world_size = 1 "
                 "and buffer.mode = 'window' (or leave run.record_schedule off)"
             )
+
+    def _check_loss(self) -> None:
+        """learner.loss names a registered policy loss (asyncrl/learner/policy_losses.py), and the
+        clip keys and learner.loss_params set are ones that loss takes."""
+        lrn = self.learner
+        try:
+            entry = lrn.policy_loss()
+        except ValueError as exc:
+            raise ValueError(f"learner.loss: {exc}") from None
+        try:
+            entry.resolve_params(lrn.loss_params)
+        except ValueError as exc:
+            raise ValueError(f"learner.loss_params: {exc}") from None
+        clip = lrn.clip_range()
+        if clip is None and (lrn.clip_low is not None or lrn.clip_high is not None):
+            raise ValueError(
+                f"learner.loss = {lrn.loss!r} never clips the ratio; "
+                "remove learner.clip_low and learner.clip_high"
+            )
+        if clip is not None and (clip[0] > 1.0 or (clip[0] == 1.0 and not entry.clip_low_may_be_one)):
+            raise ValueError("learner.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if lrn.dual_clip is not None and not entry.dual_clip:
+            from asyncrl.learner.policy_losses import POLICY_LOSSES
+
+            takers = " or ".join(repr(e.name) for e in POLICY_LOSSES.values() if e.dual_clip)
+            raise ValueError(f"learner.dual_clip applies to loss {takers} only, not {lrn.loss!r}; remove it")
 
     def _check_remote(self) -> None:
         gen = self.generators

@@ -11,10 +11,13 @@ its own section from here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+if TYPE_CHECKING:
+    from asyncrl.learner.policy_losses import PolicyLoss
 
 PosInt = Annotated[int, Meta(gt=0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -219,12 +222,17 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
     max_grad_norm: PosFloat = 1.0
     # The objective (docs/algorithms.md): advantage estimator, policy loss, aggregation, KL.
     advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = "grpo"
-    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    # A name in the policy-loss registry (asyncrl/learner/policy_losses.py; docs/algorithms.md),
+    # checked when the config loads; loss_params are that loss's own hyperparameters beyond the
+    # clip range (e.g. sapo's tau_pos, tau_neg), unset ones at the registry's defaults.
+    loss: str = "ppo"
+    loss_params: dict[str, float] = {}
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
     norm_constant: PosFloat | None = None  # seq-mean-token-sum-norm's Z; None = sampling.max_new_tokens
-    # Clip range of the ratio; None = the loss's own default (ppo 0.2/0.2, gspo 3e-4/4e-4, cispo 1/0.28).
+    # Clip range of the ratio; None = the loss's own default (its registry entry: ppo 0.2/0.2, ...);
+    # a loss that never clips (sapo) takes none.
     clip_low: Annotated[float, Meta(ge=0)] | None = None
     clip_high: Annotated[float, Meta(ge=0)] | None = None
     dual_clip: Annotated[float, Meta(gt=1)] | None = None  # ppo only: bound on -A r for A < 0
@@ -312,8 +320,17 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
             return self.serving_dtype
         return {"none": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.mixed_precision]
 
-    def clip_range(self) -> tuple[float, float]:
-        defaults = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.28)}[self.loss]
+    def policy_loss(self) -> PolicyLoss:
+        """The registry entry of `loss` (ValueError listing the valid names on an unknown one)."""
+        from asyncrl.learner.policy_losses import policy_loss  # a pure leaf module; no torch at import
+
+        return policy_loss(self.loss)
+
+    def clip_range(self) -> tuple[float, float] | None:
+        """(clip_low, clip_high): the set values over the loss's defaults; None: the loss never clips."""
+        defaults = self.policy_loss().clip
+        if defaults is None:
+            return None
         return (
             defaults[0] if self.clip_low is None else self.clip_low,
             defaults[1] if self.clip_high is None else self.clip_high,

@@ -16,13 +16,21 @@ Conventions shared by every loss here:
   batch into micro-batches, calling the loss on each with the same global denominators and summing
   gives the full-batch loss and gradient.
 * Stats are detached and local to the call (means over this call's valid tokens).
+
+Which of these `learner.loss` names, with its defaults and how it streams, is the registry's
+(`policy_losses.py`); adding a loss is a function here, an entry there and its test.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+from asyncrl.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())  # the launcher reads the loss registry without torch
 
 # Log-ratios are clamped before exp so that a very stale token cannot overflow to inf.
 MAX_LOG_RATIO = 20.0
@@ -89,6 +97,11 @@ def aggregate(
     if mode == "seq-mean-token-sum":
         return per_token_BT.sum() / _denominator(num_seqs_global, "num_seqs_global", mode)
     return per_token_BT.sum() / _denominator(norm_constant, "norm_constant", mode)
+
+
+def clamped_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
+    """log r = logp - logp_old, clamped to +-MAX_LOG_RATIO (inputs already mask-cleaned)."""
+    return (logp - logp_old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def apply_weight(per_token: torch.Tensor, weight: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
@@ -184,7 +197,7 @@ def clipped_surrogate(
     logp_BT = fill_masked(logp_BT, mask_BT)
     logp_old_BT = fill_masked(logp_old_BT, mask_BT)
     adv_BT = fill_masked(adv_BT, mask_BT)
-    log_ratio_BT = (logp_BT - logp_old_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio_BT = clamped_log_ratio(logp_BT, logp_old_BT)
     terms = ppo_terms(log_ratio_BT, adv_BT, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     loss = aggregate(
         apply_weight(terms.loss, weight_BT, mask_BT),
@@ -266,7 +279,7 @@ def cispo_loss(
     logp_old_BT = fill_masked(logp_old_BT, mask_BT)
     adv_BT = fill_masked(adv_BT, mask_BT)
     with torch.no_grad():
-        ratio_BT = torch.exp((logp_BT - logp_old_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        ratio_BT = torch.exp(clamped_log_ratio(logp_BT, logp_old_BT))
         is_weight_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
         truncated_BT = is_weight_BT != ratio_BT
         if unified_mask:
@@ -285,3 +298,59 @@ def cispo_loss(
         norm_constant=norm_constant,
     )
     return loss, loss_stats(mask_BT, ratio_BT, truncated_BT | dropped_BT, torch.zeros_like(dropped_BT))
+
+
+def check_sapo(tau_pos: float, tau_neg: float) -> None:
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+
+
+def sapo_loss(
+    logp_BT: torch.Tensor,
+    logp_old_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    weight_BT: torch.Tensor | None = None,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    mode: str = "token-mean",
+    num_tokens_global: float | torch.Tensor | None = None,
+    num_seqs_global: float | torch.Tensor | None = None,
+    norm_constant: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """SAPO: a soft, temperature-controlled gate on the ratio instead of a clip (defaults: the paper's).
+
+    r = exp(clamp(logp - logp_old, +-MAX_LOG_RATIO)), tau = tau_pos where A > 0, tau_neg otherwise;
+    l = -A f(r) with f(r) = (4 / tau) sigmoid(tau (r - 1)). Its gradient is -A w(r) r grad logp
+    with w = f'(r) = 4 s (1 - s), s = sigmoid(tau (r - 1)): w r = 1 at r = 1 (REINFORCE on-policy)
+    and it decays smoothly as r leaves 1, faster for the larger tau_neg on negative advantages.
+    Nothing is clipped: clip_fraction is 0.
+
+    The gradient is built from w itself: l = -A (sg(f(r)) + sg(w) (r - sg(r))) has the value and
+    the gradient of -A f(r), with w = 4 sigmoid(x) sigmoid(-x) (no cancellation in 1 - s for large
+    x), so at r = 1 the weight is exactly 1 for either tau and the gradient is REINFORCE's to the
+    bit (an autograd of 4 / tau * sigmoid(...) would round (4 / tau) * tau).
+    """
+    check_sapo(tau_pos, tau_neg)
+    check_agg_mode(mode)
+    logp_BT = fill_masked(logp_BT, mask_BT)
+    logp_old_BT = fill_masked(logp_old_BT, mask_BT)
+    adv_BT = fill_masked(adv_BT, mask_BT)
+    ratio_BT = torch.exp(clamped_log_ratio(logp_BT, logp_old_BT))
+    with torch.no_grad():
+        tau_BT = torch.full_like(ratio_BT, tau_neg).masked_fill_(adv_BT > 0, tau_pos)
+        x_BT = tau_BT * (ratio_BT - 1.0)
+        gate_BT = 4.0 / tau_BT * torch.sigmoid(x_BT)
+        slope_BT = 4.0 * torch.sigmoid(x_BT) * torch.sigmoid(-x_BT)
+    per_token_BT = -adv_BT * (gate_BT + slope_BT * (ratio_BT - ratio_BT.detach()))
+    loss = aggregate(
+        apply_weight(per_token_BT, weight_BT, mask_BT),
+        mask_BT,
+        mode=mode,
+        num_tokens_global=num_tokens_global,
+        num_seqs_global=num_seqs_global,
+        norm_constant=norm_constant,
+    )
+    never_BT = torch.zeros_like(mask_BT)
+    return loss, loss_stats(mask_BT, ratio_BT.detach(), never_BT, never_BT)

@@ -15,8 +15,9 @@ chunk, a micro-batch or a rank contributes a plain sum, and any split gives the 
 
 When does a trajectory stream on its own (ALGORITHMS.md 5.5)? Its gradient must be linear in its
 advantage A_i, which is unknown until the group closes. Write the per-token loss as l(A) (the
-loss with advantage A); it is linear in A exactly when no clip binds for either sign of A. We test
-that directly: the loss evaluated at A = +1 and A = -1 reports no clipped token. Then
+loss with advantage A); it streams when l(A) = A l(+1), value and gradient. The loss's registry
+entry decides (`PolicyLoss.linear_in_advantage`): for PPO and GSPO when no clip binds at A = +1 or
+A = -1 (their stats report it), for CISPO always, for SAPO when tau_pos = tau_neg. Then
 h_i = -grad l(+1) and the group's S0/S1 sums give sum_i A_i h_i. Otherwise the trajectory waits
 for its group (all of its members are then trained with known advantages in one backward).
 Whole-batch fallbacks (`fallback_reason`) cover what is never per-trajectory: batch-global
@@ -36,7 +37,8 @@ batch-global part is its learning-rate scale (VCPO's ESS) is then taken over the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -49,9 +51,10 @@ from asyncrl.learner.advantages import (
     rloo_advantages,
 )
 from asyncrl.learner.kl import kl_loss
-from asyncrl.learner.losses import LossStats, aggregate, cispo_loss, clipped_surrogate, gspo_loss
+from asyncrl.learner.losses import LossStats, aggregate
 from asyncrl.learner.opd import multi_sample_reverse_kl, pg_kl_loss
 from asyncrl.learner.opd_mix import outcome_gate, select_tokens, selection_scores
+from asyncrl.learner.policy_losses import PolicyLoss, SignProbe, policy_loss
 from asyncrl.staleness.base import Correction, StalenessPolicy
 
 # Clip bounds that never bind: ratios live in (0, e^MAX_LOG_RATIO], so clip_low=1 and an infinite
@@ -139,10 +142,11 @@ class Objective:
             )
             if opd.reward == "off":
                 return distill
-        clip_low, clip_high = lrn.clip_range()
+        clip_low, clip_high = lrn.clip_range() or (None, None)
         rl = dict(
             advantage=lrn.advantage,
             loss=lrn.loss,
+            loss_params=policy_loss(lrn.loss).resolve_params(lrn.loss_params),
             clip_low=clip_low,
             clip_high=clip_high,
             dual_clip=lrn.dual_clip,
@@ -190,19 +194,25 @@ class Objective:
 
 @dataclass(frozen=True, kw_only=True)
 class RLObjective(Objective):
-    """Policy-gradient RL: group advantages, a clipped surrogate under the staleness correction,
-    and an optional KL term to the initial model."""
+    """Policy-gradient RL: group advantages, a policy loss from the registry (`policy_losses.py`)
+    under the staleness correction, and an optional KL term to the initial model."""
 
     advantage: str
-    loss: str
-    clip_low: float
-    clip_high: float
+    loss: str  # a `POLICY_LOSSES` name
+    clip_low: float | None  # None for a loss that never clips (its entry's `clip` is None)
+    clip_high: float | None
     dual_clip: float | None
     drop_degenerate_groups: bool
     kl_coef: float
     kl_estimator: str
     kl_placement: str
     baseline: str = "group_mean"  # staleness.vcpo_baseline: group_mean, opob, opob_released
+    loss_params: Mapping[str, float] = field(default_factory=dict)  # the loss's own hyperparameters
+
+    @property
+    def policy(self) -> PolicyLoss:
+        """The registry entry of `loss`."""
+        return policy_loss(self.loss)
 
     @property
     def opob(self) -> bool:
@@ -247,42 +257,30 @@ class RLObjective(Objective):
 
         `mask_BT` is the valid-token mask (it defines the aggregation); the correction's own mask
         zeroes rejected tokens through the weight, so rejection never changes a denominator."""
-        clip_low, clip_high = (self.clip_low, self.clip_high) if corr.use_clip else NO_CLIP
-        weight_BT = corr.weight_BT * corr.mask_BT
-        common = dict(mode=self.agg, num_tokens_global=1.0, num_seqs_global=1.0, norm_constant=1.0)
-        if self.loss == "ppo":
-            return clipped_surrogate(
-                logp_BT,
-                corr.logp_anchor_BT,
-                adv_BT,
-                mask_BT,
-                weight_BT,
-                clip_low=clip_low,
-                clip_high=clip_high,
-                dual_clip=self.dual_clip if corr.use_clip else None,
-                **common,
-            )
-        if self.loss == "gspo":
-            return gspo_loss(
-                logp_BT,
-                corr.logp_anchor_BT,
-                adv_BT,
-                mask_BT,
-                weight_BT,
-                clip_low=clip_low,
-                clip_high=clip_high,
-                **common,
-            )
-        return cispo_loss(
+        return self.policy.fn(
             logp_BT,
             corr.logp_anchor_BT,
             adv_BT,
             mask_BT,
-            weight_BT,
-            clip_low=min(clip_low, 1.0),
-            clip_high=clip_high,
-            **common,
+            corr.weight_BT * corr.mask_BT,
+            **self.hyperparameters(use_clip=corr.use_clip),
+            mode=self.agg,
+            num_tokens_global=1.0,
+            num_seqs_global=1.0,
+            norm_constant=1.0,
         )
+
+    def hyperparameters(self, *, use_clip: bool) -> dict[str, float | None]:
+        """The loss function's keywords: the clip range if it takes one (never binding where the
+        staleness correction replaces the clip, `use_clip` False), the dual clip if it takes it,
+        and its own `loss_params`."""
+        entry = self.policy
+        kwargs: dict[str, float | None] = dict(self.loss_params)
+        if entry.clip is not None:
+            kwargs["clip_low"], kwargs["clip_high"] = (self.clip_low, self.clip_high) if use_clip else NO_CLIP
+        if entry.dual_clip:
+            kwargs["dual_clip"] = self.dual_clip if use_clip else None
+        return kwargs
 
     def kl_term(self, logp_BT, logp_ref_BT, mask_BT, weight_BT) -> tuple[torch.Tensor, float]:
         """kl_coef * unnormalised KL loss (0 unless KL is in the loss) and the mean estimate."""
@@ -325,18 +323,16 @@ class RLObjective(Objective):
     def stream_loss(
         self, logp_BT: torch.Tensor, corr: Correction, mask_BT: torch.Tensor
     ) -> tuple[torch.Tensor, LossStats] | None:
-        """The loss at A = +1 for one trajectory, if its gradient is linear in A (no clip binds
-        for either sign); None if it must wait for its group's advantages."""
+        """The loss at A = +1 for one trajectory, if its loss is linear in A (the registry entry
+        decides: `PolicyLoss.linear_in_advantage`); None if it must wait for its group's advantages."""
         pos, stats = self.policy_loss(logp_BT, corr, mask_BT.to(logp_BT.dtype), mask_BT)
-        if self.loss == "cispo":  # sg(clip(r)) weights never depend on sign(A)
-            return pos, stats
-        if float(stats.clip_fraction) > 0:
-            return None
-        with torch.no_grad():
-            _, neg_stats = self.policy_loss(logp_BT.detach(), corr, -mask_BT.to(logp_BT.dtype), mask_BT)
-        if float(neg_stats.clip_fraction) > 0:
-            return None
-        return pos, stats
+
+        def neg() -> LossStats:
+            with torch.no_grad():
+                return self.policy_loss(logp_BT.detach(), corr, -mask_BT.to(logp_BT.dtype), mask_BT)[1]
+
+        probe = SignProbe(pos=stats, neg=neg, params=self.loss_params)
+        return (pos, stats) if self.policy.linear_in_advantage(probe) else None
 
 
 @dataclass(frozen=True, kw_only=True)

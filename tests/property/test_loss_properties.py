@@ -25,7 +25,7 @@ from asyncrl.learner.advantages import (
     rloo_advantages,
 )
 from asyncrl.learner.kl import kl_loss
-from asyncrl.learner.losses import AGG_MODES, aggregate, cispo_loss, clipped_surrogate, gspo_loss
+from asyncrl.learner.losses import AGG_MODES, aggregate, cispo_loss, clipped_surrogate, gspo_loss, sapo_loss
 from asyncrl.learner.opd import (
     multi_sample_forward_kl,
     multi_sample_reverse_kl,
@@ -156,6 +156,9 @@ LOSSES: dict[str, LossFn] = {
     "cispo-unified": lambda b, m, d: cispo_loss(
         b["logp"], b["old"], b["adv"], b["mask"], b["weight"], clip_low=0.2, unified_mask=True, mode=m, **d
     )[0],
+    "sapo": lambda b, m, d: sapo_loss(
+        b["logp"], b["old"], b["adv"], b["mask"], b["weight"], tau_pos=1.0, tau_neg=1.05, mode=m, **d
+    )[0],
     "kl-k3": lambda b, m, d: kl_loss(
         b["logp"], b["teacher"], b["mask"], b["weight"], estimator="k3", mode=m, **d
     )[0],
@@ -249,7 +252,7 @@ def test_masked_positions_change_nothing(seed, num_seqs, num_steps, mode, name):
     num_seqs=st.integers(1, 5),
     num_steps=st.integers(1, 5),
     mode=modes,
-    kind=st.sampled_from(["ppo", "gspo", "cispo", "opd-pg-kl"]),
+    kind=st.sampled_from(["ppo", "gspo", "cispo", "sapo", "opd-pg-kl"]),
     clip_low=st.floats(0.0, 1.0),
     clip_high=st.floats(0.0, 10.0),
     dual_clip=st.one_of(st.none(), st.floats(1.01, 10.0)),
@@ -292,6 +295,10 @@ def test_ratio_one_gradient_is_reinforce(
             unified_mask=unified_mask,
             mode=mode,
             **d,
+        )
+    elif kind == "sapo":  # the temperatures drawn from the clip range's draws
+        loss, _ = sapo_loss(
+            logp, old, adv, mask, weight, tau_pos=clip_high + 0.1, tau_neg=clip_low + 0.1, mode=mode, **d
         )
     else:
         adv = b["teacher"] - logp.detach()  # OPD: reverse-KL advantage under the current student

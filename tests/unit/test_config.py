@@ -194,3 +194,36 @@ def test_a_misspelt_set_key_still_names_the_valid_keys():
     assert "name" in message.split("valid keys here:")[1]
     with pytest.raises(ConfigError, match="unknown key 'nope'"):
         load_config(overrides=["nope.deeper=1"])
+
+
+def test_an_unknown_loss_name_lists_the_registered_ones():
+    with pytest.raises(ConfigError, match=r"learner\.loss: unknown policy loss 'sapoo' \(did you mean 'sapo'\?\); "
+                       r"valid names: cispo, gspo, ppo, sapo"):
+        load_config(overrides=["learner.loss=sapoo"])
+
+
+def test_loss_params_are_the_chosen_loss_own():
+    cfg = load_config(overrides=["learner.loss=sapo", "learner.loss_params.tau_neg=2"])
+    assert cfg.learner.loss_params == {"tau_neg": 2.0}
+    assert cfg.learner.clip_range() is None  # sapo never clips
+    with pytest.raises(ConfigError, match=r"learner\.loss_params: loss 'sapo' has no parameter 'tau'.*"
+                       r"valid parameters: tau_neg, tau_pos"):
+        load_config(overrides=["learner.loss=sapo", "learner.loss_params.tau=2"])
+    with pytest.raises(ConfigError, match=r"learner\.loss_params: loss 'ppo' takes no parameters, got 'tau_pos'"):
+        load_config(overrides=["learner.loss_params.tau_pos=2"])
+    with pytest.raises(ConfigError, match=r"learner\.loss_params: tau_pos and tau_neg must be > 0"):
+        load_config(overrides=["learner.loss=sapo", "learner.loss_params.tau_pos=0"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["learner.loss=sapo", "learner.clip_high=0.28"], "'sapo' never clips the ratio"),
+        (["learner.loss=gspo", "learner.dual_clip=3"], "dual_clip applies to loss 'ppo' only, not 'gspo'"),
+        (["learner.clip_low=1"], "clip_low must be < 1"),
+    ],
+)
+def test_clip_keys_follow_the_loss_registry(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=sets)
+    assert load_config(overrides=["learner.loss=cispo", "learner.clip_low=1"]).learner.clip_range() == (1.0, 0.28)

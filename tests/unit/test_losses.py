@@ -197,3 +197,23 @@ def test_cispo_single_token(ratio, adv, kwargs, grad, changed):
     assert loss.item() == pytest.approx(grad * -0.7, rel=1e-12)
     assert stats.clip_fraction.item() == float(changed)
     assert stats.mean_ratio.item() == pytest.approx(ratio)
+
+
+def test_every_registry_entry_declares_its_functions_defaults():
+    """The registry's clip range and parameters are the loss function's own keyword defaults, so
+    the config and a direct call of the function agree (`asyncrl/learner/policy_losses.py`)."""
+    import inspect
+
+    from asyncrl.learner.policy_losses import POLICY_LOSSES
+
+    for name, entry in POLICY_LOSSES.items():
+        assert entry.name == name
+        params = inspect.signature(entry.fn).parameters.values()
+        keywords = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+        if entry.clip is None:
+            assert "clip_low" not in keywords and "clip_high" not in keywords, name
+        else:
+            assert (keywords["clip_low"], keywords["clip_high"]) == entry.clip, name
+        assert ("dual_clip" in keywords) == entry.dual_clip, name
+        for key, default in entry.params.items():
+            assert keywords[key] == default, (name, key)

@@ -135,6 +135,7 @@ STREAMING = {
     "dapo": ["learner.clip_high=0.28", "learner.drop_degenerate_groups=true"],
     "gspo": ["learner.loss=gspo", 'learner.agg="seq-mean-token-mean"'],
     "cispo": ["learner.loss=cispo"],
+    "sapo": ["learner.loss=sapo", "learner.loss_params.tau_neg=1.0"],  # streams when tau_pos = tau_neg
     "tis": ["staleness.policy=tis"],
     "icepop": ["staleness.policy=icepop"],
     "decoupled": ["staleness.policy=decoupled"],
