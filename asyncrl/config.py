@@ -114,9 +114,15 @@ class Config(Section, frozen=True, kw_only=True):
         except ValueError as exc:
             raise ValueError(f"learner.loss: {exc}") from None
         try:
-            entry.resolve_params(lrn.loss_params)
+            params = entry.resolve_params(lrn.loss_params)
         except ValueError as exc:
             raise ValueError(f"learner.loss_params: {exc}") from None
+        if self.staleness.vcpo_baseline != "group_mean" and not entry.ever_linear(params):
+            raise ValueError(
+                f"staleness.vcpo_baseline = {self.staleness.vcpo_baseline!r} needs each trajectory's loss "
+                f"linear in its advantage, which learner.loss = {lrn.loss!r} with {params} never is "
+                "(docs/algorithms.md); choose another loss, its parameters, or vcpo_baseline = 'group_mean'"
+            )
         clip = lrn.clip_range()
         if clip is None and (lrn.clip_low is not None or lrn.clip_high is not None):
             raise ValueError(

@@ -263,14 +263,14 @@ class RLObjective(Objective):
             adv_BT,
             mask_BT,
             corr.weight_BT * corr.mask_BT,
-            **self.hyperparameters(use_clip=corr.use_clip),
+            **self._loss_keywords(use_clip=corr.use_clip),
             mode=self.agg,
             num_tokens_global=1.0,
             num_seqs_global=1.0,
             norm_constant=1.0,
         )
 
-    def hyperparameters(self, *, use_clip: bool) -> dict[str, float | None]:
+    def _loss_keywords(self, *, use_clip: bool) -> dict[str, float | None]:
         """The loss function's keywords: the clip range if it takes one (never binding where the
         staleness correction replaces the clip, `use_clip` False), the dual clip if it takes it,
         and its own `loss_params`."""
@@ -327,11 +327,13 @@ class RLObjective(Objective):
         decides: `PolicyLoss.linear_in_advantage`); None if it must wait for its group's advantages."""
         pos, stats = self.policy_loss(logp_BT, corr, mask_BT.to(logp_BT.dtype), mask_BT)
 
-        def neg() -> LossStats:
+        def clipped_neg() -> bool:
             with torch.no_grad():
-                return self.policy_loss(logp_BT.detach(), corr, -mask_BT.to(logp_BT.dtype), mask_BT)[1]
+                _, neg = self.policy_loss(logp_BT.detach(), corr, -mask_BT.to(logp_BT.dtype), mask_BT)
+            return float(neg.clip_fraction) > 0
 
-        probe = SignProbe(pos=stats, neg=neg, params=self.loss_params)
+        clipped_pos = float(stats.clip_fraction) > 0
+        probe = SignProbe(clipped_pos=clipped_pos, clipped_neg=clipped_neg, params=self.loss_params)
         return (pos, stats) if self.policy.linear_in_advantage(probe) else None
 
 

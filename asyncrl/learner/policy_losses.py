@@ -37,8 +37,8 @@ class SignProbe(NamedTuple):
     """One trajectory, asked whether its loss is linear in its still unknown advantage A (then it
     streams on its own; objective.py, ALGORITHMS.md 5.5)."""
 
-    pos: LossStats  # the loss's stats at A = +1
-    neg: Callable[[], LossStats]  # its stats at A = -1, computed only when asked
+    clipped_pos: bool  # a clip binds somewhere in the loss at A = +1 (its stats' clip_fraction > 0)
+    clipped_neg: Callable[[], bool]  # the same at A = -1, evaluated only when asked
     params: Mapping[str, float]  # the loss's hyperparameters (`learner.loss_params` over the defaults)
 
 
@@ -81,6 +81,12 @@ class PolicyLoss:
             self.check_params(**resolved)
         return resolved
 
+    def ever_linear(self, params: Mapping[str, float]) -> bool:
+        """Whether a trajectory on which no clip binds has a loss linear in its advantage; False:
+        with these hyperparameters no trajectory ever streams on its own."""
+        unclipped = SignProbe(clipped_pos=False, clipped_neg=lambda: False, params=params)
+        return self.linear_in_advantage(unclipped)
+
 
 # ---------------------------------------------------------------------------------- sign(A)
 
@@ -92,7 +98,7 @@ def always_linear(probe: SignProbe) -> bool:
 
 def linear_unless_clipped(probe: SignProbe) -> bool:
     """A clip is the only place sign(A) enters (PPO, GSPO): linear when none binds at A = +1 or -1."""
-    return float(probe.pos.clip_fraction) == 0 and float(probe.neg().clip_fraction) == 0
+    return not probe.clipped_pos and not probe.clipped_neg()
 
 
 def sapo_linear(probe: SignProbe) -> bool:

@@ -227,3 +227,12 @@ def test_clip_keys_follow_the_loss_registry(sets, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=sets)
     assert load_config(overrides=["learner.loss=cispo", "learner.clip_low=1"]).learner.clip_range() == (1.0, 0.28)
+
+
+def test_the_optimal_baseline_refuses_a_loss_that_never_streams():
+    """OPOB trains each trajectory on its own, so a loss never linear in A (SAPO with the paper's
+    tau_pos != tau_neg) would stop the run at its first trajectory; it fails at load instead."""
+    opob = ["staleness.policy=vcpo", "staleness.vcpo_baseline=opob"]
+    with pytest.raises(ConfigError, match=r"vcpo_baseline = 'opob' needs each trajectory's loss linear"):
+        load_config(overrides=[*opob, "learner.loss=sapo"])
+    assert load_config(overrides=[*opob, "learner.loss=sapo", "learner.loss_params.tau_neg=1"]).learner.loss == "sapo"

@@ -184,6 +184,8 @@ def test_registry_entry():
     assert entry.clip is None and not entry.dual_clip  # it never clips
     assert entry.resolve_params({}) == {"tau_pos": TAU_POS, "tau_neg": TAU_NEG}
     assert entry.resolve_params({"tau_neg": 2.0}) == {"tau_pos": TAU_POS, "tau_neg": 2.0}
+    assert not entry.ever_linear(entry.resolve_params({}))  # the paper's temperatures never stream
+    assert entry.ever_linear({"tau_pos": 2.0, "tau_neg": 2.0})
     with pytest.raises(ValueError, match="no parameter 'tau' .*; valid parameters: tau_neg, tau_pos$"):
         entry.resolve_params({"tau": 1.0})
 
