@@ -71,7 +71,9 @@ class WeightCopies:
                         f"step {step}: no snapshot of version {v} (kept: {sorted(self.snapshots)})"
                     )
                 by_version[v] = self._scratch_logp(self.snapshots[v], batch.input_ids_BL, logp)
-            extra["logp_old_train_BT"] = assemble_old_train_logp(batch.versions_BL, by_version, mask, dtype=dtype)
+            extra["logp_old_train_BT"] = assemble_old_train_logp(
+                batch.versions_BL, by_version, mask, dtype=dtype
+            )
         return extra
 
     def _scratch_logp(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor, logp) -> torch.Tensor:

@@ -55,7 +55,8 @@ def opd_arrays(
     if any(s.teacher_logprobs is None for s in samples):
         raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
     teacher, ids, behav = (
-        (x.to(engine.dtype) if x.is_floating_point() else x).to(engine.device) for x in pack_opd(samples, width)
+        (x.to(engine.dtype) if x.is_floating_point() else x).to(engine.device)
+        for x in pack_opd(samples, width)
     )
     return OpdArrays(teacher, ids, behav, None if gate_B is None else gate_B.to(engine.device))
 
@@ -92,7 +93,9 @@ class DistillWork:
         if self.objective.epochs > 1:
             state.add_rerun(functools.partial(self._backward_parts, state, mine, account=False))
 
-    def _backward_parts(self, state: StepState, samples: Sequence[TrainSample], *, account: bool = True) -> None:
+    def _backward_parts(
+        self, state: StepState, samples: Sequence[TrainSample], *, account: bool = True
+    ) -> None:
         """A later epoch (`account=False`) runs the same loss under the updated model: the
         per-token advantage log pi_T - sg(log pi) (and the token selection) is recomputed under
         the student; the step counted these samples and their loss already."""

@@ -81,10 +81,14 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ forwards
-    def logp(self, actor: PolicyLM, ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> torch.Tensor:
+    def logp(
+        self, actor: PolicyLM, ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """log pi(x_t | x_<t) under `actor`, on the learner's device (`lengths_B`: real tokens
         per row, so the forward can skip the padding)."""
-        out = actor(ids_BL.to(self.device), temperature=self.temperature, top_p=self.top_p, lengths_B=lengths_B)
+        out = actor(
+            ids_BL.to(self.device), temperature=self.temperature, top_p=self.top_p, lengths_B=lengths_B
+        )
         return out.logp
 
     def candidate_logp(
@@ -97,9 +101,13 @@ class Engine:
 
     def pack(self, samples: Sequence[TrainSample], *, require_complete: bool = False) -> PackedBatch:
         """`samples` packed on the learner's device."""
-        return pack(samples, pad_token_id=self.pad_token_id, require_complete=require_complete).to(self.device)
+        return pack(samples, pad_token_id=self.pad_token_id, require_complete=require_complete).to(
+            self.device
+        )
 
-    def correct(self, batch: PackedBatch, logp_now_BL: torch.Tensor, adv_B: torch.Tensor, step: int) -> Correction:
+    def correct(
+        self, batch: PackedBatch, logp_now_BL: torch.Tensor, adv_B: torch.Tensor, step: int
+    ) -> Correction:
         """The staleness policy's correction of a packed batch at `step` (log-probs detached)."""
         mask = batch.completion_mask_BL
         token_batch = with_current_as_prox(
@@ -190,7 +198,10 @@ class Engine:
         `.grad` alone (it holds the step's sum over complete groups)."""
         grads = torch.autograd.grad(loss, self.params, allow_unused=True, retain_graph=retain_graph)
         return torch.cat(
-            [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, self.params, strict=True)]
+            [
+                (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                for g, p in zip(grads, self.params, strict=True)
+            ]
         )
 
     @property

@@ -57,7 +57,19 @@ def window_size(lrn: LearnerConfig) -> int:
 def canonical_order(config: Config) -> bool:
     """Whether the step loops offer each window in traj-id order (sync runs, `learner.sync_order`):
     every rank of a run decides the same."""
-    return config.mode == "sync" and config.buffer.mode == "window" and config.learner.sync_order == "canonical"
+    return (
+        config.mode == "sync" and config.buffer.mode == "window" and config.learner.sync_order == "canonical"
+    )
+
+
+def canonical_chunk(config: Config) -> int:
+    """Trajectories per chunk a canonical-order step loop offers at once (0: arrival order): the
+    whole window unless `learner.min_chunk` names a size (a window in one chunk trains at 0.95x
+    arrival order's speed on the default sync job, chunks of 64 at 0.71x: docs/learner.md)."""
+    if not canonical_order(config):
+        return 0
+    lrn = config.learner
+    return window_size(lrn) if lrn.min_chunk == "auto" else lrn.min_chunk
 
 
 def load_policy_model(path: Path, config: Config) -> tuple[PolicyLM, object]:
@@ -130,7 +142,8 @@ def build_trainer(config: Config, actor: PolicyLM, *, pad_token_id: int) -> Trai
         max_tokens_per_microbatch=lrn.max_tokens_per_microbatch,
         chunk_groups=-(-fixed_min_chunk(lrn.min_chunk) // lrn.samples_per_group),
         threads=resolve_threads(lrn.threads, cpus=lrn.cpus, world_size=lrn.world_size),
-        adaptive_threads=lrn.threads == "auto",
+        # Canonical order (reproducible sync runs) keeps the thread count, so the pieces too.
+        adaptive_threads=lrn.threads == "auto" and not canonical_order(config),
         max_nonfinite_steps=lrn.max_nonfinite_steps,
     )
 
@@ -163,7 +176,7 @@ class StepLoop:
         min_chunk: int = 1,
         chunking: ChunkChoice | None = None,
         on_step_end: Callable[[StepSchedule], None] | None = None,
-        canonical: bool = False,
+        canonical_chunk: int = 0,
     ) -> None:
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
@@ -192,9 +205,11 @@ class StepLoop:
         # Given each step's schedule (offers, work calls, threads) when it ends, off the loop
         # (run.record_schedule: `schedule.ScheduleRecorder.write`, for `asyncrl replay`).
         self.on_step_end = on_step_end
-        # Offer a window's trajectories in traj-id order, each followed by all the work it makes
-        # possible (learner.sync_order = "canonical" in sync mode): two runs train bitwise alike.
-        self.canonical = canonical
+        # > 0: offer a window's trajectories in traj-id order, in chunks of this many (rounded up
+        # to whole groups), each followed by all the work it makes possible (learner.sync_order =
+        # "canonical" in sync mode, `canonical_chunk`): two runs train bitwise alike.
+        self.canonical_chunk = canonical_chunk
+        self.canonical = canonical_chunk > 0
         self.next_id = 0  # canonical order: the traj id due next
 
     def add(self, step: int, sample: TrainSample) -> None:
@@ -287,7 +302,9 @@ class StepLoop:
             await self.before_update()
         result = await self._busy(trainer.finish_step)
         if self.on_step_end is not None:
-            await asyncio.to_thread(self.on_step_end, StepSchedule(step, self.taken, calls, whole_window, threads))
+            await asyncio.to_thread(
+                self.on_step_end, StepSchedule(step, self.taken, calls, whole_window, threads)
+            )
         if self.chunking is not None and (choice := self.chunking.observe(time.perf_counter() - begin)):
             log.info("%s", choice)
             self.note = choice
@@ -305,28 +322,32 @@ class StepLoop:
 
     async def _stream(self, step: int, expected: int, calls: list[int]) -> bool:
         """Offer the step's trajectories as they come and train what the trainer can; False
-        when stopping first. In canonical order every offer is followed by all the work it makes
-        possible, so the units (and the arithmetic) do not depend on when trajectories arrived."""
+        when stopping first. In canonical order each chunk is offered whole and followed by all
+        the work it makes possible, so the units (and the arithmetic) do not depend on when
+        trajectories arrived."""
         trainer = self.trainer
         min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
         self.next_id = step * expected  # window mode: the window's traj ids are consecutive
         offered = 0
         draining = False  # a run of work started, continued while there is work
         while not self.stopping:
-            fresh = self._take(step)
-            for sample in fresh:
-                trainer.offer(sample)
-                self.taken.append(sample)
-                offered += 1
-                if self.canonical:
-                    while trainer.has_work():
-                        calls.append(offered)
-                        await self._busy(trainer.work)
-            if fresh and self.canonical:
+            chunks = self._take(step, expected)
+            for chunk in chunks:
+                for sample in chunk:
+                    trainer.offer(sample)
+                    self.taken.append(sample)
+                offered += len(chunk)
+                while self.canonical and trainer.has_work():
+                    calls.append(offered)
+                    await self._busy(trainer.work)
+            if chunks and self.canonical:
                 continue  # what arrived while it trained is taken before waiting for more
             # Lockstep ranks train the chunks the trainer picks from the offered sequence alone.
             if trainer.has_work() and (
-                trainer.lockstep or draining or trainer.num_waiting() >= min_chunk or expected - offered < min_chunk
+                trainer.lockstep
+                or draining
+                or trainer.num_waiting() >= min_chunk
+                or expected - offered < min_chunk
             ):
                 draining = True
                 calls.append(offered)
@@ -339,19 +360,27 @@ class StepLoop:
             await self._wait_for_data()
         return False
 
-    def _take(self, step: int) -> list[TrainSample]:
-        """What to offer now of the step's received trajectories: all of them in arrival order,
-        or (canonical order) the run of consecutive traj ids from the next one due; the rest wait
-        in the inbox (a checkpoint keeps them, `held`)."""
+    def _take(self, step: int, expected: int) -> list[list[TrainSample]]:
+        """What to offer now of the step's received trajectories: all of them in arrival order
+        (one chunk), or in canonical order the complete chunks of whole groups in traj-id order
+        from the next one due (`canonical_chunk` rounded up to whole groups; the window's last
+        chunk may be shorter); the rest wait in the inbox (a checkpoint keeps them, `held`)."""
         if not self.canonical:
-            return self.inbox.pop(step, [])
+            fresh = self.inbox.pop(step, [])
+            return [fresh] if fresh else []
+        group = self.trainer.group_size
+        size = -(-self.canonical_chunk // group) * group
+        end = step * expected + expected
         by_id = {s.traj_id: s for s in self.inbox.get(step, ())}
-        run = []
-        while self.next_id in by_id:
-            run.append(by_id.pop(self.next_id))
-            self.next_id += 1
+        chunks = []
+        while self.next_id < end:
+            ids = range(self.next_id, min(self.next_id + size, end))
+            if any(i not in by_id for i in ids):
+                break
+            chunks.append([by_id.pop(i) for i in ids])
+            self.next_id = ids.stop
         self.inbox[step] = list(by_id.values())
-        return run
+        return chunks
 
     def tail_s(self, step: int, begin: float, end: float) -> float:
         """From the step's last trajectory arriving (or the step's start, if later) to `end`."""

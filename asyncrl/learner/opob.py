@@ -71,7 +71,9 @@ def step_lr_scale(engine: Engine, state: StepState) -> None:
     logp_BL = torch.zeros(batch.input_ids_BL.shape, dtype=engine.dtype, device=engine.device)
     for b, (_, logp_1L) in enumerate(rows):
         logp_BL[b, : logp_1L.shape[1]] = logp_1L[0]
-    corr = engine.correct(batch, logp_BL, torch.zeros(len(rows), dtype=engine.dtype, device=engine.device), state.step)
+    corr = engine.correct(
+        batch, logp_BL, torch.zeros(len(rows), dtype=engine.dtype, device=engine.device), state.step
+    )
     state.set_lr_scale(corr.lr_scale)
     if "ess_ratio" in state.totals.stats:  # the token-weighted mean of the per-trajectory ratios (1 each)
         state.set_stat("ess_ratio", float(corr.stats.ess_ratio) * state.totals.stats_tokens)

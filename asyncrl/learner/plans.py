@@ -137,7 +137,9 @@ class LockstepArrivals:
         ready = state.arrivals[state.trained_arrivals :]
         if len(ready) >= size:
             return TrainChunk(ready[:size])
-        whole_window = state.window_groups is None or len(state.arrivals) >= state.window_groups * state.group_size
+        whole_window = (
+            state.window_groups is None or len(state.arrivals) >= state.window_groups * state.group_size
+        )
         return TrainChunk(list(ready)) if ready and whole_window else None
 
 

@@ -49,7 +49,7 @@ from asyncrl.learner.checkpoint import (
     save_learner_checkpoint,
 )
 from asyncrl.learner.chunking import fixed_min_chunk
-from asyncrl.learner.loop import StepLoop, build_trainer, canonical_order, load_policy_model, window_size
+from asyncrl.learner.loop import StepLoop, build_trainer, canonical_chunk, load_policy_model, window_size
 from asyncrl.learner.parallel import backend_for, iter_full_state, resolve_device, serving_dtype
 from asyncrl.learner.step import sample_from_message
 from asyncrl.learner.update import NonFiniteError
@@ -263,7 +263,7 @@ async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_
         trainer,
         lambda step: window_size(config.learner),
         min_chunk=fixed_min_chunk(config.learner.min_chunk),
-        canonical=canonical_order(config),
+        canonical_chunk=canonical_chunk(config),
     )
     stopped = asyncio.Event()
 

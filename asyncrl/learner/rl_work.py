@@ -42,7 +42,9 @@ from asyncrl.staleness.base import Correction
 
 
 class RLWork:
-    def __init__(self, engine: Engine, objective: RLObjective, *, streams: bool, max_open_groups: int) -> None:
+    def __init__(
+        self, engine: Engine, objective: RLObjective, *, streams: bool, max_open_groups: int
+    ) -> None:
         self.engine = engine
         self.objective = objective
         # Whether a step keeps group S0/S1 sums (trajectories stream into them).
@@ -52,7 +54,9 @@ class RLWork:
         if objective.uses_reference:
             self.reference = copy.deepcopy(engine.actor).eval().requires_grad_(False)
         # The distillation part of a combined objective (opd.reward), None for RL alone.
-        self.distill: CombinedObjective | None = objective if isinstance(objective, CombinedObjective) else None
+        self.distill: CombinedObjective | None = (
+            objective if isinstance(objective, CombinedObjective) else None
+        )
 
     def accumulator(self, group_size: int) -> StreamingAccumulator | None:
         """A new step's group S0/S1 sums (None: nothing streams into groups)."""
@@ -143,7 +147,9 @@ class RLWork:
     def _not_linear(self, sample: TrainSample) -> bool:
         return False
 
-    def _fold(self, state: StepState, sample, h_P, batch, logp_1L, loss_value: float, on_arrival: bool) -> None:
+    def _fold(
+        self, state: StepState, sample, h_P, batch, logp_1L, loss_value: float, on_arrival: bool
+    ) -> None:
         """h_P into the group's sums; the loss value waits for the group's advantages."""
         state.acc.add_trajectory(
             h_P, num_tokens=trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
@@ -173,7 +179,9 @@ class RLWork:
         state.take_groups(gids)
         state.mark_groups_trained(len(gids))
 
-    def _group_advantages(self, state: StepState, gids: list[int]) -> tuple[dict[int, float], dict[int, bool]]:
+    def _group_advantages(
+        self, state: StepState, gids: list[int]
+    ) -> tuple[dict[int, float], dict[int, bool]]:
         """Each member's advantage (times its group's weight) and keep flag, by traj id; adds
         the streamed members' loss values now that their advantages are known."""
         adv_of: dict[int, float] = {}
@@ -191,7 +199,9 @@ class RLWork:
                 state.add_loss(float(adv_1N[0, slots.index(slot)]) * loss_pos)
         return adv_of, keep_of
 
-    def _backward_parts(self, state: StepState, samples: list[TrainSample], adv_of: dict, keep_of: dict) -> None:
+    def _backward_parts(
+        self, state: StepState, samples: list[TrainSample], adv_of: dict, keep_of: dict
+    ) -> None:
         e = self.engine
         for part in e.microbatches(samples):
             if part is None:
@@ -226,7 +236,9 @@ class RLWork:
             if state.acc is None:  # lockstep: no accumulator counts Z for these members
                 state.add_units(self.objective.units(mask))
             tokens = float(stats.num_tokens)
-            state.account(batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens)
+            state.account(
+                batch, samples, stats_dict(corr), tokens=tokens, clipped=float(stats.clip_fraction) * tokens
+            )
 
         return loss, account
 
@@ -266,7 +278,9 @@ class RLWork:
         mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(e.device)[:, None]
         corr = e.correct(batch, logp_now_BL, adv_B, state.step)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
-        plan = WholeRows(ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL, batch.lengths_B)
+        plan = WholeRows(
+            ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL, batch.lengths_B
+        )
         if self.objective.epochs > 1:
             state.add_rerun(functools.partial(self._rows_backward, plan))
         sums = self._rows_backward(plan, logp_BL, logp_BLN)
@@ -409,7 +423,9 @@ class OpobWork(RLWork):
             "optimal baseline (staleness.vcpo_baseline) needs; a staleness policy let a clip bind"
         )
 
-    def _fold(self, state: StepState, sample, h_P, batch, logp_1L, loss_value: float, on_arrival: bool) -> None:
+    def _fold(
+        self, state: StepState, sample, h_P, batch, logp_1L, loss_value: float, on_arrival: bool
+    ) -> None:
         if sample.weight != 1.0:  # the group's weight scales every member's gradient
             h_P.mul_(sample.weight)
         fold = state.acc.add_trajectory(

@@ -32,7 +32,15 @@ from asyncrl.learner.checkpoint import (
     save_learner_checkpoint,
 )
 from asyncrl.learner.chunking import ChunkChoice, fixed_min_chunk
-from asyncrl.learner.loop import StepLoop, build_trainer, canonical_order, gradient_mode, load_policy_model, window_size
+from asyncrl.learner.loop import (
+    StepLoop,
+    build_trainer,
+    canonical_chunk,
+    canonical_order,
+    gradient_mode,
+    load_policy_model,
+    window_size,
+)
 from asyncrl.learner.parallel import is_wrapped
 from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import (
@@ -43,8 +51,7 @@ from asyncrl.learner.ranks import (
     publish_state,
 )
 from asyncrl.learner.schedule import ScheduleRecorder
-from asyncrl.learner.step import sample_from_message
-from asyncrl.learner.step import StepResult
+from asyncrl.learner.step import StepResult, sample_from_message
 from asyncrl.learner.update import NonFiniteError
 from asyncrl.messages import (
     Evaluated,
@@ -133,7 +140,7 @@ class LearnerService:
                     if self.cfg.min_chunk == "auto" and self.trainer.streams_per_trajectory and not canonical
                     else None
                 ),
-                canonical=canonical,
+                canonical_chunk=canonical_chunk(cfg),
                 on_step_end=ScheduleRecorder(self.ctx.run_dir).write if cfg.run.record_schedule else None,
             )
         )

@@ -178,7 +178,13 @@ class StepState:
         self.reruns.append(rerun)
 
     def account(
-        self, batch: PackedBatch, samples: Sequence[TrainSample], stats: dict[str, float], *, tokens: float, clipped: float
+        self,
+        batch: PackedBatch,
+        samples: Sequence[TrainSample],
+        stats: dict[str, float],
+        *,
+        tokens: float,
+        clipped: float,
     ) -> None:
         """Add trained samples to the step's totals, asserting the staleness bound."""
         stale_B = staleness_B(batch, self.step).cpu()

@@ -73,7 +73,9 @@ class Trainer:
         self.group_size = group_size
         self.max_open_groups = max_open_groups
         self.max_staleness = max_staleness
-        self.copies = WeightCopies(actor, policy, max_staleness=max_staleness, micro_batch_size=micro_batch_size)
+        self.copies = WeightCopies(
+            actor, policy, max_staleness=max_staleness, micro_batch_size=micro_batch_size
+        )
         self.engine = Engine(
             actor,
             policy,
@@ -219,10 +221,14 @@ class Trainer:
         else:
             units_local = state.totals.units
             peak = 0
-        sums = reduce_sums(state.totals, units_local, lockstep=self.engine.lockstep, device=self.engine.device)
+        sums = reduce_sums(
+            state.totals, units_local, lockstep=self.engine.lockstep, device=self.engine.device
+        )
         denominator = self.objective.denominator(sums.units)
         scale = 1.0 / denominator if denominator > 0 else 0.0
-        grad_norm, applied = self.updater.update(state, scale=scale, loss=sums.loss, epochs=self.objective.epochs)
+        grad_norm, applied = self.updater.update(
+            state, scale=scale, loss=sums.loss, epochs=self.objective.epochs
+        )
         if applied:
             self.copies.after_update(self.model, state.step + 1)
         return StepResult(

@@ -90,7 +90,9 @@ class Updater:
         if optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+            )
 
     def update(self, state: StepState, *, scale: float, loss: float, epochs: int) -> tuple[float, bool]:
         """Apply the step's update (and its later epochs); returns (the last gradient norm before

@@ -491,7 +491,14 @@ def broadcast_tensors(
     elif not p2p:
         raise ValueError("peers is for p2p transfers (a broadcast reaches every rank)")
     offer = _offer_layout(
-        group, buckets, device, peers, check_layout=check_layout, p2p=p2p, local=local, bucket_bytes=bucket_bytes
+        group,
+        buckets,
+        device,
+        peers,
+        check_layout=check_layout,
+        p2p=p2p,
+        local=local,
+        bucket_bytes=bucket_bytes,
     )
     failed, ring, ring_ranks = dict(offer.failed), offer.ring, offer.ring_ranks
     gloo_peers = [peer for peer in peers if peer not in failed and peer not in ring_ranks]
@@ -561,7 +568,9 @@ def _accept_layout(
 class _Unpacker:
     """Where received buckets land: views of fresh buffers (`received`), or copies into `out`."""
 
-    def __init__(self, out: Mapping[str, torch.Tensor] | None, device: torch.device, staging: _Staging) -> None:
+    def __init__(
+        self, out: Mapping[str, torch.Tensor] | None, device: torch.device, staging: _Staging
+    ) -> None:
         self.out = out
         self.device = device
         self.staging = staging
@@ -574,7 +583,9 @@ class _Unpacker:
         only = out[bucket.entries[0].name].detach() if out is not None and len(bucket.entries) == 1 else None
         if only is not None and _direct(only, self.device):
             return _flat_bytes(only), None
-        flat = _fresh(bucket.num_bytes, self.device) if out is None else self.staging.next_slot(bucket.num_bytes)
+        flat = (
+            _fresh(bucket.num_bytes, self.device) if out is None else self.staging.next_slot(bucket.num_bytes)
+        )
         return flat, flat
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor | None) -> None:

@@ -420,7 +420,8 @@ def _write_metadata(
         index_bytes = json.dumps(index, indent=2).encode()
         _write_small_file(tmp_dir / INDEX_NAME, index_bytes, fsync=fsync, checksum=checksum)
     extra_records = tuple(
-        _write_small_file(tmp_dir / n, data, fsync=fsync, checksum=checksum) for n, data in sorted(extra.items())
+        _write_small_file(tmp_dir / n, data, fsync=fsync, checksum=checksum)
+        for n, data in sorted(extra.items())
     )
     base_version, base_checksums = delta_from
     delta = None
@@ -476,7 +477,9 @@ def _log_published(manifest: ShardManifest, final_dir: Path, *, num_files: int) 
         manifest.total_size_bytes,
         num_files,
         final_dir,
-        f" (delta from {delta.base_version}: {sum(d.size_bytes for d in delta.files)} bytes)" if delta else "",
+        f" (delta from {delta.base_version}: {sum(d.size_bytes for d in delta.files)} bytes)"
+        if delta
+        else "",
     )
 
 

@@ -306,9 +306,7 @@ async def _a_corrupt_delta_is_counted_and_the_full_version_loads_instead(tmp_pat
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    announce = [
-        ShardsPublished(version=v, root=str(root), num_bytes=0) for v in (1, 2)
-    ]
+    announce = [ShardsPublished(version=v, root=str(root), num_bytes=0) for v in (1, 2)]
     async with Harness(tmp_path, tiny_model_dir, "weights.load_retry_timeout_s=600") as h:
         await h.send(announce[0])
         assert (await h.expect(WeightsLoaded)).version == 1

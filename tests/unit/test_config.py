@@ -197,8 +197,11 @@ def test_a_misspelt_set_key_still_names_the_valid_keys():
 
 
 def test_an_unknown_loss_name_lists_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"learner\.loss: unknown policy loss 'sapoo' \(did you mean 'sapo'\?\); "
-                       r"valid names: cispo, gspo, ppo, sapo"):
+    with pytest.raises(
+        ConfigError,
+        match=r"learner\.loss: unknown policy loss 'sapoo' \(did you mean 'sapo'\?\); "
+        r"valid names: cispo, gspo, ppo, sapo",
+    ):
         load_config(overrides=["learner.loss=sapoo"])
 
 
@@ -206,10 +209,15 @@ def test_loss_params_are_the_chosen_loss_own():
     cfg = load_config(overrides=["learner.loss=sapo", "learner.loss_params.tau_neg=2"])
     assert cfg.learner.loss_params == {"tau_neg": 2.0}
     assert cfg.learner.clip_range() is None  # sapo never clips
-    with pytest.raises(ConfigError, match=r"learner\.loss_params: loss 'sapo' has no parameter 'tau'.*"
-                       r"valid parameters: tau_neg, tau_pos"):
+    with pytest.raises(
+        ConfigError,
+        match=r"learner\.loss_params: loss 'sapo' has no parameter 'tau'.*"
+        r"valid parameters: tau_neg, tau_pos",
+    ):
         load_config(overrides=["learner.loss=sapo", "learner.loss_params.tau=2"])
-    with pytest.raises(ConfigError, match=r"learner\.loss_params: loss 'ppo' takes no parameters, got 'tau_pos'"):
+    with pytest.raises(
+        ConfigError, match=r"learner\.loss_params: loss 'ppo' takes no parameters, got 'tau_pos'"
+    ):
         load_config(overrides=["learner.loss_params.tau_pos=2"])
     with pytest.raises(ConfigError, match=r"learner\.loss_params: tau_pos and tau_neg must be > 0"):
         load_config(overrides=["learner.loss=sapo", "learner.loss_params.tau_pos=0"])
@@ -226,7 +234,10 @@ def test_loss_params_are_the_chosen_loss_own():
 def test_clip_keys_follow_the_loss_registry(sets, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=sets)
-    assert load_config(overrides=["learner.loss=cispo", "learner.clip_low=1"]).learner.clip_range() == (1.0, 0.28)
+    assert load_config(overrides=["learner.loss=cispo", "learner.clip_low=1"]).learner.clip_range() == (
+        1.0,
+        0.28,
+    )
 
 
 def test_the_optimal_baseline_refuses_a_loss_that_never_streams():
@@ -235,4 +246,7 @@ def test_the_optimal_baseline_refuses_a_loss_that_never_streams():
     opob = ["staleness.policy=vcpo", "staleness.vcpo_baseline=opob"]
     with pytest.raises(ConfigError, match=r"vcpo_baseline = 'opob' needs each trajectory's loss linear"):
         load_config(overrides=[*opob, "learner.loss=sapo"])
-    assert load_config(overrides=[*opob, "learner.loss=sapo", "learner.loss_params.tau_neg=1"]).learner.loss == "sapo"
+    assert (
+        load_config(overrides=[*opob, "learner.loss=sapo", "learner.loss_params.tau_neg=1"]).learner.loss
+        == "sapo"
+    )

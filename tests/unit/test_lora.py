@@ -290,9 +290,9 @@ def test_stand_in_checks_adapters_as_sglang_does(tiny_model_dir, tmp_path):
 def test_stand_in_serves_the_merged_model(tiny_model_dir, tmp_path):
     """A request naming the adapter samples from W + (alpha/r) B A: its log-probs are the merged
     model's; a request without one samples from the base."""
+    from asyncrl.transport.retention import version_dir
     from tests.support.sglang.engine import new_request
     from tests.support.sglang.params import RequestError, parse_sampling_params
-    from asyncrl.transport.retention import version_dir
 
     model = trained(tiny_model_dir)
     publish_adapters(model, tmp_path / "w", [1])

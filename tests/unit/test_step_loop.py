@@ -172,7 +172,7 @@ def _canonical_log(arrival: list[int], batches: list[int]) -> list[str]:
     trainer = _Recording()
 
     async def main():
-        loop = StepLoop(trainer, lambda step: 6, min_chunk=4, canonical=True)
+        loop = StepLoop(trainer, lambda step: 6, min_chunk=4, canonical_chunk=4)
         step = None
         it = iter(arrival)
         for n in batches:
@@ -190,8 +190,12 @@ def _canonical_log(arrival: list[int], batches: list[int]) -> list[str]:
 def test_canonical_order_offers_by_traj_id_and_works_after_each_offer_whatever_the_arrivals():
     """Sync runs were not reproducible with streaming on: the streamed accumulation followed the
     trajectories' arrival order (and how many had arrived at each work call). In canonical order
-    the trainer sees the same offers and work calls for any arrival order and batching."""
-    expected = [f"{kind} {t}" for t in range(18, 24) for kind in ("offer", "work")]
+    the trainer sees the same offers and work calls for any arrival order and batching: whole
+    chunks in traj-id order, each followed by all its work."""
+    # Chunks of 4 trajectories (groups of one), the window's last one shorter.
+    offers = [f"offer {t}" for t in range(18, 22)], [f"offer {t}" for t in (22, 23)]
+    works = [f"work {t}" for t in range(18, 22)], [f"work {t}" for t in (22, 23)]
+    expected = offers[0] + works[0] + offers[1] + works[1]
     assert _canonical_log([18, 19, 20, 21, 22, 23], [1] * 6) == expected
     assert _canonical_log([23, 21, 19, 18, 20, 22], [2, 1, 3]) == expected
     assert _canonical_log([20, 18, 19, 23, 22, 21], [6]) == expected
@@ -205,7 +209,7 @@ def test_canonical_order_takes_what_arrived_while_it_trained_before_waiting():
     trainer = _Recording()
 
     async def main():
-        loop = StepLoop(trainer, lambda step: 2, canonical=True)
+        loop = StepLoop(trainer, lambda step: 2, canonical_chunk=1)
         event_loop = asyncio.get_running_loop()
         real_work = trainer.work
 

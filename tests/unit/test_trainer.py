@@ -17,8 +17,8 @@ from asyncrl.config_load import load_config
 from asyncrl.config_objective import check_staleness_policy
 from asyncrl.learner.loop import max_open_groups
 from asyncrl.learner.objective import Objective
-from asyncrl.learner.step import TrainSample
 from asyncrl.learner.state import StalenessViolation
+from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import Trainer
 from asyncrl.models.policy import PolicyLM
 
