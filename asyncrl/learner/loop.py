@@ -124,6 +124,7 @@ def build_trainer(config: Config, actor: PolicyLM, *, pad_token_id: int) -> Trai
     policy = check_staleness_policy(config.staleness)
     check_objective_config(config, policy)  # also at load; here for a config that skipped it
     objective = Objective.from_config(config)
+    streams = not objective.fallback_reason(policy)
     return Trainer(
         actor,
         objective,
@@ -142,8 +143,9 @@ def build_trainer(config: Config, actor: PolicyLM, *, pad_token_id: int) -> Trai
         max_tokens_per_microbatch=lrn.max_tokens_per_microbatch,
         chunk_groups=-(-fixed_min_chunk(lrn.min_chunk) // lrn.samples_per_group),
         threads=resolve_threads(lrn.threads, cpus=lrn.cpus, world_size=lrn.world_size),
-        # Canonical order (reproducible sync runs) keeps the thread count, so the pieces too.
-        adaptive_threads=lrn.threads == "auto" and not canonical_order(config),
+        # A canonical-order stream (reproducible sync runs) keeps its thread count, so its pieces
+        # too (whole-batch steps adapt as before: a sync learner waits, and shrinks to one thread).
+        adaptive_threads=lrn.threads == "auto" and not (canonical_order(config) and streams),
         max_nonfinite_steps=lrn.max_nonfinite_steps,
     )
 
