@@ -61,3 +61,31 @@ def test_default_job_shortened(tmp_path, mode):
     assert (run_dir / "final_model" / "model.safetensors").is_file()
     # stdout is not a terminal here: plain progress lines, then the summary.
     assert "step 4/4" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_two_sync_runs_with_the_defaults_train_bitwise_alike(tmp_path):
+    """Sync runs were not reproducible with the default settings: the learner streamed each
+    trajectory's gradient in arrival order, so two runs of one seed ended with different weights
+    (only learner.streaming = off was bitwise stable). Canonical order (learner.sync_order) fixes it."""
+    import hashlib
+
+    digests = []
+    for run in ("a", "b"):
+        cwd = tmp_path / run
+        cwd.mkdir()
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncrl", "launch", "--set", "mode=sync", "--set", "learner.steps=4",
+             "--set", "task.num_eval=64"],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            cwd=cwd,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "learner: streaming per-trajectory gradients" in proc.stdout + proc.stderr
+        (run_dir,) = (cwd / "runs").iterdir()
+        digests.append(
+            hashlib.sha256((run_dir / "final_model" / "model.safetensors").read_bytes()).hexdigest()
+        )
+    assert digests[0] == digests[1]
