@@ -377,6 +377,23 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     select: Literal["all", "disagreement", "entropy"] = "all"
     select_fraction: Probability = 1.0
 
+    # What the run's distillation asks of each role, described once (roles read these, not the
+    # flags they combine).
+    @property
+    def self_teacher(self) -> bool:
+        """Self-distillation: prompts carry privileged ids, the policy scores under them."""
+        return self.enabled and self.teacher == "self"
+
+    @property
+    def teacher_service(self) -> bool:
+        """One shared teacher process, started by the launcher before the generators."""
+        return self.enabled and self.placement == "service"
+
+    @property
+    def samples_per_position(self) -> int:
+        """Cached tokens per position a generator sends with each trajectory (0: no cache)."""
+        return self.num_samples if self.enabled else 0
+
     def __post_init__(self) -> None:
         self._check_mixing()
         self._check_teacher()

@@ -87,7 +87,7 @@ class GeneratorService:
                 max_batch_groups=cfg.batch_groups,
             )
         )
-        self.num_opd_samples = cfg.opd.num_samples if cfg.opd.enabled else 0
+        self.num_opd_samples = cfg.opd.samples_per_position
         self.scorer = SampleScorer(cfg)
         self.streams = streams(self.gen)  # else served batches through generate()
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")

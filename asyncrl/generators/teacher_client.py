@@ -129,7 +129,7 @@ def open_teacher(ctx: Any) -> TeacherClient | None:
     the run has one (opd.enabled with opd.placement = "service"); the launcher passes its address
     as `WorkerArgs.teacher`."""
     opd = ctx.config.opd
-    if not (opd.enabled and opd.placement == "service"):
+    if not opd.teacher_service:
         return None
     endpoint = ctx.args.teacher
     if not endpoint:

@@ -126,9 +126,9 @@ class TorchGenerator:
         self._run_seed = ctx.run_seed
         self._inflight = ctx.inflight
         self._rollouts = RolloutBuilder.for_task(ctx.task, self._tokenizer)
-        if ctx.opd is not None and ctx.opd.enabled:
+        if ctx.opd is not None and ctx.opd.samples_per_position:
             self._teacher = self._make_teacher(ctx, device)
-            self._opd_samples = ctx.opd.num_samples
+            self._opd_samples = ctx.opd.samples_per_position
 
     def _make_teacher(self, ctx: GeneratorContext, device) -> Teacher:
         from asyncrl.generators.teachers import ModelTeacher, SelfTeacher

@@ -83,7 +83,7 @@ class Dispatcher:
             ),
             max_staleness=config.effective_max_staleness,
             tokenizer=tokenizer,
-            privileged=config.opd.enabled and config.opd.teacher == "self",
+            privileged=config.opd.self_teacher,
         )
 
     def plan(self, *, loaded_version: int, serving: Sequence[str]) -> Plan:

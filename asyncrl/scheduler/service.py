@@ -130,13 +130,13 @@ class Launcher:
         self.state = RunState(
             total_steps=config.learner.steps, max_staleness_bound=config.effective_max_staleness
         )
-        self.state.lengths.tracks_groups = config.buffer.mode == "pool"  # only the pool evicts
         self.task = task
         # Resuming at version v: groups [0, v*B) were trained; the later ones the interrupted run
         # had admitted are admitted again (`readmit_checkpointed`); the learner keeps the
         # trajectories its checkpoint held and drops their copies.
         self.resume_version = resume_version
         self.mode = make_mode(config, resume_version=resume_version)
+        self.state.lengths.tracks_groups = not self.mode.trains_every_admitted_sample  # the pool evicts
         self.generator_ids = [f"gen-{i}" for i in range(config.generators.num_generators)]
         self.pool = GeneratorPool(self.generator_ids, max_restarts=config.generators.max_restarts)
         self.book = TaskBook(
@@ -566,7 +566,7 @@ class Launcher:
         """The shared teacher (if any) first, then the learner and the generators together, until
         the learner said Hello and every generator serves (or the run failed meanwhile)."""
         self.set_phase("starting learner")
-        if self.cfg.opd.enabled and self.cfg.opd.placement == "service":  # first: generators need it
+        if self.cfg.opd.teacher_service:  # first: the generators need it
             self.teacher = self.workers.spawn(
                 TEACHER_PEER,
                 "teacher",

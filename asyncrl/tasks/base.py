@@ -104,7 +104,7 @@ def check_privileged(task: Task, opd: Any, tokenizer: Any = None) -> None:
     """ValueError, before any process starts, when `opd` (the `opd` section) asks for
     self-distillation and `task` cannot build privileged prompts; with `tokenizer`, the first
     training problem is rendered too, so a task configured without its solutions fails here."""
-    if not (opd.enabled and opd.teacher == "self"):
+    if not opd.self_teacher:
         return
     if not isinstance(task, PrivilegedTask):
         raise ValueError(
