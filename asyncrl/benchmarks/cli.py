@@ -48,6 +48,10 @@ from asyncrl.benchmarks import learner  # noqa: E402
 
 bench_app.command("learner")(learner.command)
 
+from asyncrl.benchmarks import learner_step  # noqa: E402
+
+bench_app.command("learner-step")(learner_step.command)
+
 from asyncrl.benchmarks import baseline  # noqa: E402
 
 bench_app.command("baseline")(baseline.command)
