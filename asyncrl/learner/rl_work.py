@@ -42,6 +42,12 @@ from asyncrl.staleness.base import Correction
 
 
 class RLWork:
+    """Runs the RL units of a step: StreamOne, CloseGroups, TrainGroups, and the whole batch."""
+
+    # Whether every trajectory streams on its own, weighted or not (the optimal baseline).
+    every_trajectory_streams = False
+    baseline = "mean"  # the group sums' baseline (`StreamingAccumulator`)
+
     def __init__(
         self, engine: Engine, objective: RLObjective, *, streams: bool, max_open_groups: int
     ) -> None:
@@ -140,11 +146,8 @@ class RLWork:
         )
         return True
 
-    # Whether every trajectory streams on its own, weighted or not (the optimal baseline).
-    every_trajectory_streams = False
-    baseline = "mean"  # the group sums' baseline (`StreamingAccumulator`)
-
     def _not_linear(self, sample: TrainSample) -> bool:
+        """A trajectory whose gradient is not linear in its advantage waits for its group."""
         return False
 
     def _fold(
