@@ -10,8 +10,11 @@ Determinism on a loaded machine: the generator is a plugin that holds back step 
 the test opens a FIFO gate (tests/support/gated_generator.py), so the fuzzing happens in the
 middle of the run; the gate opens only once both processes have counted every message (the
 launcher's `rejected` records on the run's record stream; the learner's log line at each
-thousandth rejection, its only report before the step it waits for, read on each write to the
-log). Every wait blocks on what happens (a line, a record, a write), never on a sleep.
+thousandth rejection, read on each write to the log). The learner's count is also in its metrics
+record (`LearnerMetrics.rejected_frames`, the summary's `rejected_frames.learner`), but that
+record goes out only when a step ends, and the step the learner waits for cannot end before the
+gate opens: the log line is its only report in time. Every wait blocks on what happens (a line,
+a record, a write), never on a sleep.
 """
 
 from __future__ import annotations

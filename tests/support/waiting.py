@@ -8,7 +8,8 @@
   records written before the subscription, and any a slow subscriber missed, come from
   metrics.jsonl by line number); a test waits with a deadline for a predicate over them.
 - `wait_for_log_text`: a worker's log, woken by the kernel on every write to it (inotify), for
-  what a worker reports nowhere else.
+  what a worker reports nowhere else in time: the learner's rejected-frame count, which its
+  metrics record carries only at the end of a step (test_fuzz needs it while a step is held).
 
 Every wait blocks on something that happens (a line, a ZeroMQ message, a write) and has a
 deadline only as a hang guard; a wait that cannot succeed any more (the process ended) fails at
