@@ -131,7 +131,10 @@ def _clusters(lcp: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def plan_layout(ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> PrefixLayout | None:
-    """The flat layout of `ids_BL` (rows of `lengths_B` real tokens, right-padded; all L when
+    """Long on purpose: one vectorised pass from clusters to the flat order, positions and mask,
+    whose index arrays are only meaningful together (split, each part would re-derive them).
+
+    The flat layout of `ids_BL` (rows of `lengths_B` real tokens, right-padded; all L when
     None), or None when it would save too little to pay for itself."""
     rows, width = ids_BL.shape
     ids = ids_BL.cpu().numpy()

@@ -283,6 +283,10 @@ class SGLangGenerator:
         return decode_generate(data)
 
     async def _sample(self, task: PromptTask, k: int) -> Rollout:
+        """Long on purpose: one sample's request loop, whose retries, aborts (in-flight weight
+        updates), adapter slot and continuation share the ids, log-probs and versions so far.
+
+        Sample `k` of `task` on a server slot, resuming after an abort with the tokens so far."""
         from asyncrl.models.sampling import sample_seed
 
         assert self._ctx is not None and self._slots is not None
