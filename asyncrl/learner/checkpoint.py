@@ -152,6 +152,6 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: boo
     torch.set_rng_state(state["torch_rng"])
     random.setstate((3, tuple(state["python_rng"]), None))
     trainer.copies.load_state_dict(state)
-    trainer.updater.nonfinite_total = int(state.get("nonfinite_total", 0))
+    trainer.updater.restore(nonfinite_total=int(state.get("nonfinite_total", 0)))
     held = [(int(h["step"]), TrainSample(**h["sample"]), h.get("extra", {})) for h in state.get("held", [])]
     return held if extras else [(step, sample) for step, sample, _ in held]

@@ -94,6 +94,10 @@ class Updater:
                 self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
             )
 
+    def restore(self, *, nonfinite_total: int) -> None:
+        """A checkpoint's count of skipped steps (the run goes on counting from it)."""
+        self.nonfinite_total = nonfinite_total
+
     def update(self, state: StepState, *, scale: float, loss: float, epochs: int) -> tuple[float, bool]:
         """Apply the step's update (and its later epochs); returns (the last gradient norm before
         clipping, whether every update was applied). Counts a skipped step."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import types
 
 import pytest
 import torch
@@ -58,6 +57,16 @@ class _Copies:
         assert state["ewma"] is None and state["snapshots"] == {}
 
 
+class _Updater:
+    """The update's run-long count of skipped steps (what `Updater.restore` sets)."""
+
+    def __init__(self, nonfinite_total: int) -> None:
+        self.nonfinite_total = nonfinite_total
+
+    def restore(self, *, nonfinite_total: int) -> None:
+        self.nonfinite_total = nonfinite_total
+
+
 class _Trainer:
     """What the checkpoint reads and writes of a trainer."""
 
@@ -71,7 +80,7 @@ class _Trainer:
         self.model(torch.ones(2, 4)).sum().backward()
         self.optimizer.step()
         self.copies = _Copies()
-        self.updater = types.SimpleNamespace(nonfinite_total=2)
+        self.updater = _Updater(nonfinite_total=2)
 
 
 def test_trainer_state_and_held_trajectories_round_trip(tmp_path):
