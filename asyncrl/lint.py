@@ -17,7 +17,10 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 # Staleness bounds with no off-policy correction (policy "none": PPO clipped against the behaviour
 # policy alone): above WARN the run is warned, above ERROR refused. AReaL and the VCPO paper train
@@ -62,12 +65,12 @@ def rule(name: str) -> Callable[[Rule], Rule]:
     return register
 
 
-def _stale_bound(config) -> int:
+def _stale_bound(config: Config) -> int:
     return config.effective_max_staleness  # with "auto", its hard cap
 
 
 @rule("stale-uncorrected")
-def _stale_uncorrected(config) -> Iterator[Finding]:
+def _stale_uncorrected(config: Config) -> Iterator[Finding]:
     bound = _stale_bound(config)
     if config.staleness.policy != "none" or config.opd.enabled or bound <= STALE_UNCORRECTED_WARN:
         return
@@ -84,7 +87,7 @@ def _stale_uncorrected(config) -> Iterator[Finding]:
 
 
 @rule("epochs-stale-uncorrected")
-def _epochs_stale(config) -> Iterator[Finding]:
+def _epochs_stale(config: Config) -> Iterator[Finding]:
     if config.learner.epochs == 1 or _stale_bound(config) == 0 or config.staleness.policy != "none":
         return
     yield Finding(
@@ -99,7 +102,7 @@ def _epochs_stale(config) -> Iterator[Finding]:
 
 
 @rule("greedy-groups")
-def _greedy_groups(config) -> Iterator[Finding]:
+def _greedy_groups(config: Config) -> Iterator[Finding]:
     if config.sampling.temperature > 0 or config.opd.enabled:
         return
     yield Finding(
@@ -113,7 +116,7 @@ def _greedy_groups(config) -> Iterator[Finding]:
 
 
 @rule("top-p-plugin")
-def _top_p_plugin(config) -> Iterator[Finding]:
+def _top_p_plugin(config: Config) -> Iterator[Finding]:
     if config.sampling.top_p >= 1.0 or config.sampling.temperature == 0:
         return
     if config.generators.kind in ("torch", "sglang"):
@@ -130,7 +133,7 @@ def _top_p_plugin(config) -> Iterator[Finding]:
 
 
 @rule("opd-top-p")
-def _opd_top_p(config) -> Iterator[Finding]:
+def _opd_top_p(config: Config) -> Iterator[Finding]:
     if not config.opd.enabled or config.sampling.top_p >= 1.0:
         return
     yield Finding(
@@ -144,7 +147,7 @@ def _opd_top_p(config) -> Iterator[Finding]:
 
 
 @rule("opd-temperature")
-def _opd_temperature(config) -> Iterator[Finding]:
+def _opd_temperature(config: Config) -> Iterator[Finding]:
     temperature = config.sampling.temperature
     if not config.opd.enabled or temperature in (0.0, 1.0):
         return
@@ -159,7 +162,7 @@ def _opd_temperature(config) -> Iterator[Finding]:
 
 
 @rule("opd-tokenizer")
-def _opd_tokenizer(config) -> Iterator[Finding]:
+def _opd_tokenizer(config: Config) -> Iterator[Finding]:
     if not config.opd.enabled or config.opd.teacher == "self":
         return
     from asyncrl.models.default import DEFAULT_MODEL_DIR, TEACHER_MODEL_DIR
@@ -180,7 +183,7 @@ def _opd_tokenizer(config) -> Iterator[Finding]:
 
 
 @rule("drop-degenerate-window")
-def _drop_degenerate_window(config) -> Iterator[Finding]:
+def _drop_degenerate_window(config: Config) -> Iterator[Finding]:
     if not config.learner.drop_degenerate_groups or config.buffer.mode != "window":
         return
     yield Finding(
@@ -194,7 +197,7 @@ def _drop_degenerate_window(config) -> Iterator[Finding]:
 
 
 @rule("length-biased-agg")
-def _length_biased_agg(config) -> Iterator[Finding]:
+def _length_biased_agg(config: Config) -> Iterator[Finding]:
     if config.learner.agg != "seq-mean-token-mean" or config.opd.enabled:
         return
     yield Finding(
@@ -209,7 +212,7 @@ def _length_biased_agg(config) -> Iterator[Finding]:
 
 
 @rule("ignore-eos-training")
-def _ignore_eos(config) -> Iterator[Finding]:
+def _ignore_eos(config: Config) -> Iterator[Finding]:
     if not config.sampling.ignore_eos:
         return
     yield Finding(
@@ -242,7 +245,7 @@ def tokenizer_fingerprint(model_dir: Path) -> tuple | None:
     return None
 
 
-def lint(config) -> list[Finding]:
+def lint(config: Config) -> list[Finding]:
     """Every finding for `config`, errors listed in `run.allow_unsafe` already turned into warnings."""
     allowed = set(config.run.allow_unsafe)
     found = [f for check in RULES.values() for f in check(config)]

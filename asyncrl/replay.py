@@ -30,12 +30,16 @@ import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from asyncrl.learner.schedule import read_step
 from asyncrl.learner.step import StepResult, TrainSample
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 # The StepDone fields that are training values (what a replay must reproduce): everything but
 # timings and the learner's own notes.
@@ -101,7 +105,7 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
 def run_replay(
     run_dir: Path,
     out_dir: Path,
-    config,
+    config: Config,
     model_path: Path,
     *,
     until: int | None = None,

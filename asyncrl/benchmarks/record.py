@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from asyncrl.config import Config
     from asyncrl.learner.step import TrainSample
 
 RECORDING_FILE = "trajectories.jsonl"
@@ -26,7 +27,7 @@ RECORDING_FILE = "trajectories.jsonl"
 LEARNER_MODULE = "asyncrl.benchmarks.record_learner"
 
 
-def check_recordable(config) -> None:
+def check_recordable(config: Config) -> None:
     """ValueError unless the job's windows can be recorded (one rank, window admission)."""
     if config.learner.world_size > 1:
         raise ValueError("asyncrl bench record trains nothing: use it with learner.world_size = 1")

@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -42,6 +42,9 @@ from asyncrl.generators.feed import Draw
 from asyncrl.messages import PromptTask
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.scorer import make_scorer
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class Verdict(NamedTuple):
 class SampleScorer:
     """The run's rewards and failure policy for one generator process, one sample at a time."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: Config) -> None:
         self.scoring = config.task.scoring
         self.max_new_tokens = config.sampling.max_new_tokens
         self.scorer = make_scorer(config.task)  # None: the backend scored with Task.score

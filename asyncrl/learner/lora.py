@@ -27,9 +27,12 @@ import enum
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncrl.config_sections import LoraConfig
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
@@ -77,7 +80,7 @@ def _check_targets(model: torch.nn.Module, names: list[str]) -> None:
         )
 
 
-def apply_lora(model: torch.nn.Module, cfg: Any, *, seed: int) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int) -> torch.nn.Module:
     """Wrap `model` (a Hugging Face causal LM) with LoRA adapters as `cfg` (config.LoraConfig) says.
 
     Only the adapters require grad afterwards. A is initialised from `seed` (B is zero, so the

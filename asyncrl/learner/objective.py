@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -56,6 +56,9 @@ from asyncrl.learner.opd import multi_sample_reverse_kl, pg_kl_loss
 from asyncrl.learner.opd_mix import outcome_gate, select_tokens, selection_scores
 from asyncrl.learner.policy_losses import PolicyLoss, SignProbe, policy_loss
 from asyncrl.staleness.base import Correction, StalenessPolicy
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 # Clip bounds that never bind: ratios live in (0, e^MAX_LOG_RATIO], so clip_low=1 and an infinite
 # clip_high leave the surrogate unclipped (M2PO and VCPO use their mask or weights instead).
@@ -120,7 +123,7 @@ class Objective:
         return False
 
     @staticmethod
-    def from_config(config) -> Objective:
+    def from_config(config: Config) -> Objective:
         """The configured objective: distillation when `opd.enabled`, RL otherwise."""
         lrn = config.learner
         common = dict(

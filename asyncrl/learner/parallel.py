@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from asyncrl.config_sections import LearnerConfig
 
 COMPUTE_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,12 +57,12 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def is_wrapped(lrn) -> bool:
+def is_wrapped(lrn: LearnerConfig) -> bool:
     """Whether the learner's model goes through `fully_shard` (anything but one plain fp32 rank)."""
     return lrn.world_size > 1 or lrn.sharding == "fsdp" or lrn.mixed_precision != "none"
 
 
-def serving_dtype(lrn) -> torch.dtype:
+def serving_dtype(lrn: LearnerConfig) -> torch.dtype:
     """The dtype weights are published in (`LearnerConfig.publish_dtype`)."""
     return getattr(torch, lrn.publish_dtype)
 

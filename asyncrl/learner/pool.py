@@ -37,11 +37,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from asyncrl.buffer.store import Buffer, BufferItem, GroupBatch, freshness_from_staleness
 from asyncrl.learner.loop import StepLoop
 from asyncrl.learner.step import TrainSample
 from asyncrl.learner.trainer import StepResult, Trainer
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 
 class PoolLoop(StepLoop):
@@ -49,7 +53,7 @@ class PoolLoop(StepLoop):
     # `before_update` gate, and the groups a step releases go out right after its StepDone.
     overlap_close = False
 
-    def __init__(self, trainer: Trainer, config) -> None:
+    def __init__(self, trainer: Trainer, config: Config) -> None:
         super().__init__(trainer, lambda step: 0)
         b = config.buffer
         self.groups_per_step = config.learner.groups_per_step

@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,11 @@ from asyncrl.messages import Shutdown, Trajectory
 from asyncrl.transport.shards import StreamedState
 from asyncrl.transport.zmq_io import Endpoint
 
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.config_sections import LearnerConfig
+    from asyncrl.learner.trainer import Trainer
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
@@ -67,26 +73,26 @@ def feed_key(rank: int) -> str:
     return f"asyncrl/learner/feed/{rank}"
 
 
-def group_timeout(config) -> datetime.timedelta:
+def group_timeout(config: Config) -> datetime.timedelta:
     return datetime.timedelta(
         seconds=max(config.monitor.heartbeat_timeout_s, config.learner.startup_timeout_s)
     )
 
 
-def checkpoint_due(config, version: int) -> bool:
+def checkpoint_due(config: Config, version: int) -> bool:
     """Whether the learner checkpoints after reaching `version` (every rank decides the same)."""
     every = config.run.checkpoint_every
     return version == config.learner.steps or bool(every and version % every == 0)
 
 
-def gather_serving(trainer, lrn) -> dict[str, torch.Tensor]:
+def gather_serving(trainer: Trainer, lrn: LearnerConfig) -> dict[str, torch.Tensor]:
     """The weights generators load, gathered on every rank (a collective on a sharded model:
     every rank calls it at the same point, in state-dict order); rank 0 publishes them (or
     `publish_state`'s stream of the same gathers), the others drop them."""
     return dict(serving_items(trainer.model, lrn))
 
 
-def publish_state(trainer, lrn, *, streams: bool) -> Mapping[str, torch.Tensor]:
+def publish_state(trainer: Trainer, lrn: LearnerConfig, *, streams: bool) -> Mapping[str, torch.Tensor]:
     """What rank 0 hands the publisher, while the other ranks run `gather_serving`: with FSDP2
     sharding and a publisher that `streams` (shards), a `StreamedState` whose tensors are gathered
     as the publisher writes each shard (rank 0 holds one shard of full tensors, not the model);
@@ -101,7 +107,9 @@ def publish_state(trainer, lrn, *, streams: bool) -> Mapping[str, torch.Tensor]:
     return StreamedState(metas, lambda: iter_full_state(trainer.model, dtype))
 
 
-def finish_version(trainer, config, run_dir: Path, version: int, *, final_to=None, held=()) -> None:
+def finish_version(
+    trainer: Trainer, config: Config, run_dir: Path, version: int, *, final_to=None, held=()
+) -> None:
     """After the publish of `version`, on every rank: gather the float32 weights on the last step
     (rank 0 hands them to `final_to`), and checkpoint when due (each a collective when sharded)."""
     lrn = config.learner
@@ -113,7 +121,7 @@ def finish_version(trainer, config, run_dir: Path, version: int, *, final_to=Non
         save_learner_checkpoint(run_dir, version, trainer, held)
 
 
-def after_step(trainer, config, run_dir: Path, version: int) -> None:
+def after_step(trainer: Trainer, config: Config, run_dir: Path, version: int) -> None:
     """What a worker rank does after reaching `version`: rank 0's gathers and checkpoint, in
     rank 0's order (`service.close_step`: gather, publish, then `finish_version`)."""
     gather_serving(trainer, config.learner)
@@ -128,7 +136,9 @@ def keep_before_fault(run_dir: Path, version: int, trainer, loop) -> None:
         save_learner_checkpoint(run_dir, version, trainer, held)
 
 
-def serving_items(lm, lrn, *, dtype: torch.dtype | None | str = "serving", adapter: bool | None = None):
+def serving_items(
+    lm, lrn: LearnerConfig, *, dtype: torch.dtype | None | str = "serving", adapter: bool | None = None
+):
     """(name, full tensor) pairs of what generators load: the weights under the base model's
     names, gathered one at a time (`parallel.iter_full_state`), with LoRA merged in; or, with
     `learner.lora.publish = "adapter"`, the adapter alone. In the serving dtype by default."""
@@ -246,7 +256,7 @@ class RankGroup:
 # ---------------------------------------------------------------------- the worker
 
 
-async def run_worker(rank: int, config, run_dir: Path, model_path: Path, resume_version: int) -> None:
+async def run_worker(rank: int, config: Config, run_dir: Path, model_path: Path, resume_version: int) -> None:
     """Rank `rank` (> 0) of a joined process group: train every step in lockstep with rank 0."""
     store = dist.distributed_c10d._get_default_store()
     address = (await asyncio.to_thread(store.get, feed_key(rank))).decode()

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -68,6 +69,9 @@ from asyncrl.transport import zap
 from asyncrl.transport.codec import split_trajectories
 from asyncrl.transport.publisher import make_publisher
 from asyncrl.transport.zmq_io import Endpoint
+
+if TYPE_CHECKING:
+    from asyncrl.config_sections import OpdConfig
 
 log = logging.getLogger(__name__)
 
@@ -461,7 +465,7 @@ def _invalid_mask(ids, mask) -> str:
     return ""  # all False is allowed: the sample counts in its group's baseline, trains no token
 
 
-def _invalid_opd(ids, opd: list, cfg) -> str:
+def _invalid_opd(ids, opd: list, cfg: OpdConfig) -> str:
     """Why a trajectory's OPD frames are unusable ("" if fine, or if OPD is off and none came)."""
     if not cfg.enabled:
         return "" if not opd else "teacher frames sent but opd.enabled is false"

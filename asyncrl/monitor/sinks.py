@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 SINK_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
 STEP_FIELDS = ("loss", "mean_reward", "max_staleness", "mean_staleness", "clip_fraction", "grad_norm")
@@ -107,7 +111,7 @@ class WandbSink(_StepKeyed):
         self.run.finish()
 
 
-def make_sinks(names, run_dir: Path, config) -> list:
+def make_sinks(names, run_dir: Path, config: Config) -> list:
     import msgspec
 
     check_sinks(names)

@@ -22,12 +22,15 @@ score its completions under (`PromptTask.privileged_ids`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncrl.messages import PromptTask, SamplingParams
 from asyncrl.scheduler.modes import AdmissionMode
 from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.tasks.base import Task
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 # The ledger's generator id of groups re-admitted on resume: they were in flight on the
 # interrupted run's generators, now gone, so they are re-queued at once.
@@ -67,7 +70,7 @@ class Dispatcher:
 
     @classmethod
     def for_run(
-        cls, config, *, book: TaskBook, mode: AdmissionMode, task: Task, tokenizer: Any
+        cls, config: Config, *, book: TaskBook, mode: AdmissionMode, task: Task, tokenizer: Any
     ) -> Dispatcher:
         """The launcher's dispatcher: the config's sampling and bound."""
         s = config.sampling

@@ -92,6 +92,7 @@ from asyncrl.messages import BroadcastPublished, PromptTask
 from asyncrl.transport import security
 
 if TYPE_CHECKING:
+    from asyncrl.config import Config
     from asyncrl.generators.feed import SampleFeed
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class SGLangGenerator:
         self.num_aborted_segments = 0
 
     @staticmethod
-    def check_config(config: Any) -> None:
+    def check_config(config: Config) -> None:
         """`asyncrl launch` calls this before any process starts: options and their conflicts."""
         check_config(config)
 

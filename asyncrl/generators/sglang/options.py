@@ -14,7 +14,10 @@ import os
 import re
 import shlex
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 OPTIONS: dict[str, type | tuple[type, ...]] = {
     "urls": str,
@@ -207,7 +210,7 @@ def servers_per_generator(opts: dict[str, Any]) -> int:
     return opts["launch"] or len(opts["urls"])
 
 
-def check_config(config: Any) -> dict[str, Any]:
+def check_config(config: Config) -> dict[str, Any]:
     """The options of `config` (an `asyncrl.config.Config`) checked against the rest of the job;
     ValueError naming the conflicting keys."""
     opts = parse_options(dict(config.generators.options), config.weights.inflight)
