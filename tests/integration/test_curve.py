@@ -234,30 +234,28 @@ def test_a_frame_past_the_size_cap_is_dropped_before_it_is_buffered(keys, contex
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_run_with_curve_refuses_peers_without_the_key_and_is_unchanged(tiny_model_dir, tmp_path, keys):
+def test_a_run_with_curve_refuses_peers_without_the_key_and_is_unchanged(
+    tiny_model_dir, tmp_path, keys, gate, launch_streamed
+):
     """A whole launched run with CURVE on (loopback, curve forced on): peers without the run's key
     (none, unknown, another run's) connect to the launcher's control socket and the learner's
     trajectory socket mid-run; they are refused and counted, and the run is a clean run. A
-    generator's key speaking as the learner reaches the launcher and is rejected and counted."""
+    generator's key speaking as the learner reaches the launcher and is rejected and counted.
+    Mid-run by construction: the generator holds step 2's groups until the test opens the gate."""
     import json
 
-    from tests.conftest import gated_job
-    from tests.integration.test_fuzz import (
-        GATED_PLUGIN,
-        GROUPS,
-        SAMPLES,
-        STEPS,
-        records,
-        wait_for,
-        worker_addresses,
-    )
+    from tests.conftest import read_records as records
+    from tests.integration.test_fuzz import GATED_STEP, GROUPS, SAMPLES, STEPS, WAIT_S, worker_addresses
+    from tests.support.gated_generator import gated_job_args
+    from tests.support.waiting import RunRecords
 
-    args, env, gate = gated_job(
+    args, env = gated_job_args(
         tiny_model_dir,
         tmp_path,
-        GATED_PLUGIN,
+        gate.path,
         "cluster.curve=on",
         f'cluster.keys_dir="{keys}"',
+        first_held=GATED_STEP * GROUPS,
         steps=STEPS,
         groups=GROUPS,
         samples=SAMPLES,
@@ -274,45 +272,42 @@ def test_a_run_with_curve_refuses_peers_without_the_key_and_is_unchanged(tiny_mo
         ),
         _policy(tmp_path / "other", "generator"),  # another run's keys
     ]
-    with open(tmp_path / "launcher.out", "w") as stdout:
-        proc = subprocess.Popen(args, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        wait_for(lambda: records(run_dir, "step"), proc, "the first step")
-        spawned = {r["peer_id"]: r["pid"] for r in records(run_dir, "spawn")}
-        addresses = worker_addresses(proc.pid, spawned["learner"], run_dir)
+    lines = launch_streamed(args, env)
+    lines.wait_for(r"^step 1/", timeout_s=WAIT_S, what="the first step")
+    spawned = {m[1]: int(m[2]) for m in lines.matches(r"^started (\S+) \(pid (\d+)\)")}
+    addresses = worker_addresses(lines.proc.pid, spawned["learner"], run_dir)
 
-        async def intrude() -> None:
-            ctx = zmq.Context()
-            try:
-                for policy in strangers:
-                    ctrl = Endpoint(ctx, zmq.DEALER, name="stranger", identity="gen-0", policy=policy)
-                    ctrl.connect(addresses["ctrl"])
-                    await ctrl.send(any_step_done())
-                    data = Endpoint(ctx, zmq.PUSH, name="stranger.data", policy=policy)
-                    data.connect(addresses["data"])
-                    await data.send(Trajectories(items=[]))
-                forger = Endpoint(
-                    ctx, zmq.DEALER, name="forger", identity="forger", policy=_policy(keys, "generator")
-                )
-                forger.connect(addresses["ctrl"])
-                await forger.send(any_step_done())  # reaches the launcher: rejected by role
-            finally:
-                ctx.destroy(linger=2000)
+    async def intrude() -> None:
+        ctx = zmq.Context()
+        try:
+            for policy in strangers:
+                ctrl = Endpoint(ctx, zmq.DEALER, name="stranger", identity="gen-0", policy=policy)
+                ctrl.connect(addresses["ctrl"])
+                await ctrl.send(any_step_done())
+                data = Endpoint(ctx, zmq.PUSH, name="stranger.data", policy=policy)
+                data.connect(addresses["data"])
+                await data.send(Trajectories(items=[]))
+            forger = Endpoint(
+                ctx, zmq.DEALER, name="forger", identity="forger", policy=_policy(keys, "generator")
+            )
+            forger.connect(addresses["ctrl"])
+            await forger.send(any_step_done())  # reaches the launcher: rejected by role
+        finally:
+            ctx.destroy(linger=2000)
 
+    with RunRecords(run_dir, lines) as stream:
         asyncio.run(intrude())
-        wait_for(
-            lambda: any(r["num_refused"] >= len(strangers) for r in records(run_dir, "refused")),
-            proc,
-            "the launcher to count the refused peers",
+        stream.wait_for(
+            lambda r: any(x["num_refused"] >= len(strangers) for x in r.of("refused")),
+            timeout_s=WAIT_S,
+            what="the launcher to count the refused peers",
         )
-        wait_for(lambda: records(run_dir, "rejected"), proc, "the launcher to reject the forged StepDone")
-        gate.touch()
-        proc.wait(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher this test started; its children exit when it is gone
-            proc.wait()
-    assert proc.returncode == 0, (tmp_path / "launcher.out").read_text()[-3000:]
+        stream.wait_for(
+            lambda r: bool(r.of("rejected")), timeout_s=WAIT_S, what="the forged StepDone's rejection"
+        )
+    gate.open()
+    code = lines.wait_exit(timeout_s=200)
+    assert code == 0, lines.tail()
     refused = records(run_dir, "refused")[-1]["by_reason"]
     assert refused.get("unknown key", 0) >= 1 and refused.get("handshake failed", 0) >= 2, refused
     assert "refused a connection" in (run_dir / "logs" / "learner.log").read_text(errors="replace")

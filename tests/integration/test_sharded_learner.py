@@ -221,7 +221,7 @@ def test_torchrun_with_the_wrong_number_of_ranks_says_so(tiny_model_dir, tmp_pat
     config = load_config(None, ["learner.world_size=2", "learner.start=torchrun"])
     write_resolved_config(config, run_dir / "config.json")
     (run_dir / "learner_join.json").write_text(
-        json.dumps({"ctrl": "tcp://127.0.0.1:1", "peer_id": "learner", "extra": {}})
+        json.dumps({"ctrl": "tcp://127.0.0.1:1", "peer_id": "learner", "args": {}})
     )
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}
     out = subprocess.run(

@@ -75,6 +75,7 @@ class Harness:
 
     def __init__(self, tmp_path, model_dir, teacher_dir, *overrides: str) -> None:
         from asyncrl.generators.teacher_service import TeacherService
+        from asyncrl.messages import WorkerArgs
         from asyncrl.runtime import ChildContext
 
         self.zctx = zmq.asyncio.Context()
@@ -92,7 +93,13 @@ class Harness:
             ]
         )
         ctx = ChildContext(
-            "generator", "opd-teacher", config, tmp_path, self.zctx, self.dealer, {"model": str(model_dir)}
+            "generator",
+            "opd-teacher",
+            config,
+            tmp_path,
+            self.zctx,
+            self.dealer,
+            WorkerArgs(model=str(model_dir)),
         )
         self.service = TeacherService(ctx)
 
