@@ -100,7 +100,10 @@ def _monitor_policy(target: Target):
 
         cluster = load_resolved_config(config_path).cluster
         if cluster.curve_enabled:
-            policy = security.install_from_config(cluster, role="monitor")
+            # This subscriber's own policy, not installed for the process: a process that follows
+            # several runs (a test, a dashboard of many runs) must not carry one run's keys into
+            # the next subscription (a later run without CURVE then got no live records).
+            policy = security.policy_from_config(cluster, role="monitor")
     return policy
 
 
