@@ -29,8 +29,7 @@ class _Trainer:
         self.copies = types.SimpleNamespace(
             state_dict=lambda: {"ewma": None, "snapshots": {}}, load_state_dict=lambda state: None
         )
-        self.updater = types.SimpleNamespace(nonfinite_total=0)
-        self.ewma, self.snapshots, self.nonfinite_total = None, {}, 0
+        self.updater = types.SimpleNamespace(nonfinite_total=0, restore=lambda nonfinite_total: None)
 
 
 def _single_process_lines(caught: list[warnings.WarningMessage]) -> list[str]:
