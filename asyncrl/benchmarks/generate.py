@@ -247,8 +247,8 @@ SIM_LENGTHS = {
 }
 
 
-# A prefill of the samples that join costs about this many decode steps of the batch (profiled on
-# the shipped model, CPU: 2.1 ms against 1.7 ms).
+# A prefill of the samples that join costs about this many decode steps of the batch (the profile
+# behind it: bench/README.md, "Continuous batching").
 PREFILL_COST = 1.25
 
 
