@@ -284,10 +284,9 @@ class SGLangGenerator:
         return decode_generate(data)
 
     async def _sample(self, task: PromptTask, k: int) -> Rollout:
-        """Long on purpose: one sample's request loop, whose retries, aborts (in-flight weight
-        updates), adapter slot and continuation share the ids, log-probs and versions so far.
-
-        Sample `k` of `task` on a server slot, resuming after an abort with the tokens so far."""
+        """Sample `k` of `task` on a server slot: one request per segment, re-issued on another
+        server when one fails, resumed after an abort (an in-flight weight update) with the
+        tokens so far, or restarted under `weights.inflight = "abort"`."""
         from asyncrl.models.sampling import sample_seed
 
         assert self._ctx is not None and self._slots is not None
@@ -303,17 +302,7 @@ class SGLangGenerator:
                 rid = f"{self._ctx.generator_id}-t{task.task_id}-s{k}-a{attempt}"
                 attempt += 1
                 adapter = self._adapters.acquire() if self._adapters is not None else None
-                body = GenerateRequest(
-                    input_ids=list(task.prompt_ids) + ids,
-                    sampling_params=self._sampling_params(
-                        task, max_new - len(ids), segment_seed(base_seed, len(ids))
-                    ),
-                    rid=rid,
-                    return_logprob=True,
-                    return_sampling_mask=use_mask,
-                    sampling_logprobs_mode="selected" if use_mask else None,
-                    lora_path=adapter[1] if adapter else None,
-                )
+                body = self._request_body(task, ids, base_seed, rid=rid, adapter=adapter, use_mask=use_mask)
                 try:
                     server = await self.fleet.acquire()
                 except BaseException:
@@ -322,16 +311,8 @@ class SGLangGenerator:
                 try:
                     resp = await self._request(server, body)
                 except ServerUnavailable as exc:
-                    self.fleet.quarantine(server, str(exc))
-                    asyncio.get_running_loop().create_task(self._abort_quietly(server, rid))
                     failures += 1
-                    if failures > self.opts["max_retries"]:
-                        raise ServerUnavailable(
-                            f"sample {k} of task {task.task_id} failed {failures} times "
-                            f"(generators.options.max_retries = {self.opts['max_retries']}); last: {exc}"
-                        ) from None
-                    self.num_reissues += 1
-                    log.warning("re-issuing sample %d of task %d after: %s", k, task.task_id, exc)
+                    self._reissue(task, k, server, rid, exc, failures)
                     continue
                 finally:
                     self.fleet.release(server)
@@ -368,6 +349,38 @@ class SGLangGenerator:
             token_versions=versions,
             finish_reason="stop" if finish == "stop" else "length",
         )
+
+    def _request_body(
+        self, task: PromptTask, ids: list[int], base_seed: int, *, rid: str, adapter, use_mask: bool
+    ) -> GenerateRequest:
+        """The request of one segment: the prompt and the tokens so far, the rest of the budget,
+        the segment's seed (from the tokens so far, so a resumed sample draws as an unbroken one)."""
+        return GenerateRequest(
+            input_ids=list(task.prompt_ids) + ids,
+            sampling_params=self._sampling_params(
+                task, task.sampling.max_new_tokens - len(ids), segment_seed(base_seed, len(ids))
+            ),
+            rid=rid,
+            return_logprob=True,
+            return_sampling_mask=use_mask,
+            sampling_logprobs_mode="selected" if use_mask else None,
+            lora_path=adapter[1] if adapter else None,
+        )
+
+    def _reissue(
+        self, task: PromptTask, k: int, server, rid: str, exc: ServerUnavailable, failures: int
+    ) -> None:
+        """A server failed a segment: quarantine it, abort the request there, and let the caller
+        re-issue it, unless the sample has failed more than `max_retries` times (raised)."""
+        self.fleet.quarantine(server, str(exc))
+        asyncio.get_running_loop().create_task(self._abort_quietly(server, rid))
+        if failures > self.opts["max_retries"]:
+            raise ServerUnavailable(
+                f"sample {k} of task {task.task_id} failed {failures} times "
+                f"(generators.options.max_retries = {self.opts['max_retries']}); last: {exc}"
+            ) from None
+        self.num_reissues += 1
+        log.warning("re-issuing sample %d of task %d after: %s", k, task.task_id, exc)
 
     def _release_adapter(self, adapter: tuple[int, str] | None) -> None:
         if adapter is not None and self._adapters is not None and self._unloader is not None:
