@@ -131,28 +131,14 @@ def _clusters(lcp: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def plan_layout(ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> PrefixLayout | None:
-    """Long on purpose: one vectorised pass from clusters to the flat order, positions and mask,
-    whose index arrays are only meaningful together (split, each part would re-derive them).
-
-    The flat layout of `ids_BL` (rows of `lengths_B` real tokens, right-padded; all L when
+    """The flat layout of `ids_BL` (rows of `lengths_B` real tokens, right-padded; all L when
     None), or None when it would save too little to pay for itself."""
     rows, width = ids_BL.shape
     ids = ids_BL.cpu().numpy()
     lengths = np.full(rows, width) if lengths_B is None else lengths_B.cpu().numpy().astype(np.int64)
     if rows < 2 or lengths.min() < 1:
         return None
-    order = np.lexsort(ids.T[::-1])
-    sorted_ids, sorted_len = ids[order], lengths[order]
-    differ = sorted_ids[1:] != sorted_ids[:-1]
-    lcp = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-    lcp = np.minimum(lcp, np.minimum(sorted_len[1:], sorted_len[:-1]))
-    runs = _clusters(lcp)
-    shared = np.zeros(rows, dtype=np.int64)
-    cluster = np.zeros(rows, dtype=np.int64)
-    for c, (i, j, k) in enumerate(runs):
-        shared[order[i:j]] = k
-        cluster[order[i:j]] = c
-    prefix_len = np.array([k for _, _, k in runs], dtype=np.int64)
+    order, runs, shared, cluster, prefix_len = _cluster_rows(ids, lengths)
     suffix_len = lengths - shared
     num_flat = int(prefix_len.sum() + suffix_len.sum())
     if num_flat > MAX_FLAT_SHARE * rows * width:
@@ -186,18 +172,7 @@ def plan_layout(ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> 
     # the attention is empty (an empty row would put NaN into the backward). Rows whose tokens
     # are all in their cluster's prefix have no suffix and no row here.
     has_suffix = suffix_len > 0
-    keys_at = np.concatenate([prefix_at[cluster], suffix_at], axis=1)[has_suffix]
-    suffix_allowed = np.concatenate(
-        [
-            np.broadcast_to(
-                prefix_real[cluster][has_suffix][:, None, :], (int(has_suffix.sum()), s_max, k_max)
-            ),
-            np.broadcast_to(
-                ar_s[None, None, :] <= ar_s[None, :, None], (int(has_suffix.sum()), s_max, s_max)
-            ),
-        ],
-        axis=2,
-    )
+    keys_at, suffix_allowed = _suffix_keys(prefix_at, prefix_real, suffix_at, cluster[has_suffix], has_suffix)
     cols = np.minimum(np.arange(width)[None, :], lengths[:, None] - 1)
     hidden_at = np.where(
         cols < shared[:, None],
@@ -223,6 +198,44 @@ def plan_layout(ids_BL: torch.Tensor, lengths_B: torch.Tensor | None = None) -> 
         hidden_at_BL=as_long(hidden_at),
         arrays=arrays,
     )
+
+
+def _cluster_rows(ids, lengths):
+    """Rows sorted by their tokens and cut into clusters (`_clusters`): (the sort order, each
+    cluster's (first, end, prefix length) in that order, each row's shared prefix length and
+    cluster, each cluster's prefix length)."""
+    rows, width = ids.shape
+    order = np.lexsort(ids.T[::-1])
+    sorted_ids, sorted_len = ids[order], lengths[order]
+    differ = sorted_ids[1:] != sorted_ids[:-1]
+    lcp = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+    lcp = np.minimum(lcp, np.minimum(sorted_len[1:], sorted_len[:-1]))
+    runs = _clusters(lcp)
+    shared = np.zeros(rows, dtype=np.int64)
+    cluster = np.zeros(rows, dtype=np.int64)
+    for c, (i, j, k) in enumerate(runs):
+        shared[order[i:j]] = k
+        cluster[order[i:j]] = c
+    prefix_len = np.array([k for _, _, k in runs], dtype=np.int64)
+    return order, runs, shared, cluster, prefix_len
+
+
+def _suffix_keys(prefix_at, prefix_real, suffix_at, cluster_R, has_suffix):
+    """For the rows with a suffix (R of them): the flat positions of the keys each sees (its
+    cluster's prefix, then its own suffix) [R, K + S], and which of them each of its suffix
+    queries may attend to [R, S, K + S] (the whole prefix, its own suffix up to itself)."""
+    k_max, s_max = prefix_at.shape[1], suffix_at.shape[1]
+    num = int(has_suffix.sum())
+    keys_at = np.concatenate([prefix_at[cluster_R], suffix_at[has_suffix]], axis=1)
+    ar_s = np.arange(s_max)
+    allowed = np.concatenate(
+        [
+            np.broadcast_to(prefix_real[cluster_R][:, None, :], (num, s_max, k_max)),
+            np.broadcast_to(ar_s[None, None, :] <= ar_s[None, :, None], (num, s_max, s_max)),
+        ],
+        axis=2,
+    )
+    return keys_at, allowed
 
 
 def _attend(q_NHE, k_NHE, v_NHE, q_at, kv_at, bias, scaling, dropout):
