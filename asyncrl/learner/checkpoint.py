@@ -88,6 +88,13 @@ def _dcp(call, state: dict, path: Path) -> None:
         call(state, checkpoint_id=path, no_dist=True)
 
 
+def _after_rank0(trainer) -> None:
+    import torch.distributed as dist
+
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable[tuple] = ()) -> Path:
     """Write the trainer's state after `version` updates (every rank: its shards), with the
     (step, sample) pairs the learner holds for later steps (or (step, sample, extra) triples:
@@ -100,7 +107,10 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _dcp(dcp.save, _model_and_optim(trainer), tmp)  # the ranks meet here (tmp exists)
+    # DCP's writer creates the folder on every rank before its first collective: the other ranks
+    # wait until rank 0 has cleared a stale one, or rank 0 would remove what they just made.
+    _after_rank0(trainer)
+    _dcp(dcp.save, _model_and_optim(trainer), tmp)
     if not rank0:
         return path
     extras = {
