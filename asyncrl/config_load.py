@@ -61,6 +61,7 @@ def config_from_tree(
         config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_friendly(exc)) from None
+    config = resolve_prepared_model(config)
     check_task_kind(config.task)
     check_rewards(config.task)
     check_cuda(config)
@@ -70,6 +71,20 @@ def config_from_tree(
     check_policy_fit(config, policy)  # the policy against the buffer and the learner ranks
     check_lint(config, refuse=lint)
     return config
+
+
+def resolve_prepared_model(config: Config) -> Config:
+    """`model.path = "prepared:NAME"` becomes the prepared directory's path (config.json records
+    the path), or a ConfigError naming the command that prepares it."""
+    from asyncrl.models.prepare import PREFIX, PrepareError, prepared_dir
+
+    if not config.model.path.startswith(PREFIX):
+        return config
+    try:
+        path = prepared_dir(config.model.path)
+    except PrepareError as exc:
+        raise ConfigError(str(exc)) from None
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(path)))
 
 
 # ------------------------------------------------------------------------------ the schema
@@ -131,6 +146,7 @@ def resolve_file_paths(table: dict[str, Any], base: Path, kind: type[msgspec.Str
             resolve_file_paths(value, base, section)
         elif isinstance(value, str) and (marker := _path_marker(declared)) is not None:
             keep = not value or value in marker.get("keywords", ()) or value.startswith("~")
+            keep = keep or value.startswith(tuple(marker.get("prefixes", ())))
             if not keep and not Path(value).is_absolute():
                 table[key] = os.path.normpath(base / value)
 

@@ -27,6 +27,8 @@ Probability = Annotated[float, Meta(gt=0, le=1)]
 # (config_load.py resolves it at load); "" = unset. A `keywords` entry names values that are not
 # paths (opd.teacher = "self").
 PathStr = Annotated[str, Meta(extra={"path": True})]
+# model.path: a directory, or "prepared:NAME" for one `asyncrl models prepare` wrote (models/prepare.py)
+ModelPathStr = Annotated[str, Meta(extra={"path": True, "prefixes": ("prepared:",)})]
 TeacherPath = Annotated[str, Meta(extra={"path": True, "keywords": ["self"]})]
 
 
@@ -60,7 +62,9 @@ class RunConfig(Section, frozen=True, kw_only=True):
 
 
 class ModelConfig(Section, frozen=True, kw_only=True):
-    path: PathStr = ""  # local Hugging Face directory; empty = the embedded default checkpoint
+    # A local Hugging Face directory; "prepared:NAME" = one `asyncrl models prepare NAME` wrote;
+    # empty = the embedded default checkpoint.
+    path: ModelPathStr = ""
 
 
 class DatasetConfig(Section, frozen=True, kw_only=True):
@@ -495,6 +499,20 @@ class BufferConfig(Section, frozen=True, kw_only=True):
     max_items: PosInt | None = None
 
 
+class CanaryTolerance(Section, frozen=True, kw_only=True):
+    """weights.canary_tolerance: the largest |generator - learner| log-prob of any canary token a
+    loaded version may show, per publish dtype (learner.publish_dtype); docs/weights.md, "Canary",
+    has the figures these sit above."""
+
+    float32: PosFloat = 1e-3
+    bfloat16: PosFloat = 0.5
+    float16: PosFloat = 0.1
+
+    def of(self, dtype: str) -> float:
+        """The tolerance for publish dtype `dtype` ("float32", "bfloat16" or "float16")."""
+        return {"float32": self.float32, "bfloat16": self.bfloat16, "float16": self.float16}[dtype]
+
+
 class WeightsConfig(Section, frozen=True, kw_only=True):
     """Weight sync learner -> generators (docs/weights.md)."""
 
@@ -530,6 +548,15 @@ class WeightsConfig(Section, frozen=True, kw_only=True):
     # serving the version it has, reports, retries), and the learner logs which generators have not
     # acknowledged a version this long after publishing it.
     update_deadline_s: PosFloat = 120.0
+    # The weight-load canary (docs/weights.md, "Canary"): after loading a version each generator
+    # scores fixed sequences built from the task's first training prompts (and their answers),
+    # about `canary_tokens` tokens; the launcher compares with the learner's own log-probs and
+    # refuses a version beyond `canary_tolerance` (the generator is restarted and reloads it);
+    # `canary_max_refusals` refusals in a row for one generator fail the run.
+    canary: bool = True
+    canary_tokens: Annotated[int, Meta(ge=2, le=4096)] = 128
+    canary_tolerance: CanaryTolerance = CanaryTolerance()
+    canary_max_refusals: PosInt = 2
 
     @property
     def kind(self) -> str:

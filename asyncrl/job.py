@@ -107,12 +107,13 @@ def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, f
 def load_task(config: Config, path: Path) -> tuple[Task, Any, dict[str, int]]:
     """The run's task and tokenizer, prepared (every prompt rendered and checked once) before
     any process starts: bad data fails here, with one line."""
-    from asyncrl.models.hf import load_tokenizer
+    from asyncrl.models.hf import load_tokenizer, prompt_room
     from asyncrl.tasks.base import check_privileged, make_task, prepare_task
 
+    room = prompt_room(path, config.sampling.max_new_tokens)  # the model's context, less the completion
     task = make_task(config.task)
     tokenizer = load_tokenizer(path)
-    stats = prepare_task(task, tokenizer, groups_per_step=config.learner.groups_per_step)
+    stats = prepare_task(task, tokenizer, groups_per_step=config.learner.groups_per_step, room=room)
     check_privileged(task, config.opd, tokenizer)  # self-distillation: the task builds privileged prompts
     return task, tokenizer, stats
 

@@ -54,3 +54,33 @@ def load_tokenizer(path):
     if cls is None or not hasattr(cls, "from_pretrained"):
         cls = transformers.AutoTokenizer
     return cls.from_pretrained(path)
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(path) -> int:
+    """The number of positions the model at `path` reads (its config.json), 0 when it names none."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    config = config.get("text_config", config)  # a multimodal wrapper names the language model's
+    return next((int(config[k]) for k in CONTEXT_KEYS if isinstance(config.get(k), int)), 0)
+
+
+def prompt_room(path, max_new_tokens: int) -> int:
+    """The longest prompt the model at `path` can take with `max_new_tokens` generated after it
+    (0: the model names no context length, no limit). ValueError when there is no room at all."""
+    context = context_length(path)
+    if not context:
+        return 0
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"sampling.max_new_tokens = {max_new_tokens} leaves no room for a prompt: the model at {path} "
+            f"reads {context} positions (max_position_embeddings); lower sampling.max_new_tokens"
+        )
+    return context - max_new_tokens

@@ -55,6 +55,7 @@ class Dispatcher:
         max_staleness: int,
         tokenizer: Any = None,
         privileged: bool = False,
+        room: int = 0,
     ) -> None:
         self.book = book
         self.mode = mode
@@ -63,6 +64,10 @@ class Dispatcher:
         self.max_staleness = max_staleness
         self.tokenizer = tokenizer  # set before the first admission (the launcher loads it)
         self.privileged = privileged  # PromptTasks carry privileged prompts (opd.teacher = "self")
+        # The longest prompt the model's context leaves beside sampling.max_new_tokens (0 = no
+        # limit): a task's prepare drops or refuses longer ones at load; any that reach admission
+        # (a plugin task without a prepare, a privileged prompt) stop the run here, named.
+        self.room = room
         self.outstanding: dict[str, int] = {}  # serving generator -> tasks sent and not done
         # The staleness bound in force when each open task was admitted (it moves with
         # staleness.max_staleness = "auto"): a re-queued task is sent again only within it.
@@ -70,7 +75,7 @@ class Dispatcher:
 
     @classmethod
     def for_run(
-        cls, config: Config, *, book: TaskBook, mode: AdmissionMode, task: Task, tokenizer: Any
+        cls, config: Config, *, book: TaskBook, mode: AdmissionMode, task: Task, tokenizer: Any, room: int = 0
     ) -> Dispatcher:
         """The launcher's dispatcher: the config's sampling and bound."""
         s = config.sampling
@@ -87,6 +92,7 @@ class Dispatcher:
             max_staleness=config.effective_max_staleness,
             tokenizer=tokenizer,
             privileged=config.opd.self_teacher,
+            room=room,
         )
 
     def plan(self, *, loaded_version: int, serving: Sequence[str]) -> Plan:
@@ -112,6 +118,7 @@ class Dispatcher:
             privileged = self.task.privileged_render(problems, self.tokenizer)  # type: ignore[attr-defined]
         tasks = []
         for j, problem, ids, privileged_ids in zip(groups, problems, prompt_ids, privileged, strict=True):
+            self.check_room(j, ids, privileged_ids)
             task = PromptTask(
                 task_id=j,
                 group_id=j,
@@ -128,6 +135,18 @@ class Dispatcher:
             self.admitted_bound[j] = self.mode.admission.max_staleness
             tasks.append(task)
         return tasks
+
+    def check_room(self, group: int, ids: Sequence[int], privileged_ids: Sequence[int]) -> None:
+        for what, n in (
+            ("prompt", len(ids)),
+            ("privileged prompt (opd.teacher = 'self')", len(privileged_ids)),
+        ):
+            if self.room and n > self.room:
+                raise ValueError(
+                    f"training problem {group}: its {what} is {n} tokens, over the {self.room} the model's "
+                    f"context leaves beside sampling.max_new_tokens = {self.sampling.max_new_tokens}; lower "
+                    "sampling.max_new_tokens, or give the task a prepare(tokenizer, room) that drops such rows"
+                )
 
     def bound_of(self, task_id: int) -> int:
         """The bound a task may be generated within: the one it was admitted under (a task

@@ -64,6 +64,7 @@ from asyncrl.messages import (
     WeightsPublished,
     WorkerArgs,
 )
+from asyncrl.models.hf import prompt_room
 from asyncrl.scheduler.checkpoint import checkpoint_due, read_launcher_checkpoint, save_launcher_checkpoint
 from asyncrl.scheduler.children import Child, health
 from asyncrl.scheduler.dispatch import Dispatcher
@@ -146,7 +147,12 @@ class Launcher:
         self.book.num_steps_trained = resume_version
         self.state.step = self.state.policy_version = resume_version
         self.dispatcher = Dispatcher.for_run(
-            config, book=self.book, mode=self.mode, task=self.task, tokenizer=tokenizer
+            config,
+            book=self.book,
+            mode=self.mode,
+            task=self.task,
+            tokenizer=tokenizer,
+            room=prompt_room(model_path, config.sampling.max_new_tokens),
         )
         self.last_published: WeightsPublished | None = None
         self.ctrl_address = ""
@@ -377,7 +383,10 @@ class Launcher:
                 await self.dispatch(ctrl)
             case Evaluated() if is_learner:
                 self.evaluations[msg.phase] = (msg.accuracy, dict(msg.means))
-                self.records.event(f"held-out accuracy {msg.phase} training: {msg.accuracy:.3f}")
+                self.records.event(
+                    f"held-out accuracy {msg.phase} training: {msg.accuracy:.3f}",
+                    held_out={"phase": msg.phase, "accuracy": msg.accuracy, "rewards": dict(msg.means)},
+                )
             case StepDone() if is_learner:
                 self.on_step_done(msg)
             case GroupsLeft() if is_learner:

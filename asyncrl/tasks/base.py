@@ -25,6 +25,7 @@ returns a `Task`. The built-in `addition` task (`tasks/arithmetic.py`) is the fi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -116,11 +117,16 @@ def check_privileged(task: Task, opd: Any, tokenizer: Any = None) -> None:
         task.privileged_render([task.train_problem(0)], tokenizer)
 
 
-def prepare_task(task: Task, tokenizer: Any, *, groups_per_step: int) -> dict[str, int]:
+def prepare_task(task: Task, tokenizer: Any, *, groups_per_step: int, room: int = 0) -> dict[str, int]:
     """Called once before any prompt is admitted (or evaluated): the task's own `prepare`, if it
-    has one, and the size check. ValueError naming the problem and the fix."""
+    has one, and the size check. `room`: the longest prompt the model's context leaves beside
+    the completion (0 = no limit), handed to a `prepare` that takes it (a task whose `prepare`
+    does not is checked per prompt at admission). ValueError naming the problem and the fix."""
     prepare = getattr(task, "prepare", None)
-    stats = dict(prepare(tokenizer)) if prepare is not None else {}
+    stats = {}
+    if prepare is not None:
+        takes_room = "room" in inspect.signature(prepare).parameters
+        stats = dict(prepare(tokenizer, room=room) if takes_room else prepare(tokenizer))
     num_train = getattr(task, "num_train", None)
     if num_train is not None and num_train < groups_per_step:
         raise ValueError(

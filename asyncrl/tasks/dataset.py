@@ -31,7 +31,7 @@ from typing import Any
 
 from asyncrl.tasks.base import Problem
 from asyncrl.tasks.dataset_files import Table, describe_type, load_tables
-from asyncrl.tasks.rendering import PromptCache, render_problems
+from asyncrl.tasks.rendering import PromptCache, prompt_limit, render_problems
 
 EPOCH_CACHE = 2  # shuffled epoch orders kept (a run asks epochs in order; retries may reach back one)
 # The privileged prompt of self-distillation: the solution, then the prompt the student saw (a
@@ -406,12 +406,14 @@ class DatasetTask:
 
     # -- extras the launcher uses -------------------------------------------------------------
 
-    def prepare(self, tokenizer: Any) -> dict[str, int]:
+    def prepare(self, tokenizer: Any, room: int = 0) -> dict[str, int]:
         """Render every training and held-out prompt once with `tokenizer` (later `render` calls for
-        them are lookups) and enforce task.prompt.max_tokens. Returns counts for the run log."""
+        them are lookups) and enforce task.prompt.max_tokens and `room` (the longest prompt the
+        model's context leaves beside sampling.max_new_tokens; 0 = none), the tighter of the two, by
+        task.prompt.too_long. Returns counts for the run log."""
         prompt = self._prompt
         cache = PromptCache(tokenizer, template=prompt.template, system=prompt.system)
-        limits = {"max_tokens": prompt.max_tokens, "too_long": prompt.too_long}
+        limits = {"limit": prompt_limit(prompt.max_tokens, room), "too_long": prompt.too_long}
         kept = {}
         for name, rows, wanted in (
             ("train", self._all_train, len(self._all_train)),
@@ -425,7 +427,7 @@ class DatasetTask:
         if not train:
             raise ValueError(
                 f"every one of the {len(self._all_train)} training rows of {self.path} renders longer than "
-                f"task.prompt.max_tokens = {prompt.max_tokens}; raise task.prompt.max_tokens"
+                f"{limits['limit'].text}; {limits['limit'].fix}"
             )
         held, dropped_eval, longest_eval = kept["eval"]
         self._set_rows(train, held)

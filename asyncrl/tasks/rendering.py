@@ -12,9 +12,30 @@ whatever it returns (a list, or a dict/BatchEncoding in recent transformers) nor
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncrl.tasks.base import Problem
+
+
+class PromptLimit(NamedTuple):
+    """The longest prompt a run takes (0 = no limit), what sets it, and how to lift it."""
+
+    tokens: int
+    text: str
+    fix: str
+
+
+def prompt_limit(max_tokens: int, room: int) -> PromptLimit:
+    """The tighter of task.prompt.max_tokens and `room`, the model's context less
+    sampling.max_new_tokens (either 0 = none)."""
+    if room and (not max_tokens or room < max_tokens):
+        return PromptLimit(
+            room,
+            f"the {room} tokens the model's context leaves beside sampling.max_new_tokens",
+            "lower sampling.max_new_tokens, shorten the prompt, or use a model with a longer context",
+        )
+    return PromptLimit(max_tokens, f"task.prompt.max_tokens = {max_tokens}", "raise task.prompt.max_tokens")
+
 
 CHAT_BATCH = 512  # conversations per apply_chat_template call (bounds the memory of one call)
 
@@ -133,12 +154,12 @@ class PromptCache:
         where: Sequence[str],
         *,
         wanted: int,
-        max_tokens: int,
+        limit: PromptLimit,
         too_long: str,
     ) -> tuple[list[int], int, int]:
-        """Render `problems` in order until `wanted` of them fit `max_tokens` (0 = no limit) and cache
-        those. Returns (their positions, how many were too long, the longest kept length); with
-        too_long = "error" the first longer prompt raises, naming `where[k]` and the fix."""
+        """Render `problems` in order until `wanted` of them fit `limit` and cache those. Returns
+        (their positions, how many were too long, the longest kept length); with too_long =
+        "error" the first longer prompt raises, naming `where[k]`, the limit and the fix."""
         kept: list[int] = []
         dropped = longest = start = 0
         while len(kept) < wanted and start < len(problems):
@@ -146,11 +167,11 @@ class PromptCache:
             for k, ids in zip(range(start, stop), self._render(problems[start:stop]), strict=True):
                 if len(kept) == wanted:
                     break
-                if max_tokens and len(ids) > max_tokens:
+                if limit.tokens and len(ids) > limit.tokens:
                     if too_long == "error":
                         raise ValueError(
-                            f"{where[k]}: the prompt renders to {len(ids)} tokens, over task.prompt.max_tokens = "
-                            f"{max_tokens}; raise task.prompt.max_tokens or set task.prompt.too_long = 'drop'"
+                            f"{where[k]}: the prompt renders to {len(ids)} tokens, over {limit.text}; "
+                            f"{limit.fix}, or set task.prompt.too_long = 'drop'"
                         )
                     dropped += 1
                     continue
