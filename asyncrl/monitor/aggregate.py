@@ -9,8 +9,10 @@ the same. Every `add` is O(1) amortised; series keep only their last `series_len
 Record types (the `type` field): `step` (StepDone), `task` (TaskDone), `publish`
 (WeightsPublished), `loaded` (WeightsLoaded), `metrics` (a child's Metrics, flat keys),
 `launcher` (the launcher's periodic snapshot: phase, admission, in-flight, restarts, failure),
-`event` (a line of text), `restart` / `error` (counted). Unknown types are counted and ignored,
-so new components can add records without breaking older monitors.
+`event` (a line of text; the held-out evaluation's also carries `held_out`: phase, accuracy,
+rewards), `eval` (a periodic held-out evaluation: version, accuracy, rewards, pass_at_k, n),
+`restart` / `error` (counted). Unknown types are counted and ignored, so new components can add
+records without breaking older monitors.
 
 Panels whose data no component produces yet stay `None` here and render as a dash. Metric-name
 conventions the view picks up from `metrics` records and from `step.stats`:
@@ -107,6 +109,7 @@ class RunView:
         self.accuracy: dict[str, deque[float]] = {}
         self.eval_before: float | None = None
         self.eval_after: float | None = None
+        self.last_eval: tuple[int, float] | None = None  # (policy_version, accuracy) of an `eval` record
         self.last_step: dict | None = None
         self.diagnostics: dict[str, float] = {}
         # staleness and freshness
@@ -275,6 +278,16 @@ class RunView:
 
     def _on_event(self, r: dict) -> None:
         self.events.append(f"{float(r.get('time_s', 0.0)):7.1f}s  {r.get('text', '')}")
+        held_out = r.get("held_out")
+        if isinstance(held_out, dict) and held_out.get("phase") in ("before", "after"):
+            accuracy = held_out.get("accuracy")
+            if isinstance(accuracy, int | float) and accuracy == accuracy:  # NaN: nothing held out
+                setattr(self, f"eval_{held_out['phase']}", float(accuracy))
+
+    def _on_eval(self, r: dict) -> None:
+        accuracy, version = r.get("accuracy"), r.get("version")
+        if isinstance(accuracy, int | float) and isinstance(version, int):
+            self.last_eval = (version, float(accuracy))
 
     def _on_error(self, r: dict) -> None:
         if r.get("type") == "restart":
@@ -303,6 +316,7 @@ class RunView:
         "metrics": _on_metrics,
         "launcher": _on_launcher,
         "event": _on_event,
+        "eval": _on_eval,
         "restart": _on_error,
         "error": _on_error,
         "fatal": _on_error,

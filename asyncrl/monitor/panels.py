@@ -78,7 +78,9 @@ def _fit(text: str, width: int) -> str:
 def box_lines(title: str, body: Rows, width: int) -> list[list[Segment]]:
     """One panel of exactly `width` cells: a rounded box titled `title` around `body`'s rows."""
     inner = max(1, width - 4)
-    label_w = max((len(label) for label, _ in body.rows), default=0)
+    # Labels share one column, at most half the panel wide; only a label longer than that is cut
+    # (the column's padding never is), so the figure next to it keeps its room.
+    label_w = min(max((cell_len(label) for label, _ in body.rows), default=0), max(0, inner // 2 - 1))
     head = _fit(f" {title} ", min(width - 3, cell_len(title) + 2))
     lines = [
         [
@@ -91,9 +93,7 @@ def box_lines(title: str, body: Rows, width: int) -> list[list[Segment]]:
         plain, style = (value.plain, value.style or None) if isinstance(value, Text) else (value, None)
         if isinstance(style, str):
             style = Style.parse(style)
-        lab = label.ljust(label_w) + " " if label_w else ""
-        if cell_len(lab) > inner // 2:  # a very narrow terminal: keep room for the figure
-            lab = _fit(lab, inner // 2)
+        lab = _fit(label, label_w) + " " if label_w else ""
         lines.append(
             [
                 Segment("│ ", BORDER),
@@ -177,6 +177,8 @@ def reward_panel(v: RunView, lay: Layout) -> Rows:
         series = v.accuracy[key]
         t.add_row(key, f"{fmt(series[-1])}  {sparkline(series, lay.spark)}")
     t.add_row("held-out acc", f"before {fmt(v.eval_before)}  after {fmt(v.eval_after)}")
+    if v.last_eval is not None:
+        t.add_row("eval", f"{fmt(v.last_eval[1])} at policy_version {v.last_eval[0]}")
     return t
 
 
@@ -226,8 +228,8 @@ def freshness_panel(v: RunView, lay: Layout) -> Rows:
 def pipeline_panel(v: RunView, lay: Layout) -> Rows:
     t = _grid()
     if v.buffer:
-        for key in sorted(v.buffer)[: lay.rows]:
-            t.add_row(key, f"{v.buffer[key]:g}")
+        for key in sorted(v.buffer)[: lay.rows]:  # "buffer/held_trajectories" -> "held trajectories"
+            t.add_row(key.rsplit("/", 1)[-1].replace("_", " "), f"{v.buffer[key]:g}")
     else:
         t.add_row("buffer depth", DASH)
     t.add_row("in flight", f"{fmt(v.groups_in_flight, 'd')} groups   admitted {fmt(v.groups_admitted, 'd')}")
@@ -273,6 +275,11 @@ def idle_panel(v: RunView, lay: Layout) -> Rows:
     return t
 
 
+# `StepDone.stats` keys whose names say less than the figure: the staleness policy's clip fraction
+# counts importance weights it truncated, not tokens the loss clipped (StepDone.clip_fraction).
+STAT_LABELS = {"clip_fraction": "IS weights clipped"}
+
+
 def diagnostics_panel(v: RunView, lay: Layout) -> Rows:
     t = _grid()
     s = v.last_step
@@ -281,11 +288,12 @@ def diagnostics_panel(v: RunView, lay: Layout) -> Rows:
         return t
     t.add_row("loss", f"{fmt(s.get('loss'), '+.4f')}  {sparkline(v.losses, lay.spark)}")
     t.add_row("grad norm", f"{fmt(s.get('grad_norm'), '.3f')}   lr scale {fmt(s.get('lr_scale'), '.3g')}")
-    t.add_row("clip fraction", fmt(s.get("clip_fraction"), ".4f"))
+    t.add_row("loss clip fraction", fmt(s.get("clip_fraction"), ".4f"))
+    # Staleness is its own panel; the policy's `clip_fraction` is another figure than the loss's.
     keys = [k for k in sorted(v.diagnostics) if k not in ("max_staleness", "mean_staleness")]
     rows = lay.rows + 2
     for key in keys[:rows]:
-        t.add_row(f" {key}", fmt(v.diagnostics[key], ".4g"))
+        t.add_row(f" {STAT_LABELS.get(key, key)}", fmt(v.diagnostics[key], ".4g"))
     if len(keys) > rows:
         t.add_row("", f"... {len(keys) - rows} more")
     return t

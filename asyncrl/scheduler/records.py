@@ -239,12 +239,14 @@ class Records:
         if self.stream is not None:
             self.stream.publish(record, line)
 
-    def event(self, text: str) -> None:
+    def event(self, text: str, **fields) -> None:
+        """A log line; `fields` go into its record as structured values (a monitor reads those,
+        never the text)."""
         log.info(text)
         if not (self.running and self.stream is not None and self.stream.feeds_reporter):
             self.reporter.event(text)
         if self.running:
-            self.write("event", {"text": text})
+            self.write("event", {"text": text, **fields})
 
     def update(self, state: RunState) -> None:
         self.reporter.update(state)

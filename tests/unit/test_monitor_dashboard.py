@@ -133,7 +133,7 @@ def test_every_panel_shows_the_recorded_figures():
     # idle ratios: learner reported 0.25; gen-0 busy 0.6 -> 40 % idle
     assert "25% idle" in text and "40% idle" in text
     # loss and staleness-policy diagnostics, whatever keys StepDone.stats carries
-    assert "loss -0.5000" in text and "clip fraction 0.1250" in text
+    assert "loss -0.5000" in text and "loss clip fraction 0.1250" in text
     assert "ess_ratio 0.9" in text and "masked_fraction 0.125" in text and "mismatch_k3 0.0625" in text
     # health: no restart data -> dash; learner's rejected frames counted; the event listed
     assert "restarts -" in text
@@ -180,7 +180,7 @@ def test_panels_light_up_when_components_add_metrics():
         },
     ]
     text = squeeze(screen(view_of(records)).replace("·", ""))
-    assert "buffer/depth 17" in text
+    assert "depth 17" in text and "buffer/depth" not in text  # the key without its prefix
     assert "freshness/mean 0.820" in text and "0.9-1.0" in text
     # a reported staleness histogram replaces the per-step fallback
     assert "(samples)" in text and "2 ██████████████████████████████ 9" in text
