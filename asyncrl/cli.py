@@ -351,6 +351,67 @@ def models_list() -> None:
         typer.echo(f"{spec.name}: {spec.package}=={spec.version} ({spec.licence}); {state} at {home}")
 
 
+@app.command()
+def slurm(
+    config: Annotated[
+        Path | None, typer.Argument(help="TOML config file (default: the embedded job)")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")
+    ] = None,
+    learner_nodes: Annotated[int, typer.Option("--learner-nodes", help="Nodes for the learner's ranks")] = 1,
+    generator_nodes: Annotated[
+        int, typer.Option("--generator-nodes", help="Nodes for generator workers")
+    ] = 1,
+    gpus_per_node: Annotated[
+        int,
+        typer.Option("--gpus-per-node", help="GPUs per node: a learner rank or a generator each (0: CPU)"),
+    ] = 0,
+    colocate: Annotated[
+        bool, typer.Option("--colocate", help="Generators on the learner's nodes (a one-node cluster; CPU)")
+    ] = False,
+    partition: Annotated[str, typer.Option("--partition", help="sbatch --partition")] = "",
+    time: Annotated[
+        str, typer.Option("--time", help="sbatch --time, the wall-clock limit (e.g. 4:00:00)")
+    ] = "",
+    warn_s: Annotated[
+        int, typer.Option("--warn-s", help="Seconds before the time limit to checkpoint and requeue")
+    ] = 300,
+    max_requeues: Annotated[
+        int, typer.Option("--max-requeues", help="Requeues after the warning, at most")
+    ] = 20,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the batch script; write and submit nothing")
+    ] = False,
+) -> None:
+    """Run a job on SLURM: write the batch script into the run directory and sbatch it (docs/slurm.md)."""
+    import subprocess
+
+    from asyncrl.config_sections import ConfigError
+    from asyncrl.slurm.script import Layout
+    from asyncrl.slurm.submit import Submission, run_slurm
+
+    try:
+        layout = Layout(
+            learner_nodes=learner_nodes,
+            generator_nodes=generator_nodes,
+            gpus_per_node=gpus_per_node,
+            colocate=colocate,
+        )
+        sub = Submission(
+            config=config,
+            overrides=tuple(set_ or []),
+            layout=layout,
+            partition=partition,
+            time=time,
+            warn_s=warn_s,
+            max_requeues=max_requeues,
+        )
+        typer.echo(run_slurm(sub, dry_run=dry_run), nl=False)
+    except (ConfigError, ValueError, OSError, subprocess.SubprocessError) as exc:
+        _fail(str(exc))
+
+
 def _add_bench() -> None:
     from asyncrl.benchmarks.cli import bench_app
 

@@ -44,10 +44,15 @@ def model_path(config: Config) -> Path:
     return path
 
 
+# What a new run directory may already hold: `asyncrl slurm`'s batch script, keys and job logs
+# (asyncrl/slurm/submit.py), written before the job's first launch.
+PREPARED_ENTRIES = frozenset({"slurm"})
+
+
 def make_run_dir(config: Config) -> Path:
     name = config.run.name or datetime.now().strftime("%Y%m%d-%H%M%S-") + config.mode
     run_dir = Path(config.run.out_dir) / name
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(p.name not in PREPARED_ENTRIES for p in run_dir.iterdir()):
         raise ValueError(f"run directory {run_dir} already exists and is not empty; choose another run.name")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir

@@ -1,7 +1,7 @@
 """The import contract: asyncrl's layers, checked on the source's import graph.
 
-  app     cli, job, worker, benchmarks, testing,    may import anything; nothing imports them
-          __main__
+  app     cli, job, worker, slurm, benchmarks,      may import anything; nothing imports them
+          testing, __main__
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
   leaves  messages, config, config_sections,        leaves only
@@ -27,7 +27,7 @@ import asyncrl
 
 PACKAGE_ROOT = Path(asyncrl.__file__).resolve().parent
 
-APP = frozenset({"cli", "job", "replay", "worker", "benchmarks", "testing", "__main__"})
+APP = frozenset({"cli", "job", "replay", "worker", "slurm", "benchmarks", "testing", "__main__"})
 ROLES = frozenset({"scheduler", "learner", "generators", "monitor"})
 INFRA = frozenset({"transport", "runtime"})
 LEAVES = frozenset(
