@@ -500,13 +500,13 @@ class BufferConfig(Section, frozen=True, kw_only=True):
 
 
 class CanaryTolerance(Section, frozen=True, kw_only=True):
-    """weights.canary_tolerance: the largest |generator - learner| log-prob of any canary token a
-    loaded version may show, per publish dtype (learner.publish_dtype); docs/weights.md, "Canary",
-    has the figures these sit above."""
+    """weights.canary_tolerance: the largest mean |generator - learner| log-prob over the canary's
+    tokens a loaded version may show, per publish dtype (learner.publish_dtype); docs/weights.md,
+    "Canary", has the honest figures these sit above and what a fault gives."""
 
-    float32: PosFloat = 1e-3
-    bfloat16: PosFloat = 0.5
-    float16: PosFloat = 0.1
+    float32: PosFloat = 0.01
+    bfloat16: PosFloat = 0.25
+    float16: PosFloat = 0.05
 
     def of(self, dtype: str) -> float:
         """The tolerance for publish dtype `dtype` ("float32", "bfloat16" or "float16")."""

@@ -28,8 +28,9 @@ import msgspec
 
 # 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated; 4: Join, files; 5: the shared teacher
 # (TeacherRequest, TeacherScores), self-distillation (PromptTask.privileged_ids, Trajectory.teacher_version);
-# 6: WeightsPublished split into ShardsPublished | BroadcastPublished, each with its own fields
-PROTOCOL_VERSION = 6
+# 6: WeightsPublished split into ShardsPublished | BroadcastPublished, each with its own fields;
+# 7: the weight-load canary (WeightsPublished.canary, WeightsLoaded.canary, WorkerArgs.canary_ids)
+PROTOCOL_VERSION = 7
 
 Role = Literal["scheduler", "generator", "learner", "monitor"]
 
@@ -173,6 +174,26 @@ class TasksDone(_Msg, frozen=True, kw_only=True):
     items: list[TaskDone]
 
 
+class CanaryReference(msgspec.Struct, frozen=True, kw_only=True):
+    """The weight-load canary of one version, as the learner computed it (docs/weights.md,
+    "Canary"): fixed token sequences built from the task's prompts, and the learner's own
+    log-prob of every token after each sequence's first, `logprobs[i][t]` = log pi(ids[i][t + 1] |
+    ids[i][: t + 1]) under the weights it publishes. Every value, not a digest: the launcher
+    compares token by token (a sum would let errors of opposite sign cancel), and a few hundred
+    floats per version cost nothing next to the weights."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+class CanaryScores(msgspec.Struct, frozen=True, kw_only=True):
+    """A generator's log-probs of the canary's tokens (`CanaryReference` layout) under the version
+    it loaded, from one engine: its in-process model ("torch"), or one server (its URL)."""
+
+    engine: str
+    logprobs: list[list[float]]
+
+
 class ShardsPublished(_Msg, frozen=True, kw_only=True):
     """New weights for `version` as shards: `root` is the directory holding `v{version:08d}/`
     (weights.transport = "shards", or a broadcast version's catch-up copy)."""
@@ -188,6 +209,7 @@ class ShardsPublished(_Msg, frozen=True, kw_only=True):
     # for the base model the generators started from, not full weights (learner.lora.publish =
     # "adapter"; only generators that load adapters take it).
     adapter: bool = False
+    canary: CanaryReference | None = None  # weights.canary: None when off (or not computable)
 
 
 class BroadcastPublished(_Msg, frozen=True, kw_only=True):
@@ -209,6 +231,7 @@ class BroadcastPublished(_Msg, frozen=True, kw_only=True):
     group_members: tuple[str, ...]  # generator ids, rank i + 1
     group_first_version: int  # the version whose announcement founds the group
     group_timeout_s: float = 300.0
+    canary: CanaryReference | None = None  # weights.canary: None when off (or not computable)
 
 
 # New weights exist: one variant per transport (a Decoder of `Message` tells them by their tag).
@@ -221,6 +244,9 @@ class WeightsLoaded(_Msg, frozen=True, kw_only=True):
     generator_id: str
     version: int
     load_s: float = 0.0
+    # The announcement had a canary: the generator's log-probs of it under `version`, one entry
+    # per engine it samples with (empty: its plugin cannot score one, or there was none).
+    canary: list[CanaryScores] = []
 
 
 class DataEndpoint(_Msg, frozen=True, kw_only=True):
@@ -436,6 +462,9 @@ class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     # learner
     generators: tuple[str, ...] = ()  # the generator slots (its weights retention pins versions per slot)
     resume_version: int = 0  # the policy_version the run resumes at (0: a fresh run)
+    # weights.canary: the canary's token sequences (the launcher builds them from the task's
+    # prompts); the learner scores them at every version it publishes
+    canary_ids: list[list[int]] = []
 
 
 class Assignment(msgspec.Struct, frozen=True, kw_only=True):

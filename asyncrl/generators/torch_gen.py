@@ -24,7 +24,9 @@ prompts (`opd.teacher = "self"`), whose weights follow the updates this generato
 
 Weights arrive verified in fresh CPU tensors (`offer_weights`, from the service's fetcher, or
 `load_weights` from a shard directory) and are copied into the model's parameters only when
-complete, so a corrupt or missing shard never leaves the model half-updated.
+complete, so a corrupt or missing shard never leaves the model half-updated. Once applied, a
+version's weight-load canary is scored before the next decode step (`score_canary`,
+docs/weights.md "Canary").
 
 Placement: the model (and the teacher) live on `GeneratorContext.device` (`generators.device`,
 resolved: a GPU when there is one) in `GeneratorContext.dtype` (the learner's publish dtype).
@@ -46,7 +48,7 @@ from asyncrl.generators.base import GeneratorContext, Rollout
 from asyncrl.generators.feed import Draw, SampleFeed
 from asyncrl.generators.refill import RefillPolicy
 from asyncrl.generators.rollouts import OpdArrays, RolloutBuilder
-from asyncrl.messages import PromptTask
+from asyncrl.messages import CanaryScores, PromptTask
 
 if TYPE_CHECKING:  # at run time in `_make_teacher`: resolving the class must not import torch
     from asyncrl.generators.teachers import Teacher
@@ -439,6 +441,16 @@ class TorchGenerator:
         if on_applied is not None:
             on_applied(version)
         return True
+
+    def score_canary(self, ids: Sequence[Sequence[int]]) -> list[CanaryScores]:
+        """The weight-load canary (`generators/canary.py`): log-probs of `ids` under the weights in
+        the model now, one batched forward. Called on the thread that applied them (it owns the
+        model), before the next decode step."""
+        from asyncrl.kernels.canary import sequence_logprobs
+
+        assert self._model is not None and self._tokenizer is not None, "setup() was not called"
+        pad = self._tokenizer.pad_token_id or 0
+        return [CanaryScores(engine="torch", logprobs=sequence_logprobs(self._model, ids, pad_token_id=pad))]
 
     def load_weights_sync(self, version: int, location: str) -> None:
         from asyncrl.transport.shard_read import read_shards

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from asyncrl.generators.base import GroupWeights, StagedWeights
+from asyncrl.generators.canary import GeneratorCanary
 from asyncrl.generators.feed import SampleFeed
 from asyncrl.messages import BroadcastPublished, ShardsPublished, WeightsLoaded, WeightsPublished
 from asyncrl.transport.fence import UpdateFailed
@@ -154,17 +155,22 @@ class StagedLoading:
         deadline_s: float,
         wake: asyncio.Event,
         on_applied_threadsafe: OnApplied,
+        canary: GeneratorCanary,
     ) -> None:
         self.gen = gen
         self.receiver = receiver
         self.deadline_s = deadline_s
         self.wake = wake
         self.on_applied_threadsafe = on_applied_threadsafe
+        self.canary = canary
         self.offered = False  # a version offered since the last apply between batches
 
     async def load(self, msg: WeightsPublished) -> None:
         state = await fetch_in_thread(self.receiver, msg, deadline_s=self.deadline_s)
-        self.gen.offer_weights(msg.version, state, self.on_applied_threadsafe)
+        # The canary is scored on the applying thread, with exactly this version in the model.
+        self.gen.offer_weights(
+            msg.version, state, self.canary.applied_callback(msg, self.on_applied_threadsafe)
+        )
         self.offered = True
         self.wake.set()  # an idle work loop applies it now
 
@@ -186,12 +192,14 @@ class PlainLoading:
         feed: SampleFeed,
         model_lock: asyncio.Lock,
         on_applied: OnApplied,
+        canary: GeneratorCanary,
     ) -> None:
         self.gen = gen
         self.receiver = receiver
         self.feed = feed
         self.model_lock = model_lock
         self.on_applied = on_applied
+        self.canary = canary
 
     async def load(self, msg: WeightsPublished) -> None:
         assert isinstance(msg, ShardsPublished), "a plain generator never joins a broadcast group"
@@ -203,6 +211,7 @@ class PlainLoading:
                 root = str(fetched)
             async with self.model_lock:
                 await self.gen.load_weights(msg.version, root)
+                await self.canary.after_load(msg)
         finally:
             self.feed.release()
         self.on_applied(msg.version)
@@ -216,16 +225,25 @@ class GroupLoading:
     to it (no model lock: the servers pause themselves, generators.options.pause_mode), catch-up
     shards to `shards`, the staged or plain loading of the same plugin."""
 
-    def __init__(self, gen: Any, shards: StagedLoading | PlainLoading, *, on_applied: OnApplied) -> None:
+    def __init__(
+        self,
+        gen: Any,
+        shards: StagedLoading | PlainLoading,
+        *,
+        on_applied: OnApplied,
+        canary: GeneratorCanary,
+    ) -> None:
         self.gen = gen
         self.shards = shards
         self.on_applied = on_applied
+        self.canary = canary
 
     async def load(self, msg: WeightsPublished) -> None:
         if isinstance(msg, ShardsPublished):
             await self.shards.load(msg)
             return
         await self.gen.receive_broadcast(msg)
+        await self.canary.after_load(msg)
         self.on_applied(msg.version)
 
     async def between_batches(self) -> None:
@@ -244,6 +262,7 @@ def choose_loading(
     wake: asyncio.Event,
     on_applied: OnApplied,
     on_applied_threadsafe: OnApplied,
+    canary: GeneratorCanary | None = None,
 ) -> Loading:
     """The loading for plugin `gen`, once at start; ValueError when weights.transport `transport`
     ("shards" or "broadcast") needs what the plugin lacks."""
@@ -254,14 +273,22 @@ def choose_loading(
             f"generator {generator_kind!r} has no offer_weights() (nor receive_broadcast()), "
             "which weights.transport=broadcast needs; use weights.transport=shards"
         )
+    canary = canary if canary is not None else GeneratorCanary(None)
     shards: StagedLoading | PlainLoading
     if staged:
         shards = StagedLoading(
-            gen, receiver, deadline_s=deadline_s, wake=wake, on_applied_threadsafe=on_applied_threadsafe
+            gen,
+            receiver,
+            deadline_s=deadline_s,
+            wake=wake,
+            on_applied_threadsafe=on_applied_threadsafe,
+            canary=canary,
         )
     else:
-        shards = PlainLoading(gen, receiver, feed=feed, model_lock=model_lock, on_applied=on_applied)
-    return GroupLoading(gen, shards, on_applied=on_applied) if group else shards
+        shards = PlainLoading(
+            gen, receiver, feed=feed, model_lock=model_lock, on_applied=on_applied, canary=canary
+        )
+    return GroupLoading(gen, shards, on_applied=on_applied, canary=canary) if group else shards
 
 
 class WeightUpdates:
@@ -289,6 +316,7 @@ class WeightUpdates:
         self.send = send
         self.report = report  # sends the generator's metrics (after a failed load)
         self.model_lock = asyncio.Lock()  # a plain plugin's load_weights never overlaps generation
+        self.canary = GeneratorCanary(gen)  # each loaded version's canary scores, until acked
         self.loading = choose_loading(
             gen,
             receiver,
@@ -300,6 +328,7 @@ class WeightUpdates:
             wake=wake,
             on_applied=self.on_applied,
             on_applied_threadsafe=self.on_applied_threadsafe,
+            canary=self.canary,
         )
         self.announcements: deque[WeightsPublished] = deque()
         self.announced = asyncio.Event()
@@ -418,5 +447,10 @@ class WeightUpdates:
                 for v in [v for v in self.announced_at if v < version]:
                     del self.announced_at[v]
                 await self.send(
-                    WeightsLoaded(generator_id=self.peer_id, version=version, load_s=self.last_load_s)
+                    WeightsLoaded(
+                        generator_id=self.peer_id,
+                        version=version,
+                        load_s=self.last_load_s,
+                        canary=self.canary.take(version),
+                    )
                 )

@@ -19,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 import zmq
 
-from asyncrl.learner import lora
+from asyncrl.learner import canary, lora
 from asyncrl.learner.checkpoint import (
     learner_checkpoint_path,
     load_learner_checkpoint,
@@ -55,6 +57,7 @@ from asyncrl.learner.schedule import ScheduleRecorder
 from asyncrl.learner.step import StepResult, sample_from_message
 from asyncrl.learner.update import NonFiniteError
 from asyncrl.messages import (
+    CanaryReference,
     Evaluated,
     GroupsLeft,
     LearnerMetrics,
@@ -104,6 +107,10 @@ class LearnerService:
         # The held-out evaluation runs here, on the model being trained (`Config.evaluates_in_learner`).
         self.evaluates = cfg.evaluates_in_learner
         self.eval_task = None
+        # The weight-load canary (docs/weights.md, "Canary"): scored at every version published;
+        # not with several ranks (a sharded forward is a collective of all of them).
+        self.canary_ids = ctx.args.canary_ids if cfg.weights.canary and self.cfg.world_size == 1 else []
+        self.canary_fault = canary.fault_from(os.environ)  # tests only (learner/canary.py)
 
     def setup(self) -> None:
         """Load the model on its device (every rank at once when there are several: the
@@ -243,6 +250,7 @@ class LearnerService:
                 end = time.perf_counter()
                 idle_s = loop.idle_s - idle_before
                 self.trainer.observe_idle(idle_s, end - begin - idle_s)
+                reference = await self.score_canary()  # before the next step can change the weights
                 self.version = step + 1
                 last = step == self.cfg.steps - 1
                 checkpoint = checkpoint_due(self.ctx.config, self.version)
@@ -255,6 +263,7 @@ class LearnerService:
                     tail_s=loop.tail_s(step, begin, end),
                     checkpoint=checkpoint,
                     last=last,
+                    reference=reference,
                 )
                 if checkpoint or not loop.overlap_close:
                     await closing  # a checkpoint holds this version's state
@@ -291,6 +300,7 @@ class LearnerService:
         tail_s: float,
         checkpoint: bool,
         last: bool,
+        reference: CanaryReference | None,
     ) -> None:
         """Publish version step + 1, checkpoint it when due, and report StepDone and the metrics."""
         loop = self.loop
@@ -299,7 +309,7 @@ class LearnerService:
         # generators get the new version first; the checkpoint and, on the last step, the final
         # model come before StepDone: the launcher writes its half of the checkpoint on receiving
         # it, and ends the run on the last one.
-        published = await self.publisher.publish(await self.serving_state(), version, self.ctx.ctrl.send)
+        published = await self.publish(version, reference)
         held = loop.held(after_step=step) if checkpoint else ()  # on the loop thread, before more arrive
         await asyncio.to_thread(
             finish_version,
@@ -389,11 +399,30 @@ class LearnerService:
         log.info("learner: held-out accuracy %s training %.3f (%.2f s)", phase, accuracy, eval_s)
         await self.ctx.ctrl.send(Evaluated(phase=phase, accuracy=accuracy, eval_s=eval_s))
 
-    async def serving_state(self):
+    async def serving_state(self, version: int):
         """The weights to publish (`ranks.publish_state`); a stream is gathered in the
         publisher's thread as it writes, the rest here, off the loop."""
         streams = getattr(self.publisher, "streams_state", False)
-        return await asyncio.to_thread(publish_state, self.trainer, self.cfg, streams=streams)
+        state = await asyncio.to_thread(publish_state, self.trainer, self.cfg, streams=streams)
+        return canary.corrupt(state, version, from_version=self.canary_fault)
+
+    async def score_canary(self) -> CanaryReference | None:
+        """The learner's log-probs of the canary under the weights as they are now (one forward
+        on the training thread), or None when the canary is off."""
+        if not self.canary_ids:
+            return None
+        pad = self.tokenizer.pad_token_id or 0
+        return await self.loop.compute(
+            lambda: canary.reference(self.model, self.canary_ids, pad_token_id=pad)
+        )
+
+    async def publish(self, version: int, reference: CanaryReference | None):
+        """Publish `version`, its announcements carrying the canary's `reference`."""
+
+        async def announce(msg) -> None:
+            await self.ctx.ctrl.send(msgspec.structs.replace(msg, canary=reference) if reference else msg)
+
+        return await self.publisher.publish(await self.serving_state(version), version, announce)
 
     async def send_left(self) -> None:
         left = self.loop.take_left()
@@ -418,7 +447,7 @@ class LearnerService:
             await self.ctx.hello(endpoint=self.data.address, note=gradient_mode(self.trainer.fallback))
             if self.start_version > 0:
                 # Resumed: generators start from the base model, so hand them this version first.
-                await self.publisher.publish(await self.serving_state(), self.version, self.ctx.ctrl.send)
+                await self.publish(self.version, await self.score_canary())
                 await self.send_left()  # groups the restored buffer set aside free their credits
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self.data_loop(), name="learner-data")]

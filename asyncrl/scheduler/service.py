@@ -65,6 +65,7 @@ from asyncrl.messages import (
     WorkerArgs,
 )
 from asyncrl.models.hf import prompt_room
+from asyncrl.scheduler.canary import canary_for_run
 from asyncrl.scheduler.checkpoint import checkpoint_due, read_launcher_checkpoint, save_launcher_checkpoint
 from asyncrl.scheduler.children import Child, health
 from asyncrl.scheduler.dispatch import Dispatcher
@@ -155,6 +156,8 @@ class Launcher:
             room=prompt_room(model_path, config.sampling.max_new_tokens),
         )
         self.last_published: WeightsPublished | None = None
+        # The weight-load canary (canary.py): built once from the task, judged at every ack.
+        self.canary_ids, self.canary = canary_for_run(config, task, tokenizer)
         self.ctrl_address = ""
         # opd.placement = "service": the shared teacher's worker and the address it scores on.
         self.teacher: Child | None = None
@@ -371,13 +374,19 @@ class Launcher:
                         ctrl.reject(f"protocol violation: {exc}")
             case ShardsPublished() | BroadcastPublished() if is_learner:  # the WeightsPublished variants
                 self.last_published = msg
-                self.records.write("publish", {**msgspec.to_builtins(msg), "transport": msg.transport})
+                self.canary.on_published(msg.version, msg.canary.logprobs if msg.canary else None)
+                fields = {k: v for k, v in msgspec.to_builtins(msg).items() if k != "canary"}
+                self.records.write("publish", {**fields, "transport": msg.transport})
                 for inc in self.pool.said_hello():
                     await self.send_to(ctrl, inc.peer_id, msg)
             case WeightsLoaded() if not is_learner:
+                if not await self.on_canary(ctrl, child, msg):
+                    return  # refused: the generator is restarted (or the run fails)
                 inc = self.pool.on_loaded(peer, msg.version)
                 self.state.loaded_versions[inc.slot] = msg.version
-                self.records.write("loaded", msgspec.to_builtins(msg))
+                self.records.write(
+                    "loaded", {k: v for k, v in msgspec.to_builtins(msg).items() if k != "canary"}
+                )
                 # The learner knows slots, not processes: its retention pins versions per slot.
                 await self.send_to(ctrl, "learner", msgspec.structs.replace(msg, generator_id=inc.slot))
                 await self.dispatch(ctrl)
@@ -414,6 +423,24 @@ class Launcher:
                     self.records.event(f"{child.role} {peer} failed: {msg.error}")
             case _:
                 raise ValueError(f"{type(msg).__name__} from {child.role} {peer} is not expected")
+
+    async def on_canary(self, ctrl: Endpoint, child: Child, msg: WeightsLoaded) -> bool:
+        """Judge an ack by its canary (canary.py); True = accepted. A refused version is not taken
+        as loaded: the generator is restarted and loads it afresh; refused too often, the run fails."""
+        verdict = self.canary.on_loaded(child.slot, msg.version, msg.canary)
+        self.records.write("canary", verdict.record)
+        if not verdict.refused:
+            return True
+        reason = (
+            f"failed the weight-load canary at weights version {msg.version}: mean |delta log-prob| "
+            f"{verdict.worst.mean_abs:.3g} on {verdict.engine}, tolerance {self.canary.tolerance:g} ({self.canary.dtype})"
+        )
+        if verdict.fail:
+            self.records.event(f"generator {child.peer_id} {reason}")
+            self.fail(verdict.fail)
+            return False
+        await self.restart_generator(ctrl, child, reason)
+        return False
 
     async def on_hello(self, ctrl: Endpoint, child: Child, msg: Hello) -> None:
         """The handshake: a worker speaking another protocol version fails the run; the teacher's
@@ -565,6 +592,8 @@ class Launcher:
             self.remote.close()
         self.state.rejected_frames = ctrl.num_rejected
         self.rejected_by_reason = dict(ctrl.rejected)
+        if self.canary_ids:
+            self.records.write("canary_summary", msgspec.to_builtins(self.canary.summary()))
         self.records.close()  # the final snapshot; the monitor's stream closes
         ctrl.close()
         # destroy, not term: a socket some code path left open must not block the exit.
@@ -586,6 +615,7 @@ class Launcher:
             model=str(self.model_path),
             generators=tuple(self.generator_ids),
             resume_version=self.resume_version,
+            canary_ids=self.canary_ids,
         )
         learner = self.workers.spawn("learner", "learner", ctrl_address=self.ctrl_address, args=learner_args)
         if self.cfg.learner.start == "torchrun":

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgspec
 
+from asyncrl.scheduler.canary import CanarySummary
+
 
 class RejectedFrames(msgspec.Struct, frozen=True, kw_only=True):
     """Frames refused by a socket (malformed, an unknown peer, a type the socket does not take)."""
@@ -96,6 +98,10 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     lint: list[dict[str, str]]  # the settings linter's warnings (asyncrl/lint.py, docs/safety.md)
     run_dir: str
     dataset_position: DatasetPosition | None = None  # dataset tasks only
+    # weights.canary: the weight-load canary's figures (docs/weights.md, "Canary"): the dtype and
+    # tolerance in force, versions checked / refused / unchecked, max |delta log-prob| overall and
+    # per generator (each version's figures are the `canary` records of metrics.jsonl)
+    canary: CanarySummary | None = None
     error: str | None = None  # a failed run: why
 
 
