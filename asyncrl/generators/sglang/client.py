@@ -59,6 +59,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     sampling_logprobs_mode: str | None = None
     lora_path: str | None = None  # the LoRA adapter's name (learner.lora.publish = "adapter")
     stream: bool = False
+    # >= 0: also score the prompt from this position (`input_token_logprobs`; the canary's use)
+    logprob_start_len: int | None = None
 
 
 class VersionSpan(msgspec.Struct):
@@ -74,6 +76,9 @@ class MetaInfo(msgspec.Struct):
     weight_versions: list[VersionSpan] | None = None  # absent before sglang 0.5.20
     output_token_logprobs: list[tuple[float, int, str | None]] = []
     output_token_sampling_logprobs: list[float] | None = None
+    # With logprob_start_len >= 0: [log-prob (null at the first position), token, text] per
+    # prompt position from there, plain log_softmax (no temperature)
+    input_token_logprobs: list[tuple[float | None, int, str | None]] = []
 
 
 class GenerateResponse(msgspec.Struct):

@@ -88,7 +88,7 @@ from asyncrl.generators.sglang.options import (
     parse_options,
     resolve_api_key,
 )
-from asyncrl.messages import BroadcastPublished, PromptTask
+from asyncrl.messages import BroadcastPublished, CanaryScores, PromptTask
 from asyncrl.transport import security
 
 if TYPE_CHECKING:
@@ -576,6 +576,24 @@ class SGLangGenerator:
             await self._group.update(msg)
             self._weights = None  # no directory holds this version: readmission cannot push it
             self._version = msg.version
+
+    async def score_canary(self, ids: Sequence[Sequence[int]]) -> list[CanaryScores]:
+        """The weight-load canary (`generators/canary.py`), on every server in service, under the
+        weights loaded last (and the adapter new requests name, held while it is scored)."""
+        from asyncrl.generators.sglang.canary import score_on_servers
+
+        assert self._ctx is not None
+        adapter = self._adapters.acquire() if self._adapters is not None else None
+        try:
+            return await score_on_servers(
+                self.fleet,
+                ids,
+                name=self._ctx.generator_id,
+                adapter=adapter[1] if adapter else None,
+                timeout_s=float(self.opts["request_timeout_s"]),
+            )
+        finally:
+            self._release_adapter(adapter)
 
     async def close(self) -> None:
         """Leave the weight update group, stop the HTTP side, stop launched servers; idempotent."""
