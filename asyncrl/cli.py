@@ -41,6 +41,12 @@ def launch(
         Path | None,
         typer.Option("--resume", help="Continue a stopped run from its newest checkpoint (RUN_DIR)"),
     ] = None,
+    web: Annotated[bool, typer.Option("--web", help="Also serve the web monitor (docs/monitor.md)")] = False,
+    web_host: Annotated[str, typer.Option("--web-host", help="--web: address to bind")] = "127.0.0.1",
+    web_port: Annotated[int, typer.Option("--web-port", help="--web: port (0: any free one)")] = 8750,
+    web_token_file: Annotated[
+        Path | None, typer.Option("--web-token-file", help="--web: the token, required beyond loopback")
+    ] = None,
 ) -> None:
     """Train: spawn the learner and generators, stream until done, write the run directory."""
     from asyncrl.config_load import load_config
@@ -83,6 +89,8 @@ def launch(
         _fail(str(exc))
     use_tui = cfg.monitor.tui and not no_tui and sys.stdout.isatty()
     reporter = Dashboard(refresh_per_second=cfg.monitor.refresh_per_second) if use_tui else PlainReporter()
+    if web:
+        reporter = _web_reporter(reporter, cfg, host=web_host, port=web_port, token_file=web_token_file)
     try:
         with reporter:
             summary = run_job(cfg, reporter, resume_dir=resume)
@@ -105,6 +113,16 @@ def launch(
     typer.echo(f"run directory: {summary.run_dir}")
     if summary.status == "interrupted":
         raise typer.Exit(130)
+
+
+def _web_reporter(reporter, cfg, *, host: str, port: int, token_file: Path | None):
+    """`launch --web`: the reporter wrapped by the web monitor's (asyncrl/monitor/web/command.py)."""
+    from asyncrl.monitor.web.command import web_reporter
+
+    try:
+        return web_reporter(reporter, cfg, host=host, port=port, token_file=token_file)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 @app.command()
@@ -167,18 +185,34 @@ def generators() -> None:
 
 @app.command()
 def monitor(
-    target: Annotated[
-        str, typer.Argument(help="A run directory (runs/NAME) or the endpoint in its monitor.json")
+    targets: Annotated[
+        list[str],
+        typer.Argument(
+            help="A run directory (runs/NAME) or the endpoint in its monitor.json; --web: several"
+        ),
     ],
     once: Annotated[
         bool, typer.Option("--once", help="Print the dashboard once and exit (default when not a terminal)")
     ] = False,
+    web: Annotated[bool, typer.Option("--web", help="Serve a web page instead (docs/monitor.md)")] = False,
+    host: Annotated[str, typer.Option("--host", help="--web: address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="--web: port (0: any free one)")] = 8750,
+    token_file: Annotated[
+        Path | None, typer.Option("--token-file", help="--web: the token, required beyond loopback")
+    ] = None,
 ) -> None:
     """Attach a live dashboard to a running job (q or Ctrl-C detaches), or replay a finished run."""
-    from asyncrl.monitor.attach import run_monitor
-
     try:
-        code = run_monitor(target, once=once)
+        if web:
+            from asyncrl.monitor.web.command import run_web
+
+            code = run_web(targets, host=host, port=port, token_file=token_file)
+        elif len(targets) != 1:
+            _fail("the terminal dashboard follows one run; --web shows several side by side")
+        else:
+            from asyncrl.monitor.attach import run_monitor
+
+            code = run_monitor(targets[0], once=once)
     except ValueError as exc:
         _fail(str(exc))
     raise typer.Exit(code)

@@ -26,6 +26,7 @@ conventions the view picks up from `metrics` records and from `step.stats`:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -61,6 +62,28 @@ class SyncStats:
     load_s: deque = field(default_factory=lambda: deque(maxlen=SYNC_WINDOW))
     # announce -> the last generator loaded it (includes waiting behind generation)
     latency_s: deque = field(default_factory=lambda: deque(maxlen=SYNC_WINDOW))
+
+
+@functools.lru_cache(maxsize=4096)
+def key_route(key: str) -> tuple[str | None, int | str | None]:
+    """Which panel a metric name feeds (the conventions in the module docstring), and the
+    histogram bin it names; cached, as a run repeats the same few dozen names on every record."""
+    low = key.lower()
+    if m := HIST_KEY.search(low):
+        return "hist", int(m.group(1))
+    if m := FRESH_HIST_KEY.search(low):
+        return "fresh_hist", m.group(1)
+    for route, hit in (
+        ("freshness", "freshness" in low),
+        ("buffer", "buffer" in low),
+        ("idle", low.endswith("idle_ratio")),
+        ("restarts", low.endswith("restarts")),
+        ("error", low.endswith(ERROR_SUFFIXES)),
+        ("accuracy", "accuracy" in low),
+    ):
+        if hit:
+            return route, None
+    return None, None
 
 
 def median(values) -> float | None:
@@ -328,27 +351,26 @@ class RunView:
         for key, value in values.items():
             if not isinstance(value, int | float):
                 continue
-            low = key.lower()
-            m = HIST_KEY.search(low)
-            if m:
+            route, arg = key_route(key)
+            if route == "hist":
                 if not got_hist and self.staleness_hist_unit == "steps":
                     self.staleness_hist.clear()  # reported counts replace the per-step fallback
                 self.staleness_hist_unit = "samples"
-                self.staleness_hist[int(m.group(1))] += int(value)
+                self.staleness_hist[arg] += int(value)
                 got_hist = True
-            elif (m := FRESH_HIST_KEY.search(low)) is not None:
-                self.freshness_hist[m.group(1)] = self.freshness_hist.get(m.group(1), 0.0) + float(value)
-            elif "freshness" in low:
+            elif route == "fresh_hist":
+                self.freshness_hist[arg] = self.freshness_hist.get(arg, 0.0) + float(value)
+            elif route == "freshness":
                 self.freshness[key] = float(value)
-            elif "buffer" in low:
+            elif route == "buffer":
                 self.buffer[key] = float(value)
-            elif low.endswith("idle_ratio"):
+            elif route == "idle":
                 self.idle[source] = float(value)
-            elif low.endswith("restarts"):
+            elif route == "restarts":
                 self.restarts = max(self.restarts or 0, int(value))
-            elif low.endswith(ERROR_SUFFIXES):
+            elif route == "error":
                 self.error_counts[f"{source}:{key}"] = float(value)
-            elif "accuracy" in low:
+            elif route == "accuracy":
                 self.accuracy.setdefault(key, deque(maxlen=self.series_len)).append(float(value))
         return got_hist
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from asyncrl.monitor.stream import MONITOR_FILE
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 ENDPOINT = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
 POLL_MS = 250  # how long one wait for PUB messages lasts (and how often q is checked)
 FILE_CATCHUP_S = 1.0  # with no PUB traffic, look at the file this often anyway
+# msgspec's JSON decoder: the same dicts as json.loads, several times faster (a replay reads every line)
+_decode = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -131,8 +134,13 @@ class FileFollower:
         for i, line in enumerate(complete, start=self.num_lines):
             if i >= from_seq and line.strip():
                 try:
-                    out.append((i, json.loads(line)))
-                except json.JSONDecodeError:
+                    record = _decode(line)
+                except msgspec.DecodeError:
+                    self.num_bad += 1
+                    continue
+                if isinstance(record, dict):
+                    out.append((i, record))
+                else:
                     self.num_bad += 1
         self.num_lines += len(complete)
         return out

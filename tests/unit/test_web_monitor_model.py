@@ -1,0 +1,224 @@
+"""The web monitor's pure parts: bounded series, the timeline, what a run's page state holds
+(hand-written records, the launcher's record types and #34's `eval` records), and who may read it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asyncrl.monitor.web.access import Access, is_loopback, read_token_file
+from asyncrl.monitor.web.model import WebRun
+from asyncrl.monitor.web.series import Buckets, Lanes
+
+
+def test_buckets_stay_bounded_and_keep_the_mean_min_and_max_of_every_point():
+    b = Buckets(capacity=8)
+    ys = [float(i % 7) for i in range(1000)]
+    ys[500] = 1e6  # a spike must survive the merging
+    for i, y in enumerate(ys):
+        b.add(i, y)
+    points = b.points()
+    assert len(points) <= 8 + 1  # full buckets below capacity, plus a partial one
+    assert b.count == 1000
+    assert points[-1][0] == 999  # a bucket's x is its last point's
+    assert max(p[3] for p in points) == 1e6
+    assert min(p[2] for p in points) == 0.0
+    # the buckets' means, weighted by their sizes, are the mean of every point
+    sizes = []
+    prev = -1
+    for p in points:
+        sizes.append(p[0] - prev)
+        prev = p[0]
+    total = sum(mean * n for (_, mean, _, _), n in zip(points, sizes, strict=True))
+    assert total == pytest.approx(sum(ys), rel=1e-4)
+
+
+def test_buckets_skip_nan_and_keep_every_point_while_under_capacity():
+    b = Buckets(capacity=512)
+    for i in range(5):
+        b.add(i, math.nan if i == 2 else float(i))
+    assert b.points() == [[0, 0, 0, 0], [1, 1, 1, 1], [3, 3, 3, 3], [4, 4, 4, 4]]
+    with pytest.raises(ValueError, match="even number"):
+        Buckets(capacity=3)
+
+
+def test_lanes_merge_touching_spans_and_keep_only_the_window():
+    lanes = Lanes(window_s=10.0)
+    lanes.add("gen-0", 0.0, 1.0, "decoding")
+    lanes.add("gen-0", 0.5, 2.0, "decoding")  # overlaps: one span 0..2
+    lanes.add("gen-0", 2.0, 2.1, "loading")
+    lanes.add("gen-0", 3.0, 4.0, "decoding")  # a gap: idle, a new span
+    lanes.add("learner", 1.0, 1.5, "training")
+    view = lanes.view()
+    gen = next(lane for lane in view["lanes"] if lane["name"] == "gen-0")
+    assert gen["spans"] == [[0.0, 2.0, "decoding"], [2.0, 2.1, "loading"], [3.0, 4.0, "decoding"]]
+    assert [lane["name"] for lane in view["lanes"]] == ["learner", "gen-0"]  # the learner first
+    lanes.add("gen-0", 20.0, 21.0, "decoding")  # 21 - 10 = 11: everything before is out
+    view = lanes.view()
+    assert view["t0"] == 11.0 and view["t1"] == 21.0
+    assert next(lane for lane in view["lanes"] if lane["name"] == "gen-0")["spans"] == [
+        [20.0, 21.0, "decoding"]
+    ]
+
+
+def records() -> list[dict]:
+    """A short run as the launcher writes it: snapshot, tasks, steps, publishes, loads, events."""
+    out: list[dict] = [
+        {
+            "type": "launcher",
+            "phase": "training",
+            "mode": "async",
+            "policy": "none",
+            "total_steps": 3,
+            "groups_per_step": 1,
+            "samples_per_group": 2,
+            "num_generators": 1,
+            "max_staleness_bound": 1,
+            "step": 0,
+            "time_s": 1.0,
+        },
+        {
+            "type": "event",
+            "text": "held-out accuracy before training: 0.250",
+            "time_s": 1.1,
+            "held_out": {"phase": "before", "accuracy": 0.25, "rewards": {}},
+        },
+    ]
+    for s in range(3):
+        t = 2.0 + s
+        out.append(
+            {
+                "type": "task",
+                "task_id": s,
+                "generator_id": "gen-0",
+                "num_trajectories": 2,
+                "num_tokens": 10,
+                "generate_s": 0.5,
+                "mean_reward": 0.5,
+                "time_s": t - 0.2,
+            }
+        )
+        out.append(
+            {
+                "type": "step",
+                "step": s,
+                "version": s + 1,
+                "num_trajectories": 2,
+                "num_tokens": 9,
+                "loss": 0.1,
+                "mean_reward": 0.5 + 0.1 * s,
+                "max_staleness": min(s, 1),
+                "mean_staleness": 0.5,
+                "clip_fraction": 0.0,
+                "grad_norm": 1.0,
+                "step_s": 0.3,
+                "idle_s": 0.1,
+                "stats": {},
+                "rewards": {"exact": 0.4 + s * 0.1},
+                "lengths": {"generated": 5.0, "trained": 4.5, "evicted": None},
+                "length_samples": {"generated": 2, "trained": 2, "evicted": 0},
+                "staleness_bound": 1 if s < 2 else 2,
+                "skipped_nonfinite": s == 1,
+                "time_s": t,
+            }
+        )
+        out.append(
+            {
+                "type": "publish",
+                "version": s + 1,
+                "num_bytes": 2**20,
+                "publish_s": 0.02,
+                "transport": "shards",
+                "time_s": t,
+            }
+        )
+        out.append(
+            {"type": "loaded", "generator_id": "gen-0", "version": s + 1, "load_s": 0.05, "time_s": t + 0.1}
+        )
+    out.append(
+        {
+            "type": "eval",
+            "version": 2,
+            "accuracy": 0.5,
+            "rewards": {"exact": 0.5},
+            "pass_at_k": {"1": 0.5, "4": 0.75},
+            "n": 100,
+            "time_s": 4.5,
+        }
+    )
+    out.append(
+        {
+            "type": "event",
+            "text": "held-out accuracy after training: 0.600",
+            "time_s": 4.6,
+            "held_out": {"phase": "after", "accuracy": 0.6, "rewards": {}},
+        }
+    )
+    return out
+
+
+def test_page_state_holds_what_the_records_say():
+    run = WebRun("r", live=True)
+    for record in records():
+        run.add(record)
+    state = run.state()
+    head = state["head"]
+    assert head["step"] == 3 and head["total_steps"] == 3 and head["trained"] == 6
+    assert head["eval_before"] == 0.25 and head["eval_after"] == 0.6
+    series = state["series"]
+    # trained samples/s between steps: 2 samples in 1 s; tokens: 10 generated between two steps
+    assert [p[1] for p in series["samples_per_s"]] == [2.0, 2.0]
+    assert [p[1] for p in series["tokens_per_s"]] == [10.0, 10.0]
+    assert [p[1] for p in series["reward"]] == [0.5, 0.6, 0.7]
+    assert [p[1] for p in series["reward/exact"]] == [0.4, 0.5, 0.6]
+    assert [p[1] for p in series["length/trained"]] == [4.5, 4.5, 4.5]
+    assert "length/evicted" not in series or series["length/evicted"] == []  # None: not a point
+    assert [p[1] for p in series["sync/publish_ms"]] == [20.0, 20.0, 20.0]
+    assert [p[1] for p in series["sync/load_ms"]] == [50.0, 50.0, 50.0]
+    # the bound moved from 1 to 2 at step 2: one decision marked
+    assert state["staleness"]["decisions"] == [[2, 1, 2]]
+    assert state["staleness"]["counts"] == {"0": 1, "1": 2}
+    assert state["evals"] == [
+        {
+            "version": 2,
+            "accuracy": 0.5,
+            "rewards": {"exact": 0.5},
+            "pass_at_k": {"1": 0.5, "4": 0.75},
+            "n": 100,
+        }
+    ]
+    kinds = [e[1] for e in state["events"]]
+    assert "skipped" in kinds  # the non-finite step of step 1
+    lanes = {lane["name"]: lane["spans"] for lane in state["timeline"]["lanes"]}
+    assert set(lanes) == {"learner", "publish", "gen-0"}
+    # step 0 ended at 2.0 after 0.1 s waiting and 0.3 s training
+    assert lanes["learner"][:2] == [[1.6, 1.7, "waiting"], [1.7, 2.0, "training"]]
+    assert [1.3, 1.8, "decoding"] in lanes["gen-0"] and [2.05, 2.1, "loading"] in lanes["gen-0"]
+
+
+def test_access_rules():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost:8750") and is_loopback("[::1]:80")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.com") and not is_loopback("10.1.2.3:8750")
+    loop, made_up = Access.for_bind("127.0.0.1", None)
+    assert loop.token is None and not made_up
+    assert loop.check(host_header="127.0.0.1:8750", presented=[]) is None
+    assert loop.check(host_header="evil.example:8750", presented=[])[0] == 403  # DNS rebinding
+    wide, made_up = Access.for_bind("0.0.0.0", None)
+    assert made_up and wide.token and len(wide.token) >= 16
+    assert wide.check(host_header="10.0.0.5:8750", presented=["", ""])[0] == 401
+    assert wide.check(host_header="10.0.0.5:8750", presented=["nope"])[0] == 403
+    assert wide.check(host_header="10.0.0.5:8750", presented=["", wide.token]) is None
+
+
+def test_token_file_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        read_token_file(tmp_path / "missing")
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    with pytest.raises(ValueError, match="at least 16"):
+        read_token_file(short)
+    good = tmp_path / "good"
+    good.write_text("0123456789abcdef0123\n")
+    access, made_up = Access.for_bind("0.0.0.0", good)
+    assert access.token == "0123456789abcdef0123" and not made_up
