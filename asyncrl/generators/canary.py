@@ -56,6 +56,8 @@ class GeneratorCanary:
         def scored_then_applied(version: int) -> None:
             result = self.scorer.score_canary(ids)
             if inspect.isawaitable(result):
+                if inspect.iscoroutine(result):
+                    result.close()  # never awaited: no "never awaited" warning on top of the error
                 raise TypeError(
                     f"{type(self.scorer).__name__}.score_canary returned an awaitable; a plugin with "
                     "offer_weights is called on its applying thread and must score synchronously"
