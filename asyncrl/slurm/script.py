@@ -272,7 +272,7 @@ if [[ -n $JOIN ]]; then
     MASTER_PORT=$("$PYTHON" -m asyncrl.slurm.join --free-port)
     GPU_STEP=()
     ((GPUS_PER_NODE)) && GPU_STEP=(--gpus-per-node="$GPUS_PER_NODE")
-    srun --overlap --kill-on-bad-exit=1 --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" \
+    srun --job-name=learner --overlap --kill-on-bad-exit=1 --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" \
         --ntasks-per-node=1 --nodelist="$LEARNER_LIST" "${GPU_STEP[@]}" \
         --output="$LOGS/learner-%N.log" \
         bash -c 'trap "" USR1; exec "$@" --node-rank="$SLURM_PROCID" -m asyncrl.learner.torchrun "$RUN_DIR"' _ \
@@ -282,7 +282,7 @@ if [[ -n $JOIN ]]; then
     # ---- The generators: one worker per GPU (or per CPU node), each serving one slot, a job step -
     GPU_WORKER=()
     ((GPUS_PER_NODE)) && GPU_WORKER=(--gpus-per-task=1)
-    srun --overlap --nodes="$GENERATOR_NODES" --ntasks=$((GENERATOR_NODES * PER_NODE)) \
+    srun --job-name=generators --overlap --nodes="$GENERATOR_NODES" --ntasks=$((GENERATOR_NODES * PER_NODE)) \
         --ntasks-per-node="$PER_NODE" --nodelist="$GENERATOR_LIST" "${GPU_WORKER[@]}" \
         --output="$LOGS/worker-%N-%t.log" \
         bash -c 'trap "" USR1; exec "$@"' _ \

@@ -1,0 +1,260 @@
+"""`asyncrl slurm` without a cluster: the layout arithmetic, the batch script it writes (a
+four-node GPU job run against fake `scontrol`, `srun` and interpreter, so the node lists, torchrun
+ranks, GPU binding, signal handling and requeue it would do are checked as bash executes them),
+and the command's errors (one line, no traceback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.slurm.script import Job, Layout, check_overrides, launch_overrides, render
+
+FAKE_PYTHON = r"""#!/bin/bash
+# The interpreter the script calls: a launcher, the join helper.
+case "$1 $2" in
+"-m asyncrl")
+    printf '%s\n' "$@" >"$FAKE_LOG/launch.args"
+    if [[ -n ${FAKE_LAUNCH_WAITS:-} ]]; then
+        # A launcher that stops when told (SIGTERM), as the real one does: exit 130.
+        trap 'kill %1; exit 130' TERM
+        sleep 600 &
+        touch "$FAKE_LOG/launch.ready"
+        wait
+    fi
+    exit "${FAKE_LAUNCH_EXIT:-0}"
+    ;;
+"-m asyncrl.slurm.join")
+    if [[ $3 == --free-port ]]; then echo 29555; else echo tcp://10.0.0.1:5555; fi
+    ;;
+esac
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+echo "$*" >>"$FAKE_LOG/scontrol.calls"
+case "$1 $2" in
+"show hostnames") printf 'n%s\n' 1 2 3 4 ;;
+"show node") echo "NodeName=$4 Arch=x86_64 NodeAddr=10.0.0.${4#n} NodeHostName=$4 Port=0" ;;
+esac
+"""
+FAKE_SRUN = r"""#!/bin/bash
+for arg in "$@"; do [[ $arg == --job-name=* ]] && name=${arg#--job-name=}; done
+printf '%s\n' "$@" >"$FAKE_LOG/srun-$name.args"
+"""
+
+
+def _job(tmp_path: Path, layout: Layout, **kw) -> Job:
+    settings = dict(
+        layout=layout,
+        run_dir=tmp_path / "runs" / "r1",
+        config=tmp_path / "job.toml",
+        overrides=("learner.lr=1e-4",),
+        python=str(tmp_path / "bin" / "python"),
+        workdir=tmp_path,
+    )
+    return Job(**{**settings, **kw})
+
+
+def test_layout_counts_nodes_ranks_and_generators():
+    split = Layout(learner_nodes=2, generator_nodes=3, gpus_per_node=8)
+    assert (split.num_nodes, split.world_size, split.num_generators, split.per_node) == (5, 16, 24, 8)
+    cpu = Layout(learner_nodes=1, generator_nodes=2)
+    assert (cpu.num_nodes, cpu.world_size, cpu.num_generators) == (3, 1, 2)
+    shared = Layout(learner_nodes=1, generator_nodes=1, colocate=True)
+    assert shared.num_nodes == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(learner_nodes=0, generator_nodes=1), "--learner-nodes 0"),
+        (dict(learner_nodes=1, generator_nodes=-1), "--generator-nodes -1"),
+        (dict(learner_nodes=1, generator_nodes=1, gpus_per_node=-2), "--gpus-per-node -2"),
+        (dict(learner_nodes=1, generator_nodes=1, gpus_per_node=4, colocate=True), "drop --colocate"),
+    ],
+)
+def test_layout_refuses_bad_counts(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Layout(**kwargs)
+
+
+def test_a_set_of_a_managed_key_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match=r"learner.world_size: .*--learner-nodes x --gpus-per-node"):
+        check_overrides(["learner.lr=1e-4", "learner.world_size=4"])
+
+
+def test_launch_overrides_come_after_the_users_and_set_the_cluster(tmp_path):
+    job = _job(tmp_path, Layout(learner_nodes=2, generator_nodes=2, gpus_per_node=8))
+    sets = dict(item.split("=", 1) for item in launch_overrides(job))
+    assert sets["learner.world_size"] == "16" and sets["learner.start"] == "torchrun"
+    assert sets["generators.num_generators"] == sets["generators.remote"] == "16"
+    assert sets["cluster.curve"] == "on" and sets["cluster.bind_host"] == "0.0.0.0"
+    assert sets["cluster.keys_dir"] == str(job.run_dir / "slurm" / "keys")
+    assert sets["learner.device"] == "cuda"
+    assert (sets["run.out_dir"], sets["run.name"]) == (str(job.run_dir.parent), "r1")
+
+
+def _fakes(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "log"
+    log.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n[1-4]"
+    )
+    return env
+
+
+def _script(tmp_path: Path, job: Job) -> Path:
+    (job.run_dir / "slurm").mkdir(parents=True)
+    path = job.run_dir / "slurm" / "job.sbatch"
+    path.write_text(render(job))
+    return path
+
+
+def _args(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def test_the_two_node_gpu_script_places_learner_ranks_and_generators(tmp_path):
+    """Two learner nodes and two generator nodes of 8 GPUs: torchrun on n1,n2 with 8 ranks each and
+    rank 0's node the head; one worker per GPU on n3,n4; the launcher with the user's and the
+    command's --set; no requeue when the run completes."""
+    job = _job(tmp_path, Layout(learner_nodes=2, generator_nodes=2, gpus_per_node=8), time="4:00:00")
+    script = _script(tmp_path, job)
+    text = script.read_text()
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=4:00:00",
+        "#SBATCH --requeue",
+    ):
+        assert line in text.splitlines()
+    assert "#SBATCH --signal=B:USR1@300" in text
+    env = _fakes(tmp_path)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = tmp_path / "log"
+    learner = _args(log / "srun-learner.args")
+    assert "--nodelist=n1,n2" in learner and "--nodes=2" in learner and "--gpus-per-node=8" in learner
+    assert "--nnodes=2" in learner and "--nproc-per-node=8" in learner
+    assert "--master-addr=10.0.0.1" in learner and "--master-port=29555" in learner
+    workers = _args(log / "srun-generators.args")
+    assert "--nodelist=n3,n4" in workers and "--ntasks=16" in workers and "--gpus-per-task=1" in workers
+    assert workers[workers.index("--join") + 1] == "tcp://10.0.0.1:5555"
+    assert workers[workers.index("--keys") + 1] == str(job.run_dir / "slurm" / "worker-keys")
+    assert "generators.device=cuda" in workers
+    launch = _args(log / "launch.args")
+    assert launch[:4] == ["-m", "asyncrl", "launch", "--no-tui"] and launch[4] == str(job.config)
+    sets = [launch[i + 1] for i, a in enumerate(launch) if a == "--set"]
+    assert sets[0] == "learner.lr=1e-4" and "learner.world_size=16" in sets
+    assert "requeue" not in (log / "scontrol.calls").read_text()
+    events = (job.run_dir / "slurm" / "jobs.log").read_text()
+    assert "restart 0: started on n[1-4] (head n1, learner n1,n2, generators n3,n4)" in events
+    assert "ended with exit code 0" in events
+
+
+def test_colocated_generators_share_the_learner_node(tmp_path):
+    job = _job(tmp_path, Layout(learner_nodes=1, generator_nodes=1, colocate=True))
+    env = _fakes(tmp_path)
+    done = subprocess.run(
+        ["bash", str(_script(tmp_path, job))], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--nodelist=n1" in _args(tmp_path / "log" / "srun-generators.args")
+    assert "--nodelist=n1" in _args(tmp_path / "log" / "srun-learner.args")
+
+
+def _run_until_launched(script: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not (log / "launch.ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)  # polling for the fake launcher's file, with a deadline
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("sig", "restart", "requeued"), [("USR1", "0", True), ("USR1", "20", False), ("TERM", "0", False)]
+)
+def test_signals_stop_the_launcher_and_usr1_requeues(tmp_path, sig, restart, requeued):
+    """SIGUSR1 (the time-limit warning) stops the launcher (SIGTERM) and requeues the job, up to
+    MAX_REQUEUES; SIGTERM (a cancel) stops it and does not requeue. A resume (a checkpoint in the
+    run directory) launches with --resume RUN_DIR."""
+    job = _job(tmp_path, Layout(learner_nodes=1, generator_nodes=1))
+    script = _script(tmp_path, job)
+    (job.run_dir / "checkpoints").mkdir()
+    (job.run_dir / "checkpoints" / "launcher-00000003.json").write_text("{}")
+    env = {**_fakes(tmp_path), "FAKE_LAUNCH_WAITS": "1", "SLURM_RESTART_COUNT": restart}
+    log = tmp_path / "log"
+    proc = _run_until_launched(script, env, log)
+    proc.send_signal(getattr(signal, f"SIG{sig}"))
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == (0 if requeued else 130), out
+    assert _args(log / "launch.args")[4:] == ["--resume", str(job.run_dir)]
+    assert ("requeue 77" in (log / "scontrol.calls").read_text()) == requeued
+    events = (job.run_dir / "slurm" / "jobs.log").read_text()
+    assert f"restart {restart}: SIG{sig}" in events
+    assert ("requeued (the next allocation resumes)" in events) == requeued
+
+
+def test_a_fresh_start_sets_an_earlier_attempts_files_aside(tmp_path):
+    """An allocation that stopped before its first checkpoint left files; the next starts afresh."""
+    job = _job(tmp_path, Layout(learner_nodes=1, generator_nodes=1))
+    script = _script(tmp_path, job)
+    (job.run_dir / "metrics.jsonl").write_text("{}\n")
+    env = {**_fakes(tmp_path), "SLURM_RESTART_COUNT": "1"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in job.run_dir.iterdir()) == ["slurm"]
+    assert (job.run_dir / "slurm" / "attempt-77.1" / "metrics.jsonl").is_file()
+    assert _args(tmp_path / "log" / "launch.args")[4] == str(job.config)
+
+
+def _cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", "slurm", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def test_the_command_says_what_is_wrong_without_a_traceback(tmp_path):
+    no_sbatch = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    cases = [
+        (["--learner-nodes", "0", "--dry-run"], None, "--learner-nodes 0"),
+        (["--set", "cluster.curve=off", "--dry-run"], None, "cluster.curve: asyncrl slurm sets it"),
+        (["--set", "learner.lr=oops", "--dry-run"], None, "learner.lr"),
+        ([], no_sbatch, "sbatch is not on PATH"),
+    ]
+    for args, env, words in cases:
+        done = _cli(*args, env=env, cwd=tmp_path)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert words in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    assert not (tmp_path / "runs").exists()  # nothing written before the checks pass
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
+    done = _cli(
+        "--learner-nodes", "2", "--generator-nodes", "2", "--gpus-per-node", "4", "--dry-run", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=4" in done.stdout
+    assert subprocess.run(["bash", "-n"], input=done.stdout, text=True).returncode == 0
+    assert not (tmp_path / "runs").exists()
