@@ -63,7 +63,7 @@ function lineChart(svg, lines, opts) {
   }
   const xs = lines.flatMap((l) => l.pts.map((p) => p[0]));
   const ys = lines.flatMap((l) => l.pts.flatMap((p) => (opts.band ? [p[2], p[3]] : [p[1]])));
-  const [x0, x1] = extent(xs);
+  const [x0, x1] = extent(xs.concat(opts.xInclude || []));
   let [y0, y1] = extent(ys.concat(opts.yInclude || []));
   if (opts.zero && y0 > 0) y0 = 0;
   const X = (x) => m.l + ((x - x0) / (x1 - x0)) * (w - m.l - m.r);
@@ -275,7 +275,8 @@ function render(parts, s) {
     { name: "bound", pts: se.staleness_bound, color: COLORS[4] },
   ], { xlabel: "step", zero: true, marks });
   lineChart(parts.svgs.rewards[0], [{ name: "mean reward", pts: se.reward }].concat(pick(se, "reward/")), { xlabel: "step", band: true });
-  lineChart(parts.svgs.evaluation[0], evalLines(s), { xlabel: "version", empty: "no held-out evaluation recorded" });
+  const versions = [0].concat(s.head.total_steps ? [s.head.total_steps] : []);  // the whole run's span
+  lineChart(parts.svgs.evaluation[0], evalLines(s), { xlabel: "version", xInclude: versions, empty: "no held-out evaluation recorded" });
   lineChart(parts.svgs.lengths[0], pick(se, "length/"), { xlabel: "step", zero: true });
   const mib = se["sync/mib"] && se["sync/mib"].length ? se["sync/mib"][se["sync/mib"].length - 1][1] : null;
   lineChart(parts.svgs.sync[0], [
