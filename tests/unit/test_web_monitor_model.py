@@ -222,3 +222,42 @@ def test_token_file_errors_name_the_fix(tmp_path):
     good.write_text("0123456789abcdef0123\n")
     access, made_up = Access.for_bind("0.0.0.0", good)
     assert access.token == "0123456789abcdef0123" and not made_up
+
+
+class FakeReporter:
+    """Stands in for the launch's terminal reporter: what it is told."""
+
+    def __init__(self, takes_records: bool) -> None:
+        self.events: list[str] = []
+        self.records: list[dict] = []
+        if takes_records:
+            self.on_record = self.records.append
+
+    def event(self, text: str) -> None:
+        self.events.append(text)
+
+    def update(self, state) -> None:
+        pass
+
+
+def test_launch_reporter_folds_records_and_hands_everything_on():
+    """`launch --web` wraps the terminal reporter: it must still see every event (plain lines)
+    or every record (the dashboard), as without --web."""
+    from asyncrl.monitor.web.command import WebReporter
+
+    for takes_records in (False, True):
+        inner = FakeReporter(takes_records)
+        web = WebReporter(
+            inner, label="x", config={"learner": {"steps": 3}}, host="127.0.0.1", port=0, token_file=None
+        )
+        web.event("run directory: runs/x")  # told before the records begin
+        for record in records():
+            web.on_record(record)
+        state = web.source.run.state()
+        assert state["head"]["step"] == 3 and state["head"]["total_steps"] == 3
+        assert state["events"][0] == [0.0, "launch", "run directory: runs/x"]
+        if takes_records:
+            assert inner.records == records() and inner.events == ["run directory: runs/x"]
+        else:
+            texts = [r["text"] for r in records() if r["type"] == "event"]
+            assert inner.events == ["run directory: runs/x", *texts]

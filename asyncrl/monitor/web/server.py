@@ -171,7 +171,10 @@ class ServerThread:
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
-            raise ValueError(f"the web monitor cannot listen on {self.host}:{self.port}: {self.error}")
+            raise ValueError(
+                f"the web monitor cannot listen on {self.host}:{self.port}: {self.error} "
+                "(choose another port with --port / --web-port; 0 takes a free one)"
+            )
         return self.url
 
     def _run(self) -> None:
