@@ -197,11 +197,21 @@ def expected_from_records(run_dir: Path) -> dict:
 
 
 def check_finished_run(browser, run_dir: Path) -> None:
+    """The finished run's page, from its run directory alone, beside a second run directory."""
     expected = expected_from_records(run_dir)
-    served = Served([sys.executable, "-m", "asyncrl", "monitor", "--web", "--port", "0", str(run_dir)], 60)
+    other = run_dir.parent / "other"  # the run's records again, under another name
+    other.mkdir()
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
+        shutil.copy(run_dir / name, other / name)
+    args = [sys.executable, "-m", "asyncrl", "monitor", "--web", "--port", "0", str(run_dir), str(other)]
+    served = Served(args, 60)
     try:
         browser.get(served.url)
         fig = wait_for(browser, figures, 30, "the finished run's page")
+        labels = browser.execute_script(
+            "return [...document.querySelectorAll('section.run h2')].map((h) => h.firstChild.textContent)"
+        )
+        assert labels == [run_dir.name, "other"]  # side by side, in the order given
         head = fig["head"]
         assert head["step"] == f"{expected['steps']}/{expected['steps']}"
         assert head["phase"] == "completed" and fig["badge"] == "completed"

@@ -93,7 +93,6 @@ class WebRun:
             self._point("tokens_per_s", t, self._tokens_since_step / dt)
         self._last_step_t, self._tokens_since_step = t, 0
         self._point("reward", step, _num(r.get("mean_reward")))
-        self._point("loss", step, _num(r.get("loss")))
         for name, value in (r.get("rewards") or {}).items():
             self._point(f"reward/{name}", step, _num(value))
         self._point("staleness_max", step, _num(r.get("max_staleness")))
