@@ -62,100 +62,46 @@ def test_lanes_merge_touching_spans_and_keep_only_the_window():
     ]
 
 
+def step_records(s: int) -> list[dict]:
+    """Step `s` of the run below: its group's TaskDone, its StepDone, the publish and the load."""
+    t = 2.0 + s
+    step = dict(type="step", step=s, version=s + 1, num_trajectories=2, num_tokens=9, loss=0.1)
+    step.update(mean_reward=0.5 + 0.1 * s, max_staleness=min(s, 1), mean_staleness=0.5, clip_fraction=0.0)
+    step.update(grad_norm=1.0, step_s=0.3, idle_s=0.1, stats={}, rewards={"exact": 0.4 + s * 0.1})
+    step.update(lengths={"generated": 5.0, "trained": 4.5, "evicted": None})
+    step.update(length_samples={"generated": 2, "trained": 2, "evicted": 0})
+    step.update(staleness_bound=1 if s < 2 else 2, skipped_nonfinite=s == 1, time_s=t)
+    task = dict(type="task", task_id=s, generator_id="gen-0", num_trajectories=2, num_tokens=10)
+    task.update(generate_s=0.5, mean_reward=0.5, time_s=t - 0.2)
+    publish = dict(
+        type="publish", version=s + 1, num_bytes=2**20, publish_s=0.02, transport="shards", time_s=t
+    )
+    loaded = dict(type="loaded", generator_id="gen-0", version=s + 1, load_s=0.05, time_s=t + 0.1)
+    return [task, step, publish, loaded]
+
+
+def held_out_event(phase: str, accuracy: float, t: float) -> dict:
+    text = f"held-out accuracy {phase} training: {accuracy:.3f}"
+    return dict(
+        type="event", text=text, time_s=t, held_out={"phase": phase, "accuracy": accuracy, "rewards": {}}
+    )
+
+
 def records() -> list[dict]:
-    """A short run as the launcher writes it: snapshot, tasks, steps, publishes, loads, events."""
-    out: list[dict] = [
-        {
-            "type": "launcher",
-            "phase": "training",
-            "mode": "async",
-            "policy": "none",
-            "total_steps": 3,
-            "groups_per_step": 1,
-            "samples_per_group": 2,
-            "num_generators": 1,
-            "max_staleness_bound": 1,
-            "step": 0,
-            "time_s": 1.0,
-        },
-        {
-            "type": "event",
-            "text": "held-out accuracy before training: 0.250",
-            "time_s": 1.1,
-            "held_out": {"phase": "before", "accuracy": 0.25, "rewards": {}},
-        },
+    """A short run as the launcher writes it: snapshot, tasks, steps, publishes, loads, events,
+    and a periodic evaluation (#34's `eval` record)."""
+    launcher = dict(type="launcher", phase="training", mode="async", policy="none", total_steps=3)
+    launcher.update(groups_per_step=1, samples_per_group=2, num_generators=1, max_staleness_bound=1)
+    launcher.update(step=0, time_s=1.0)
+    evaluation = dict(type="eval", version=2, accuracy=0.5, rewards={"exact": 0.5}, n=100, time_s=4.5)
+    evaluation["pass_at_k"] = {"1": 0.5, "4": 0.75}
+    return [
+        launcher,
+        held_out_event("before", 0.25, 1.1),
+        *(r for s in range(3) for r in step_records(s)),
+        evaluation,
+        held_out_event("after", 0.6, 4.6),
     ]
-    for s in range(3):
-        t = 2.0 + s
-        out.append(
-            {
-                "type": "task",
-                "task_id": s,
-                "generator_id": "gen-0",
-                "num_trajectories": 2,
-                "num_tokens": 10,
-                "generate_s": 0.5,
-                "mean_reward": 0.5,
-                "time_s": t - 0.2,
-            }
-        )
-        out.append(
-            {
-                "type": "step",
-                "step": s,
-                "version": s + 1,
-                "num_trajectories": 2,
-                "num_tokens": 9,
-                "loss": 0.1,
-                "mean_reward": 0.5 + 0.1 * s,
-                "max_staleness": min(s, 1),
-                "mean_staleness": 0.5,
-                "clip_fraction": 0.0,
-                "grad_norm": 1.0,
-                "step_s": 0.3,
-                "idle_s": 0.1,
-                "stats": {},
-                "rewards": {"exact": 0.4 + s * 0.1},
-                "lengths": {"generated": 5.0, "trained": 4.5, "evicted": None},
-                "length_samples": {"generated": 2, "trained": 2, "evicted": 0},
-                "staleness_bound": 1 if s < 2 else 2,
-                "skipped_nonfinite": s == 1,
-                "time_s": t,
-            }
-        )
-        out.append(
-            {
-                "type": "publish",
-                "version": s + 1,
-                "num_bytes": 2**20,
-                "publish_s": 0.02,
-                "transport": "shards",
-                "time_s": t,
-            }
-        )
-        out.append(
-            {"type": "loaded", "generator_id": "gen-0", "version": s + 1, "load_s": 0.05, "time_s": t + 0.1}
-        )
-    out.append(
-        {
-            "type": "eval",
-            "version": 2,
-            "accuracy": 0.5,
-            "rewards": {"exact": 0.5},
-            "pass_at_k": {"1": 0.5, "4": 0.75},
-            "n": 100,
-            "time_s": 4.5,
-        }
-    )
-    out.append(
-        {
-            "type": "event",
-            "text": "held-out accuracy after training: 0.600",
-            "time_s": 4.6,
-            "held_out": {"phase": "after", "accuracy": 0.6, "rewards": {}},
-        }
-    )
-    return out
 
 
 def test_page_state_holds_what_the_records_say():
