@@ -44,12 +44,14 @@ MAX_SEQUENCES = 64
 def assemble_canary(
     prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, num_tokens: int
 ) -> list[list[int]]:
-    """Prompt i followed by answer i, in order, until `num_tokens` tokens are taken (the last
-    sequence cut to fit); sequences of fewer than 2 tokens are left out (they have no scored token)."""
+    """Prompt i followed by answer i, in order, until `num_tokens` tokens are taken; the last
+    sequence is cut to fit from its start, so it keeps its answer (a chat prompt opens with a
+    system prompt and a template, which any weights predict alike: the answer is what moves).
+    Sequences of fewer than 2 tokens are left out (they have no scored token)."""
     out: list[list[int]] = []
     left = num_tokens
     for prompt, answer in zip(prompts, answers, strict=True):
-        seq = [*prompt, *answer][:left]
+        seq = [*prompt, *answer][-left:]
         if len(seq) >= 2:
             out.append(seq)
             left -= len(seq)

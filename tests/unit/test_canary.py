@@ -23,10 +23,11 @@ def test_assemble_takes_prompt_and_answer_in_order_until_the_budget_and_cuts_the
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8]]
     answers = [[9], [10, 11], [12]]
     assert assemble_canary(prompts, answers, num_tokens=100) == [[1, 2, 3, 9], [4, 5, 10, 11], [6, 7, 8, 12]]
-    # 4 + 4 = 8 taken, 2 left: the third is cut to [6, 7]
-    assert assemble_canary(prompts, answers, num_tokens=10) == [[1, 2, 3, 9], [4, 5, 10, 11], [6, 7]]
+    # 4 + 4 = 8 taken, 2 left: the third is cut to its last two tokens, its answer kept
+    assert assemble_canary(prompts, answers, num_tokens=10) == [[1, 2, 3, 9], [4, 5, 10, 11], [8, 12]]
     # 4 + 3 = 7 taken, 1 left: a 1-token sequence has nothing to score, so none follows
-    assert assemble_canary(prompts, answers, num_tokens=7) == [[1, 2, 3, 9], [4, 5, 10]]
+    assert assemble_canary(prompts, answers, num_tokens=7) == [[1, 2, 3, 9], [5, 10, 11]]
+    assert assemble_canary([[1, 2, 3, 4, 5]], [[6]], num_tokens=3) == [[4, 5, 6]]
 
 
 def test_assemble_leaves_out_sequences_with_nothing_to_score():
@@ -49,7 +50,7 @@ def _char_tokenizer(text, add_special_tokens=True):
 
 def test_build_canary_is_the_tasks_first_problems_with_their_answers():
     ids = build_canary(_Task(), _char_tokenizer, num_tokens=12)
-    assert ids == [[ord(c) for c in "0+0=0"], [ord(c) for c in "1+1=2"], [ord(c) for c in "2+"]]
+    assert ids == [[ord(c) for c in "0+0=0"], [ord(c) for c in "1+1=2"], [ord(c) for c in "=4"]]
     assert build_canary(_Task(), _char_tokenizer, num_tokens=12) == ids  # deterministic
 
 
