@@ -207,3 +207,18 @@ def test_launch_reporter_folds_records_and_hands_everything_on():
         else:
             texts = [r["text"] for r in records() if r["type"] == "event"]
             assert inner.events == ["run directory: runs/x", *texts]
+
+
+def test_refusals_and_lint_warnings_are_events():
+    run = WebRun("r", live=False)
+    run.add({"type": "rejected", "socket": "ctrl", "num_rejected": 3, "time_s": 2.0})
+    run.add({"type": "refused", "num_refused": 1, "by_reason": {"unknown key": 1}, "time_s": 2.5})
+    lint = {"rule": "r1", "level": "warning", "key": "learner.epochs", "problem": "stale", "fix": "set x"}
+    run.apply_summary({"status": "completed", "lint": [lint]})
+    state = run.state()
+    assert state["events"] == [
+        [2.0, "rejected", "ctrl: 3 frames rejected so far"],
+        [2.5, "refused", "1 peers refused at the handshake ({'unknown key': 1})"],
+    ]
+    assert state["lint"] == ["warning [r1] at learner.epochs: stale; set x"]
+    assert state["head"]["status"] == "completed" and not state["live"]

@@ -21,7 +21,8 @@ What each panel is made of, all read from records the launcher writes:
                   after training (`event` records' `held_out` field, or summary.json)
   lengths         `step.lengths` (mean completion length generated / trained / evicted per step)
   weight sync     `publish` (publish_s, num_bytes) and `loaded` (load_s, the slowest generator)
-  events          `event`, `restart`, `error`, `fatal` records, skipped steps, lint warnings
+  events          `event`, `restart`, `error`, `fatal`, `rejected`, `refused` records, skipped
+                  steps, the settings linter's warnings (summary.json `lint`)
 """
 
 from __future__ import annotations
@@ -135,6 +136,15 @@ class WebRun:
         text = r.get("text") or r.get("error") or r.get("reason") or kind
         self.events.append([_num(r.get("time_s"), 0.0), kind, str(text)])
 
+    def _on_refusals(self, r: dict) -> None:
+        """Frames a socket rejected (`rejected`) or peers refused at the handshake (`refused`)."""
+        t = _num(r.get("time_s"), 0.0)
+        if r.get("type") == "rejected":
+            text = f"{r.get('socket', '?')}: {r.get('num_rejected', '?')} frames rejected so far"
+        else:
+            text = f"{r.get('num_refused', '?')} peers refused at the handshake ({r.get('by_reason') or {}})"
+        self.events.append([t, str(r.get("type")), text])
+
     def _on_eval(self, r: dict) -> None:
         """Periodic held-out evaluation (`eval` records): version, accuracy, rewards, pass_at_k, n."""
         point = {"version": int(_num(r.get("version"), 0.0)), "accuracy": _num(r.get("accuracy"))}
@@ -155,6 +165,8 @@ class WebRun:
         "error": _on_event,
         "fatal": _on_event,
         "eval": _on_eval,
+        "rejected": _on_refusals,
+        "refused": _on_refusals,
     }
 
     def apply_config(self, config: dict) -> None:
@@ -165,7 +177,7 @@ class WebRun:
     def apply_summary(self, summary: dict) -> None:
         self.revision += 1
         self.view.apply_summary(summary)
-        self.lint = [str(w) for w in summary.get("lint") or []]
+        self.lint = [lint_line(w) for w in summary.get("lint") or []]
 
     def early_event(self, text: str) -> None:
         """A line the launch told before its records began (`asyncrl launch --web`): the run
@@ -193,6 +205,14 @@ class WebRun:
             "events": list(self.events),
             "lint": list(self.lint),
         }
+
+
+def lint_line(warning) -> str:
+    """A summary.json `lint` entry (asyncrl/lint.py `Finding.to_json`) as the launcher's line."""
+    if not isinstance(warning, dict):
+        return str(warning)
+    w = {k: warning.get(k, "?") for k in ("level", "rule", "key", "problem", "fix")}
+    return f"{w['level']} [{w['rule']}] at {w['key']}: {w['problem']}; {w['fix']}"
 
 
 def head_figures(v: RunView) -> dict:
