@@ -103,6 +103,49 @@ class Job:
         return self.run_dir.name
 
 
+# SLURM checks time limits about once a minute, so the warning may come this much earlier.
+SIGNAL_SLACK_S = 60
+
+
+def time_limit_s(text: str) -> int | None:
+    """sbatch --time in seconds (MIN, MIN:SEC, H:MIN:SEC, D-H, D-H:MIN or D-H:MIN:SEC), None for
+    no limit (UNLIMITED, INFINITE); ValueError for anything else."""
+    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    days, dash, rest = text.strip().rpartition("-")
+    try:
+        parts = [int(p) for p in rest.split(":")]
+        num_days = int(days) if dash else 0
+    except ValueError:
+        parts, num_days = [], 0
+    if not 1 <= len(parts) <= 3 or min(parts + [num_days]) < 0:
+        raise ValueError(f"--time {text!r}: use MIN, MIN:SEC, H:MIN:SEC, D-H, D-H:MIN or D-H:MIN:SEC")
+    if dash:
+        h, m, sec = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, sec = parts
+    else:
+        h, (m, sec) = 0, (parts + [0])[:2]
+    total = ((num_days * 24 + h) * 60 + m) * 60 + sec
+    if total == 0:
+        raise ValueError(f"--time {text!r}: a limit of 0 leaves no time to run")
+    return total
+
+
+def check_warning(time: str, warn_s: int) -> None:
+    """ValueError when the warning would come before the run had time to train (every allocation
+    would stop during its start and the chain of requeues would never get anywhere)."""
+    if warn_s < 1:
+        raise ValueError(f"--warn-s {warn_s}: seconds before the time limit, at least 1")
+    limit_s = time_limit_s(time) if time else None
+    if limit_s is not None and limit_s <= warn_s + 2 * SIGNAL_SLACK_S:
+        raise ValueError(
+            f"--time {time} with --warn-s {warn_s}: SLURM may send the warning up to "
+            f"{SIGNAL_SLACK_S} s early, which leaves the run no time to train; allow more than "
+            f"--warn-s + {2 * SIGNAL_SLACK_S} s, or lower --warn-s"
+        )
+
+
 def check_overrides(overrides: tuple[str, ...] | list[str]) -> None:
     """ValueError for a `--set` of a key the command manages itself."""
     for item in overrides:

@@ -32,6 +32,7 @@ from asyncrl.slurm.script import (
     Job,
     Layout,
     check_overrides,
+    check_warning,
     render,
 )
 from asyncrl.transport.security import write_keys
@@ -56,8 +57,7 @@ def build_job(sub: Submission) -> Job:
     """The job the script is written from; ValueError (or ConfigError) for bad input, before
     anything is written. The config is loaded as `asyncrl launch` will load it."""
     check_overrides(sub.overrides)
-    if sub.warn_s < 1:
-        raise ValueError(f"--warn-s {sub.warn_s}: seconds before the time limit, at least 1")
+    check_warning(sub.time, sub.warn_s)
     if sub.max_requeues < 0:
         raise ValueError(f"--max-requeues {sub.max_requeues}: 0 or more")
     layout = sub.layout

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.slurm.script import Job, Layout, check_overrides, launch_overrides, render
+from asyncrl.slurm.script import (
+    Job,
+    Layout,
+    check_overrides,
+    check_warning,
+    launch_overrides,
+    render,
+    time_limit_s,
+)
 
 FAKE_PYTHON = r"""#!/bin/bash
 # The interpreter the script calls: a launcher, the join helper.
@@ -258,3 +266,33 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     assert done.stdout.startswith("#!/bin/bash") and "#SBATCH --nodes=4" in done.stdout
     assert subprocess.run(["bash", "-n"], input=done.stdout, text=True).returncode == 0
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 1800),
+        ("30:15", 1815),
+        ("2:00:00", 7200),
+        ("1-0", 86400),
+        ("1-2:30", 95400),
+        ("unlimited", None),
+    ],
+)
+def test_time_limits_read_as_sbatch_reads_them(text, seconds):
+    assert time_limit_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "1:2:3:4", "-5", "a-3", "2h"])
+def test_bad_time_limits_are_refused(text):
+    with pytest.raises(ValueError, match="--time"):
+        time_limit_s(text)
+
+
+def test_a_warning_that_leaves_no_time_to_train_is_refused():
+    """A 2-minute limit with the warning 80 s before it: SLURM signalled at the first check, every
+    allocation stopped while starting and the requeues never trained a step."""
+    with pytest.raises(ValueError, match="--time 2 with --warn-s 80"):
+        check_warning("2", 80)
+    check_warning("4", 80)
+    check_warning("", 80)  # no limit: nothing to check
