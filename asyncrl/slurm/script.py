@@ -256,6 +256,7 @@ def render(job: Job) -> str:
 BODY = r"""
 set -uo pipefail # not -e: the script reaches its end, where it decides about the requeue
 export RUN_DIR
+export PYTHONUNBUFFERED=1 # the logs below show each line as it is written
 say() { echo "asyncrl-slurm $(date -u +%H:%M:%S): $*"; }
 note() { echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID restart $RESTART: $*" >>"$RUN_DIR/slurm/jobs.log"; }
 
