@@ -27,6 +27,10 @@ the catch-up shards). It takes the next announcement as soon as one arrives and 
 the failed one with backoff (`Retry`; a shared directory may lag); if no version becomes loadable
 within `weights.load_retry_timeout_s` it fails with the reason (`WeightsUnavailable`), because
 admission waits for its ack and a silent stall would hang the run.
+
+Each loaded version's weight-load canary (`canary.py`) is scored with exactly that version in the
+model (the staged plugin on its applying thread, the others right after the load) and its ack
+carries the scores; the launcher judges them (docs/weights.md, "Canary").
 """
 
 from __future__ import annotations
