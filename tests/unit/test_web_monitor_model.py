@@ -222,3 +222,23 @@ def test_refusals_and_lint_warnings_are_events():
     ]
     assert state["lint"] == ["warning [r1] at learner.epochs: stale; set x"]
     assert state["head"]["status"] == "completed" and not state["live"]
+
+
+def test_a_crowded_timeline_is_sent_as_one_span_per_slice_at_most():
+    """Thousands of spans in the window: each slice (about a pixel) shows what took most of it."""
+    from asyncrl.monitor.web.series import VIEW_BINS
+
+    lanes = Lanes(window_s=100.0)
+    for i in range(2000):  # 0.05 s steps: 0.04 s training, 0.01 s waiting
+        t = i * 0.05
+        lanes.add("learner", t, t + 0.01, "waiting")
+        lanes.add("learner", t + 0.01, t + 0.05, "training")
+        lanes.add("gen-0", t, t + 0.005, "loading")  # busy a tenth of the time: idle at this scale
+        lanes.add("publish", t + 0.049, t + 0.05, "publish")  # moments: always shown
+    view = {lane["name"]: lane["spans"] for lane in lanes.view()["lanes"]}
+    assert view["learner"] == [[0.0, 100.0, "training"]]
+    assert view["gen-0"] == []
+    assert view["publish"] == [[0.0, 100.0, "publish"]]
+    lanes.add("gen-0", 100.0, 150.0, "decoding")  # the window moves on: 50..150
+    view = {lane["name"]: lane["spans"] for lane in lanes.view()["lanes"]}
+    assert view["gen-0"][-1] == [100.0, 150.0, "decoding"] and len(view["learner"]) <= VIEW_BINS

@@ -20,6 +20,8 @@ import numpy as np
 SERIES_CAPACITY = 512  # buckets per series: about one per horizontal pixel of a chart
 FLUSH_POINTS = 256  # points a series gathers before they go into buckets, in bulk
 LANE_SPANS = 4000  # spans kept per lane (beyond the window they are dropped first)
+VIEW_SPANS = 600  # a lane with more spans than this in its window is sent binned
+VIEW_BINS = 1000  # slices of the window a binned lane is sent as (about one per pixel)
 MERGE_LOOKBACK = 4  # spans of other kinds may lie between two that merge (the learner alternates)
 MERGE_GAP_S = 0.002  # spans closer than this read as one (far below a pixel of a minutes-wide chart)
 
@@ -128,12 +130,56 @@ class Lanes:
             spans.popleft()
 
     def view(self) -> dict:
-        """{"t0", "t1", "lanes": [{"name", "spans": [[start, end, kind], ...]}]}, the window only."""
+        """{"t0", "t1", "lanes": [{"name", "spans": [[start, end, kind], ...]}]}, the window only;
+        a lane with more than `VIEW_SPANS` spans comes binned (`binned`)."""
         t1 = self.end_s
         t0 = max(0.0, t1 - self.window_s)
         order = sorted(self.lanes, key=lambda name: (name != "learner", name != "publish", name))
         lanes = []
         for name in order:
-            spans = [[round(max(s, t0), 3), round(e, 3), k] for s, e, k in self.lanes[name] if e >= t0]
-            lanes.append({"name": name, "spans": spans})
+            spans = [(max(s, t0), e, k) for s, e, k in self.lanes[name] if e >= t0]
+            if len(spans) > VIEW_SPANS:
+                spans = binned(spans, t0, t1, marks=name == "publish")
+            lanes.append({"name": name, "spans": [[round(s, 3), round(e, 3), k] for s, e, k in spans]})
         return {"t0": round(t0, 3), "t1": round(t1, 3), "lanes": lanes}
+
+
+def _covered_s(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Span time before each edge: sum over spans of clip(edge - start, 0, end - start), from
+    sorted starts and ends and their prefix sums (no spans x edges matrix)."""
+    s, e = np.sort(starts), np.sort(ends)
+    sum_s, sum_e = np.concatenate(([0.0], np.cumsum(s))), np.concatenate(([0.0], np.cumsum(e)))
+    num_s, num_e = np.searchsorted(s, edges), np.searchsorted(e, edges)
+    return edges * num_s - sum_s[num_s] - edges * num_e + sum_e[num_e]
+
+
+def binned(spans: list[tuple[float, float, str]], t0: float, t1: float, *, marks: bool) -> list[tuple]:
+    """The lane as `VIEW_BINS` slices of [t0, t1] (about a pixel each), each slice the kind that
+    took most of its time, or idle when idle time was the most; runs of one kind joined. With
+    `marks` (publishes: moments, not states) a slice shows a kind whenever one touched it."""
+    width = (t1 - t0) / VIEW_BINS
+    if width <= 0:
+        return spans
+    edges = t0 + width * np.arange(VIEW_BINS + 1)
+    kinds = sorted({k for _, _, k in spans})
+    busy = np.empty((len(kinds), VIEW_BINS))
+    for row, kind in enumerate(kinds):
+        starts = np.array([s for s, _, k in spans if k == kind])
+        ends = np.array([e for _, e, k in spans if k == kind])
+        if marks:  # spans touching slice i: started before its end, not ended before its start
+            busy[row] = np.searchsorted(np.sort(starts), edges[1:], "right") - np.searchsorted(
+                np.sort(ends), edges[:-1], "left"
+            )
+        else:
+            busy[row] = np.diff(_covered_s(starts, ends, edges))
+    top = busy.argmax(axis=0)
+    most = busy.max(axis=0)
+    shown = most > 0 if marks else (most > 0) & (most >= width - busy.sum(axis=0))
+    out: list[list] = []
+    for i in np.flatnonzero(shown):
+        kind = kinds[top[i]]
+        if out and out[-1][2] == kind and out[-1][1] >= edges[i] - 1e-9:
+            out[-1][1] = float(edges[i + 1])
+        else:
+            out.append([float(edges[i]), float(edges[i + 1]), kind])
+    return [tuple(span) for span in out]
