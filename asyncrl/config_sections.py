@@ -505,8 +505,8 @@ class CanaryTolerance(Section, frozen=True, kw_only=True):
     "Canary", has the honest figures these sit above and what a fault gives."""
 
     float32: PosFloat = 0.01
-    bfloat16: PosFloat = 0.25
-    float16: PosFloat = 0.05
+    bfloat16: PosFloat = 0.5
+    float16: PosFloat = 0.1
 
     def of(self, dtype: str) -> float:
         """The tolerance for publish dtype `dtype` ("float32", "bfloat16" or "float16")."""
@@ -562,6 +562,22 @@ class WeightsConfig(Section, frozen=True, kw_only=True):
     def kind(self) -> str:
         """The transport with aliases resolved: "shards" or "broadcast"."""
         return "shards" if self.transport == "safetensors" else self.transport
+
+
+class EvalConfig(Section, frozen=True, kw_only=True):
+    """Held-out evaluation while training goes on (docs/monitor.md, "Evaluation curve"): every
+    `every` versions the learner writes that version's weights and an evaluator process of the
+    launcher's scores task.num_eval held-out problems on them, off the training path. Before and
+    after training are evaluated whatever this says (task.num_eval > 0)."""
+
+    every: NonNegInt = 0  # versions between evaluations; 0 = only before and after
+    # Samples per problem: 1 = greedy (accuracy = pass@1); k > 1 = k samples at
+    # sampling.temperature, reported as pass@k, pass@1 and each reward's mean.
+    samples: PosInt = 1
+    threads: PosInt = 1  # the evaluator process's torch threads
+    # Versions written and waiting for the evaluator at most; past that the oldest waiting one is
+    # skipped (its weights removed) and counted: evaluation never holds the run back.
+    max_pending: PosInt = 2
 
 
 class MonitorConfig(Section, frozen=True, kw_only=True):
