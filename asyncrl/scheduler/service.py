@@ -662,6 +662,10 @@ class Launcher:
         self.records.update(self.state)
 
     def interrupt(self) -> None:
+        """SIGINT/SIGTERM: stop with a resumable checkpoint. A signal after the last step (the run
+        is stopping anyway; SLURM's time-limit warning can land there) leaves the run completed."""
+        if self.state.step >= self.cfg.learner.steps:
+            return
         if not self.interrupted:
             self.interrupted = True
             self.records.event("interrupted: stopping every process")

@@ -5,6 +5,9 @@
                                     learner_join.json; exit 1, saying why, when launcher PID has
                                     exited first or the timeout passes
   --free-port                       prints a free TCP port of this host (torchrun's rendezvous)
+  --state RUN_DIR                   prints how an allocation starts the run: fresh (no checkpoint),
+                                    resume (a complete checkpoint before the last step) or
+                                    complete (an earlier allocation trained every step)
 
 Place in the data flow: with learner.start = "torchrun" the launcher writes the join file when it
 is ready for the learner's ranks (`scheduler/spawner.py: JoinSpawner`); its `ctrl` is the control
@@ -20,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.config_load import load_resolved_config
+from asyncrl.learner.checkpoint import learner_checkpoint_versions
 from asyncrl.runtime import JOIN_FILE, read_join_info
+from asyncrl.scheduler.checkpoint import checkpoint_dir
 
 POLL_S = 0.2
 
@@ -50,6 +56,17 @@ def wait_for_join(run_dir: Path, *, pid: int, timeout_s: float) -> str:
     return read_join_info(path).ctrl
 
 
+def run_state(run_dir: Path) -> str:
+    """fresh, resume or complete, by the checkpoints with both halves (as `asyncrl launch
+    --resume` picks them) against the run's learner.steps."""
+    launcher = {int(p.stem.split("-")[1]) for p in checkpoint_dir(run_dir).glob("launcher-*.json")}
+    if not launcher:
+        return "fresh"
+    both = launcher & set(learner_checkpoint_versions(run_dir))
+    steps = load_resolved_config(run_dir / "config.json").learner.steps
+    return "complete" if both and max(both) >= steps else "resume"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -62,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, default=0, help="the launcher's pid")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--free-port", action="store_true")
+    parser.add_argument("--state", action="store_true", help="fresh, resume or complete")
     args = parser.parse_args(argv)
     if args.free_port:
         print(free_port())
+        return 0
+    if args.state and args.run_dir is not None:
+        print(run_state(args.run_dir))
         return 0
     if args.run_dir is None or not args.pid:
         parser.error("RUN_DIR and --pid are needed (or --free-port)")

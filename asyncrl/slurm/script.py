@@ -275,7 +275,13 @@ note "started on $SLURM_JOB_NODELIST (head $HEAD, learner $LEARNER_LIST, generat
 
 # ---- Fresh start or resume ---------------------------------------------------------------------
 rm -f "$RUN_DIR/learner_join.json" # an earlier allocation's: its addresses are gone
-if compgen -G "$RUN_DIR/checkpoints/launcher-*.json" >/dev/null; then
+STATE=$("$PYTHON" -m asyncrl.slurm.join --state "$RUN_DIR") # fresh, resume or complete
+if [[ $STATE == complete ]]; then
+    # (e.g. requeued after a node failure, or signalled after the last step was trained)
+    say "the run trained every step in an earlier allocation: nothing to do"
+    note "already complete: nothing to do"
+    exit 0
+elif [[ $STATE == resume ]]; then
     LAUNCH=(--resume "$RUN_DIR")
     say "resuming from the newest checkpoint in $RUN_DIR/checkpoints"
 else

@@ -39,7 +39,11 @@ case "$1 $2" in
     exit "${FAKE_LAUNCH_EXIT:-0}"
     ;;
 "-m asyncrl.slurm.join")
-    if [[ $3 == --free-port ]]; then echo 29555; else echo tcp://10.0.0.1:5555; fi
+    case $3 in
+    --free-port) echo 29555 ;;
+    --state) echo "${FAKE_STATE:-fresh}" ;;
+    *) echo tcp://10.0.0.1:5555 ;;
+    esac
     ;;
 esac
 """
@@ -202,9 +206,12 @@ def test_signals_stop_the_launcher_and_usr1_requeues(tmp_path, sig, restart, req
     run directory) launches with --resume RUN_DIR."""
     job = _job(tmp_path, Layout(learner_nodes=1, generator_nodes=1))
     script = _script(tmp_path, job)
-    (job.run_dir / "checkpoints").mkdir()
-    (job.run_dir / "checkpoints" / "launcher-00000003.json").write_text("{}")
-    env = {**_fakes(tmp_path), "FAKE_LAUNCH_WAITS": "1", "SLURM_RESTART_COUNT": restart}
+    env = {
+        **_fakes(tmp_path),
+        "FAKE_LAUNCH_WAITS": "1",
+        "SLURM_RESTART_COUNT": restart,
+        "FAKE_STATE": "resume",
+    }
     log = tmp_path / "log"
     proc = _run_until_launched(script, env, log)
     proc.send_signal(getattr(signal, f"SIG{sig}"))
@@ -296,3 +303,68 @@ def test_a_warning_that_leaves_no_time_to_train_is_refused():
         check_warning("2", 80)
     check_warning("4", 80)
     check_warning("", 80)  # no limit: nothing to check
+
+
+def test_an_allocation_after_the_last_step_does_nothing(tmp_path):
+    """A requeue after the last step was trained (a late SIGUSR1, a node failure at the end): the
+    allocation ends at once instead of failing `asyncrl launch --resume` (found running a chain
+    whose warning came while the launcher was stopping after step 300 of 300)."""
+    job = _job(tmp_path, Layout(learner_nodes=1, generator_nodes=1))
+    env = {**_fakes(tmp_path), "FAKE_STATE": "complete", "SLURM_RESTART_COUNT": "1"}
+    done = subprocess.run(
+        ["bash", str(_script(tmp_path, job))], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (tmp_path / "log" / "launch.args").exists()
+    assert "restart 1: already complete" in (job.run_dir / "slurm" / "jobs.log").read_text()
+
+
+def test_run_state_reads_the_checkpoints(tmp_path):
+    from asyncrl.config_load import load_config, write_resolved_config
+    from asyncrl.learner.checkpoint import EXTRAS
+    from asyncrl.slurm.join import run_state
+
+    write_resolved_config(load_config(None, ["learner.steps=4"]), tmp_path / "config.json")
+    assert run_state(tmp_path) == "fresh"
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+
+    def both_halves(version: int) -> None:
+        (checkpoints / f"launcher-{version:08d}.json").write_text("{}")
+        (checkpoints / f"learner-{version:08d}").mkdir()
+        (checkpoints / f"learner-{version:08d}" / EXTRAS).write_text("")
+
+    both_halves(2)
+    assert run_state(tmp_path) == "resume"
+    (checkpoints / "launcher-00000004.json").write_text("{}")  # the learner's half is missing
+    assert run_state(tmp_path) == "resume"
+    both_halves(4)
+    assert run_state(tmp_path) == "complete"
+
+
+def test_a_signal_after_the_last_step_leaves_the_run_completed(tmp_path):
+    """The time-limit warning landed while the launcher was stopping after step 300 of 300: the run
+    was recorded as interrupted (no held-out evaluation after training) and the job requeued."""
+    from asyncrl.config_load import load_config
+    from asyncrl.job import load_task
+    from asyncrl.models.default import DEFAULT_MODEL_DIR
+    from asyncrl.scheduler.service import Launcher
+
+    config = load_config(None, ["learner.steps=2", "task.num_eval=0"])
+    task, tokenizer, _ = load_task(config, DEFAULT_MODEL_DIR)
+
+    class Quiet:
+        def update(self, state) -> None:
+            pass
+
+        def event(self, text: str) -> None:
+            pass
+
+    launcher = Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), task=task, tokenizer=tokenizer)
+    launcher.state.step = 1
+    launcher.interrupt()
+    assert launcher.interrupted and launcher.finished.is_set()
+    after = Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), task=task, tokenizer=tokenizer)
+    after.state.step = 2
+    after.interrupt()
+    assert not after.interrupted
