@@ -23,10 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.config_load import load_resolved_config
-from asyncrl.learner.checkpoint import learner_checkpoint_versions
 from asyncrl.runtime import JOIN_FILE, read_join_info
-from asyncrl.scheduler.checkpoint import checkpoint_dir
 
 POLL_S = 0.2
 
@@ -59,6 +56,12 @@ def wait_for_join(run_dir: Path, *, pid: int, timeout_s: float) -> str:
 def run_state(run_dir: Path) -> str:
     """fresh, resume or complete, by the checkpoints with both halves (as `asyncrl launch
     --resume` picks them) against the run's learner.steps."""
+    # Here, not at the top: the learner's checkpoint module imports torch, which the other
+    # helpers (run on the head node while the launcher starts) do without.
+    from asyncrl.config_load import load_resolved_config
+    from asyncrl.learner.checkpoint import learner_checkpoint_versions
+    from asyncrl.scheduler.checkpoint import checkpoint_dir
+
     launcher = {int(p.stem.split("-")[1]) for p in checkpoint_dir(run_dir).glob("launcher-*.json")}
     if not launcher:
         return "fresh"
