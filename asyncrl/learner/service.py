@@ -111,6 +111,8 @@ class LearnerService:
         # not with several ranks (a sharded forward is a collective of all of them).
         self.canary_ids = ctx.args.canary_ids if cfg.weights.canary and self.cfg.world_size == 1 else []
         self.canary_fault = canary.fault_from(os.environ)  # tests only (learner/canary.py)
+        if cfg.weights.canary and self.cfg.world_size > 1:
+            log.info("learner: no weight-load canary reference (learner.world_size > 1); acks go unchecked")
 
     def setup(self) -> None:
         """Load the model on its device (every rank at once when there are several: the

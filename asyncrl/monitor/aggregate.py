@@ -39,6 +39,9 @@ FRESH_HIST_KEY = re.compile(r"(?:^|/)freshness_hist[/_](.+)$")
 ERROR_SUFFIXES = ("rejected_frames", "duplicates", "invalid_trajectories")
 STEP_WINDOW = 10  # steps used for the recent rate and the ETA
 SYNC_WINDOW = 20  # weight-sync latencies kept per transport
+# isinstance's class tuple: `int | float` written in a check builds a union object at every call,
+# and the checks run several times per record.
+NUMBER = (int, float)
 
 
 @dataclass
@@ -84,6 +87,12 @@ def key_route(key: str) -> tuple[str | None, int | str | None]:
         if hit:
             return route, None
     return None, None
+
+
+@functools.lru_cache(maxsize=256)
+def routed_keys(keys: tuple[str, ...]) -> tuple[tuple[str, str, int | str | None], ...]:
+    """(key, route, bin) of the keys that feed a panel; a record's key set repeats, so cached."""
+    return tuple((key, *route) for key in keys if (route := key_route(key))[0] is not None)
 
 
 def median(values) -> float | None:
@@ -176,9 +185,9 @@ class RunView:
             self.training = True
             self.time_s = 0.0
             t = record.get("time_s")
-            self.train_t0 = float(t) if isinstance(t, int | float) else 0.0
+            self.train_t0 = float(t) if isinstance(t, NUMBER) else 0.0
         t = record.get("time_s")
-        if isinstance(t, int | float):
+        if isinstance(t, NUMBER):
             self.time_s = max(self.time_s, float(t))
         handler = self._handlers.get(kind)
         if handler is None:
@@ -304,12 +313,12 @@ class RunView:
         held_out = r.get("held_out")
         if isinstance(held_out, dict) and held_out.get("phase") in ("before", "after"):
             accuracy = held_out.get("accuracy")
-            if isinstance(accuracy, int | float) and accuracy == accuracy:  # NaN: nothing held out
+            if isinstance(accuracy, NUMBER) and accuracy == accuracy:  # NaN: nothing held out
                 setattr(self, f"eval_{held_out['phase']}", float(accuracy))
 
     def _on_eval(self, r: dict) -> None:
         accuracy, version = r.get("accuracy"), r.get("version")
-        if isinstance(accuracy, int | float) and isinstance(version, int):
+        if isinstance(accuracy, NUMBER) and isinstance(version, int):
             self.last_eval = (version, float(accuracy))
 
     def _on_error(self, r: dict) -> None:
@@ -348,10 +357,10 @@ class RunView:
     def _take_keys(self, values: dict, source: str) -> bool:
         """Route conventional metric names to their panels; True if a staleness histogram came in."""
         got_hist = False
-        for key, value in values.items():
-            if not isinstance(value, int | float):
+        for key, route, arg in routed_keys(tuple(values)):
+            value = values[key]
+            if not isinstance(value, NUMBER):
                 continue
-            route, arg = key_route(key)
             if route == "hist":
                 if not got_hist and self.staleness_hist_unit == "steps":
                     self.staleness_hist.clear()  # reported counts replace the per-step fallback
@@ -387,7 +396,7 @@ class RunView:
         self.status = summary.get("status", self.status)
         for name in ("eval_before", "eval_after"):
             value = summary.get(name)
-            if isinstance(value, int | float) and value == value:  # NaN means "not evaluated"
+            if isinstance(value, NUMBER) and value == value:  # NaN means "not evaluated"
                 setattr(self, name, float(value))
         if summary.get("error"):
             self.failure = str(summary["error"])

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 ENDPOINT = re.compile(r"^tcp://[^:/\s]+:\d{1,5}$")
 POLL_MS = 250  # how long one wait for PUB messages lasts (and how often q is checked)
 FILE_CATCHUP_S = 1.0  # with no PUB traffic, look at the file this often anyway
+READ_CHUNK_BYTES = 8 << 20  # metrics.jsonl is read this much at a time
 # msgspec's JSON decoder: the same dicts as json.loads, several times faster (a replay reads every line)
 _decode = msgspec.json.Decoder().decode
 
@@ -119,20 +120,23 @@ class FileFollower:
         self.num_lines = 0
         self.partial = b""
         self.num_bad = 0
+        self.more = False  # the last read stopped at its size limit, not at the end of the file
 
-    def read_new(self, from_seq: int) -> list[tuple[int, dict]]:
-        """New complete lines; only those numbered >= `from_seq` are decoded and returned."""
+    def read_new(self, from_seq: int, max_bytes: int = READ_CHUNK_BYTES) -> list[tuple[int, dict]]:
+        """New complete lines in the next `max_bytes` of the file (`more`: the file had more);
+        only those numbered >= `from_seq` are decoded and returned."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                data = f.read()
+                data = f.read(max_bytes)
         except FileNotFoundError:
             return []
+        self.more = len(data) == max_bytes
         self.offset += len(data)
         *complete, self.partial = (self.partial + data).split(b"\n")
         out = []
         for i, line in enumerate(complete, start=self.num_lines):
-            if i >= from_seq and line.strip():
+            if i >= from_seq and line and not line.isspace():
                 try:
                     record = _decode(line)
                 except msgspec.DecodeError:
@@ -172,11 +176,15 @@ class Follower:
         self.last_file_read = time.monotonic()
         if self.file is None:
             return 0
-        new = self.file.read_new(self.next_seq)
-        for seq, record in new:
-            self.sink(record)
-            self.next_seq = seq + 1
-        return len(new)
+        num_new = 0
+        while True:  # a piece at a time: a long run's records are folded, not all held at once
+            new = self.file.read_new(self.next_seq)
+            for seq, record in new:
+                self.sink(record)
+                self.next_seq = seq + 1
+            num_new += len(new)
+            if not self.file.more:
+                return num_new
 
     def on_frames(self, frames: list[bytes]) -> None:
         try:

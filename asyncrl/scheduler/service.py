@@ -427,6 +427,8 @@ class Launcher:
     async def on_canary(self, ctrl: Endpoint, child: Child, msg: WeightsLoaded) -> bool:
         """Judge an ack by its canary (canary.py); True = accepted. A refused version is not taken
         as loaded: the generator is restarted and loads it afresh; refused too often, the run fails."""
+        if not self.canary_ids:  # weights.canary = false: nothing to judge, nothing to record
+            return True
         verdict = self.canary.on_loaded(child.slot, msg.version, msg.canary)
         self.records.write("canary", verdict.record)
         if not verdict.refused:

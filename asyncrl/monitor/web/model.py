@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from asyncrl.monitor.aggregate import RunView
+from asyncrl.monitor.aggregate import NUMBER, RunView
 from asyncrl.monitor.web.series import Buckets, Lanes
 
 TIMELINE_S = 180.0  # the Gantt chart shows the last three minutes of the run
@@ -41,7 +41,7 @@ MAX_DECISIONS = 200
 def _num(value, default: float = float("nan")) -> float:
     if type(value) is float:  # the common case first: this runs a dozen times per step record
         return value
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+    return float(value) if isinstance(value, NUMBER) and not isinstance(value, bool) else default
 
 
 class WebRun:
