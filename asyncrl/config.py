@@ -17,6 +17,7 @@ import msgspec
 from asyncrl.config_sections import (
     BufferConfig,
     ClusterConfig,
+    EvalConfig,
     GeneratorConfig,
     LearnerConfig,
     ModelConfig,
@@ -44,6 +45,7 @@ class Config(Section, frozen=True, kw_only=True):
     buffer: BufferConfig = BufferConfig()
     weights: WeightsConfig = WeightsConfig()
     monitor: MonitorConfig = MonitorConfig()
+    eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     def __post_init__(self) -> None:

@@ -64,6 +64,7 @@ def config_from_tree(
     config = resolve_prepared_model(config)
     check_task_kind(config.task)
     check_rewards(config.task)
+    check_eval(config)
     check_cuda(config)
     check_cluster(config.cluster)
     policy = check_staleness_policy(config.staleness)
@@ -249,6 +250,21 @@ def check_cluster(section: ClusterConfig) -> None:
     config; every process checks its own files again when it starts)."""
     if section.curve_enabled and (problem := keys_dir_problem(section.keys_dir)):
         raise ConfigError(f"config error at cluster.keys_dir: {problem}")
+
+
+def check_eval(config: Config) -> None:
+    """Background evaluation needs held-out problems and versions to evaluate."""
+    every = config.eval.every
+    if every and not config.task.num_eval:
+        raise ConfigError(
+            f"eval.every = {every} evaluates held-out problems, and task.num_eval = 0 holds none out; "
+            "set task.num_eval, or eval.every = 0"
+        )
+    if every >= config.learner.steps > 0 and every:
+        raise ConfigError(
+            f"eval.every = {every} is not below learner.steps = {config.learner.steps}: no version "
+            "would be evaluated between before and after; lower it, or set eval.every = 0"
+        )
 
 
 def check_task_kind(section: TaskConfig) -> None:

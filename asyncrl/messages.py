@@ -10,7 +10,7 @@ Data flow (see asyncrl/__init__.py for the whole picture):
   generator -> learner   : Trajectories (samples that finished together) or Trajectory (+ tensor frames)
   generator -> scheduler : Hello, TasksDone (a TaskDone per task whose last sample was sent), WeightsLoaded,
                            Metrics, Heartbeat, Fatal
-  learner   -> scheduler : Hello, Evaluated, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
+  learner   -> scheduler : Hello, Evaluated, EvalDue, WeightsPublished, StepDone, Metrics, Heartbeat, Fatal
   scheduler -> learner   : Hello, WeightsLoaded (all generators at a version), Shutdown
   scheduler -> monitor   : LauncherSnapshot (a `launcher` record of the metrics stream, JSON)
   worker    -> scheduler : Join (`asyncrl worker --join`, from another host); back: Welcome or JoinRefused
@@ -266,6 +266,14 @@ class Evaluated(_Msg, frozen=True, kw_only=True):
     accuracy: float
     means: dict[str, float] = {}
     eval_s: float = 0.0
+
+
+class EvalDue(_Msg, frozen=True, kw_only=True):
+    """Background evaluation (`eval.every`): the learner wrote `version`'s weights, as a Hugging
+    Face directory at `path`, for the launcher's evaluator; the evaluator removes it when done."""
+
+    version: int
+    path: str
 
 
 class StepDone(_Msg, frozen=True, kw_only=True):
@@ -587,6 +595,7 @@ Message = (
     | WeightsLoaded
     | DataEndpoint
     | Evaluated
+    | EvalDue
     | StepDone
     | GroupsLeft
     | Metrics

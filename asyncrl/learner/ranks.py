@@ -108,17 +108,32 @@ def publish_state(trainer: Trainer, lrn: LearnerConfig, *, streams: bool) -> Map
 
 
 def finish_version(
-    trainer: Trainer, config: Config, run_dir: Path, version: int, *, final_to=None, held=()
+    trainer: Trainer, config: Config, run_dir: Path, version: int, *, final_to=None, eval_to=None, held=()
 ) -> None:
     """After the publish of `version`, on every rank: gather the float32 weights on the last step
-    (rank 0 hands them to `final_to`), and checkpoint when due (each a collective when sharded)."""
+    (rank 0 hands them to `final_to`) or when a background evaluation is due (to `eval_to`), and
+    checkpoint when due (each a collective when sharded)."""
     lrn = config.learner
-    if version == lrn.steps:
-        final = dict(serving_items(trainer.model, lrn, dtype=None, adapter=False))
-        if final_to is not None:
-            final_to(final)
+    last = version == lrn.steps
+    if last or eval_due(config, version):
+        weights = dict(serving_items(trainer.model, lrn, dtype=None, adapter=False))
+        to = final_to if last else eval_to
+        if to is not None:
+            to(version, weights)
     if checkpoint_due(config, version):
         save_learner_checkpoint(run_dir, version, trainer, held)
+
+
+def eval_snapshot_dir(run_dir: Path, version: int) -> Path:
+    """Where `version`'s weights wait for the background evaluation."""
+    return Path(run_dir) / "eval" / f"v{version:08d}"
+
+
+def eval_due(config: Config, version: int) -> bool:
+    """Whether `version`'s weights go to the background evaluation (`eval.every`); the last
+    version is evaluated as the final model."""
+    every = config.eval.every
+    return bool(every) and version % every == 0 and version < config.learner.steps
 
 
 def after_step(trainer: Trainer, config: Config, run_dir: Path, version: int) -> None:

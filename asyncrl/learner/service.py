@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +50,8 @@ from asyncrl.learner.pool import PoolLoop
 from asyncrl.learner.ranks import (
     RankGroup,
     checkpoint_due,
+    eval_due,
+    eval_snapshot_dir,
     finish_version,
     keep_before_fault,
     publish_state,
@@ -58,6 +61,7 @@ from asyncrl.learner.step import StepResult, sample_from_message
 from asyncrl.learner.update import NonFiniteError
 from asyncrl.messages import (
     CanaryReference,
+    EvalDue,
     Evaluated,
     GroupsLeft,
     LearnerMetrics,
@@ -320,8 +324,11 @@ class LearnerService:
             self.ctx.run_dir,
             version,
             final_to=self.save_final,
+            eval_to=self.save_for_eval,
             held=held,
         )
+        if eval_due(self.ctx.config, version):
+            await self.ctx.ctrl.send(EvalDue(version=version, path=str(eval_snapshot_dir(self.ctx.run_dir, version))))
         if last and self.evaluates:
             await self.send_evaluation("after")  # before the last StepDone, which ends the run
         held, windows = loop.depth()
@@ -435,9 +442,21 @@ class LearnerService:
         w = self.ctx.config.weights
         return Path(w.dir) if w.dir else self.ctx.run_dir / "weights"
 
-    def save_final(self, state: dict[str, torch.Tensor]) -> None:
+    def save_final(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """The final weights (gathered in float32) as a Hugging Face directory."""
-        out = self.ctx.run_dir / "final_model"
+        self.save_model(self.ctx.run_dir / "final_model", state)
+
+    def save_for_eval(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """`version`'s weights (float32) for the background evaluation, written whole under a
+        temporary name first: the evaluator never sees a half-written directory."""
+        out = eval_snapshot_dir(self.ctx.run_dir, version)
+        tmp = out.with_name(f".{out.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.save_model(tmp, state)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+
+    def save_model(self, out: Path, state: dict[str, torch.Tensor]) -> None:
         lora.base_model(self.model).save_pretrained(out, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
 

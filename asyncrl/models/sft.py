@@ -91,13 +91,23 @@ class Completion(NamedTuple):
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, task, *, max_new_tokens: int, batch_size: int = 256) -> list:
+def greedy_completions(
+    model,
+    tokenizer,
+    task,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    samples: int = 1,
+    temperature: float = 0.0,
+) -> list:
     """(problem, Completion) for each of `task`'s held-out problems (an `asyncrl.tasks.base.Task`:
     prompts rendered by the task), greedy, the same decoding before and after training, on the
-    model's device, `batch_size` prompts per `generate` call."""
-    from asyncrl.models.sampling import answer_ids, generate
+    model's device, `batch_size` prompts per `generate` call. With `samples` = k > 1: k
+    completions per problem (problem by problem) at `temperature`, seeded by their position."""
+    from asyncrl.models.sampling import answer_ids, generate, sample_seed
 
-    problems = list(task.eval_problems)
+    problems = [p for p in task.eval_problems for _ in range(samples)]
     out = []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
@@ -105,9 +115,10 @@ def greedy_completions(model, tokenizer, task, *, max_new_tokens: int, batch_siz
             model,
             task.render(chunk, tokenizer),
             max_new_tokens=max_new_tokens,
-            temperature=0.0,
+            temperature=temperature if samples > 1 else 0.0,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            seeds=[sample_seed(0, (start + i) // samples, (start + i) % samples) for i in range(len(chunk))],
         )
         for problem, ids, finish in zip(chunk, gen.completion_ids, gen.finish_reasons, strict=True):
             text = tokenizer.decode(answer_ids(ids, tokenizer.eos_token_id), skip_special_tokens=True)
@@ -156,7 +167,15 @@ def checkpoint_accuracy(
 
 
 def checkpoint_completions(
-    path, task, *, max_new_tokens: int, threads: int = 0, device: str = "cpu", batch_size: int = 256
+    path,
+    task,
+    *,
+    max_new_tokens: int,
+    threads: int = 0,
+    device: str = "cpu",
+    batch_size: int = 256,
+    samples: int = 1,
+    temperature: float = 0.0,
 ) -> list:
     """`greedy_completions` of the checkpoint at `path` on `device` (for scoring with the run's
     rewards); empty when the task holds nothing out (nothing is loaded then)."""
@@ -165,7 +184,13 @@ def checkpoint_completions(
     model, tokenizer = _load(path, threads, device)
     try:
         return greedy_completions(
-            model, tokenizer, task, max_new_tokens=max_new_tokens, batch_size=batch_size
+            model,
+            tokenizer,
+            task,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            samples=samples,
+            temperature=temperature,
         )
     finally:
         del model

@@ -277,3 +277,21 @@ class Records:
 
     def close_file(self) -> None:
         self.file.close()
+
+
+def read_records(path: Path, kind: str) -> list[dict]:
+    """The records of type `kind` in a metrics.jsonl (none when it is missing; a torn last line,
+    from a run that was killed, is skipped)."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("type") == kind:
+            out.append(record)
+    return out

@@ -45,6 +45,7 @@ from asyncrl.messages import (
     PROTOCOL_VERSION,
     BroadcastPublished,
     DataEndpoint,
+    EvalDue,
     Evaluated,
     Fatal,
     GroupsLeft,
@@ -69,9 +70,17 @@ from asyncrl.scheduler.canary import canary_for_run
 from asyncrl.scheduler.checkpoint import checkpoint_due, read_launcher_checkpoint, save_launcher_checkpoint
 from asyncrl.scheduler.children import Child, health
 from asyncrl.scheduler.dispatch import Dispatcher
+from asyncrl.scheduler.evals import BackgroundEvals
 from asyncrl.scheduler.inbox import Inbox
 from asyncrl.scheduler.modes import make_mode
-from asyncrl.scheduler.records import Records, RecordStream, Reporter, RunState, launcher_snapshot
+from asyncrl.scheduler.records import (
+    Records,
+    RecordStream,
+    Reporter,
+    RunState,
+    launcher_snapshot,
+    read_records,
+)
 from asyncrl.scheduler.remote import JoinDesk
 from asyncrl.scheduler.spawner import ForkSpawner, JoinSpawner, LocalSpawner, Spawner
 from asyncrl.scheduler.supervision import GeneratorPool, Incarnation, RestartBudgetExceeded
@@ -84,10 +93,12 @@ from asyncrl.transport.zmq_io import Endpoint
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
+EVAL_DRAIN_S = 300.0  # a completed run waits this long at most for its last background evaluations
 POLL_S = 0.2
 # What the launcher's control socket accepts from workers; any other type is rejected and counted.
 CONTROL_ACCEPT = (
     Hello,
+    EvalDue,
     Evaluated,
     TasksDone,
     WeightsPublished,
@@ -189,6 +200,20 @@ class Launcher:
             spawner = self.remote.spawner
         self.workers = Workers(spawner, role_modules, self.records)
         self.children = self.workers.children  # peer id -> a live worker
+        self.evals = self.background_evals() if config.eval.every else None
+
+    def background_evals(self) -> BackgroundEvals:
+        """`eval.every`: the evaluator processes; a resumed run's curve so far comes back from its
+        records."""
+        evals = BackgroundEvals(
+            self.run_dir,
+            max_pending=self.cfg.eval.max_pending,
+            on_result=lambda result: self.records.write("eval", result),
+            on_event=self.records.event,
+        )
+        if self.resume_version:
+            evals.restore(read_records(self.run_dir / "metrics.jsonl", "eval"), up_to=self.resume_version)
+        return evals
 
     # ------------------------------------------------------------------ workers
     def spawn_generator(self, inc: Incarnation) -> Child:
@@ -396,6 +421,10 @@ class Launcher:
                     f"held-out accuracy {msg.phase} training: {msg.accuracy:.3f}",
                     held_out={"phase": msg.phase, "accuracy": msg.accuracy, "rewards": dict(msg.means)},
                 )
+            case EvalDue() if is_learner:
+                if self.evals is None:
+                    raise ValueError(f"EvalDue for version {msg.version} with eval.every = 0")
+                self.evals.submit(msg)
             case StepDone() if is_learner:
                 self.on_step_done(msg)
             case GroupsLeft() if is_learner:
@@ -564,6 +593,8 @@ class Launcher:
         finally:
             self.finished.set()
             await self.stop_workers(ctrl)
+            if self.evals is not None:  # a finished run's last evaluations, a stopped one's none
+                await (self.evals.close() if self.failure or self.interrupted else self.evals.drain(EVAL_DRAIN_S))
             if self.book.num_steps_trained > self.resume_version and self.state.step < self.cfg.learner.steps:
                 self.save_checkpoint()  # stopped early: the learner saved its half on Shutdown
             receiver.cancel()

@@ -73,6 +73,12 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # (how many held-out samples had a reward that failed).
     eval_rewards_before: dict[str, float]
     eval_rewards_after: dict[str, float]
+    # Background evaluation (eval.every): one point per evaluated version, as its `eval` record
+    # (version, accuracy = pass@1, pass_at_k, rewards, problems, samples, eval_s); versions skipped
+    # because the evaluator fell behind, and versions whose evaluation failed.
+    eval_curve: list[dict] = []
+    evals_skipped: list[int] = []
+    evals_failed: list[int] = []
     reward_means: dict[str, float]  # each reward's mean over the samples generated
     reward_failures: dict[str, int]  # failed reward calls, by reward name
     samples_scored: int  # scorings, redraws included

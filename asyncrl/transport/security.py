@@ -69,6 +69,7 @@ SENDERS: dict[str, frozenset[str]] = {
     "BroadcastPublished": _LEARNER,
     "DataEndpoint": _LEARNER | {"launcher"},
     "Evaluated": _LEARNER,
+    "EvalDue": _LEARNER,
     "StepDone": _LEARNER,
     "GroupsLeft": _LEARNER,
     # Workers that join from other hosts (docs/multi-host.md).

@@ -1,6 +1,6 @@
 """The import contract: asyncrl's layers, checked on the source's import graph.
 
-  app     cli, job, worker, slurm, benchmarks,      may import anything; nothing imports them
+  app     cli, job, evaluator, worker, slurm, benchmarks,      may import anything; nothing imports them
           testing, __main__
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
@@ -27,7 +27,9 @@ import asyncrl
 
 PACKAGE_ROOT = Path(asyncrl.__file__).resolve().parent
 
-APP = frozenset({"cli", "job", "replay", "worker", "slurm", "benchmarks", "testing", "__main__"})
+APP = frozenset(
+    {"cli", "job", "replay", "evaluator", "worker", "slurm", "benchmarks", "testing", "__main__"}
+)
 ROLES = frozenset({"scheduler", "learner", "generators", "monitor"})
 INFRA = frozenset({"transport", "runtime"})
 LEAVES = frozenset(

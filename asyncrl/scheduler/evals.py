@@ -1,0 +1,137 @@
+"""Background evaluation, the launcher's half (`eval.every`; docs/monitor.md, "Evaluation curve").
+
+Place in the data flow: the learner writes a due version's weights and says so (`EvalDue`); the
+launcher hands it here (`submit`). One evaluator process (`python -m asyncrl.evaluator`) runs at a
+time, at a lower CPU priority than training; versions that come due meanwhile wait, at most
+`eval.max_pending` of them (past that the oldest waiting one is skipped and its weights removed),
+so evaluation never holds training back. Each result becomes an `eval` record and a point of the
+curve (`curve`), kept in summary.json; at the end of a run `drain` waits for what is left, up to a
+deadline. A failed evaluation is an event, not a failed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncrl.messages import EvalDue
+
+log = logging.getLogger(__name__)
+
+NICE = 10  # the evaluator's CPU priority below training's (os.nice increment)
+
+
+class BackgroundEvals:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_pending: int,
+        on_result: Callable[[dict], None],
+        on_event: Callable[[str], None],
+        command: tuple[str, ...] = (sys.executable, "-m", "asyncrl.evaluator"),
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.max_pending = max_pending
+        self.on_result = on_result
+        self.on_event = on_event
+        self.command = command
+        self.pending: deque[EvalDue] = deque()
+        self.running: asyncio.Task | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self.curve: dict[int, dict] = {}  # version -> its result (a resumed run's earlier ones too)
+        self.skipped: list[int] = []
+        self.failed: list[int] = []
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def restore(self, records: list[dict], *, up_to: int) -> None:
+        """A resumed run keeps its curve: the `eval` records of versions up to `up_to` (the
+        checkpoint it resumes from; later ones are evaluated again)."""
+        for r in records:
+            if r.get("version", up_to + 1) <= up_to:
+                self.curve[int(r["version"])] = r
+
+    def submit(self, due: EvalDue) -> None:
+        self.pending.append(due)
+        while len(self.pending) > self.max_pending:
+            dropped = self.pending.popleft()
+            shutil.rmtree(dropped.path, ignore_errors=True)
+            self.skipped.append(dropped.version)
+            self.on_event(
+                f"evaluation of version {dropped.version} skipped: {self.max_pending} newer versions "
+                "wait for the evaluator (eval.max_pending)"
+            )
+        self._next()
+
+    def _next(self) -> None:
+        if self.running is None and self.pending:
+            self.idle.clear()
+            self.running = asyncio.create_task(self._run(self.pending.popleft()), name="launcher-eval")
+        elif self.running is None:
+            self.idle.set()
+
+    async def _run(self, due: EvalDue) -> None:
+        try:
+            result = await self._evaluate(due)
+            if result is not None:
+                self.curve[due.version] = result
+                self.on_result(result)
+        finally:
+            self.running = None
+            self.process = None
+            self._next()
+
+    async def _evaluate(self, due: EvalDue) -> dict | None:
+        args = (*self.command, str(self.run_dir), str(due.version), due.path)
+        self.process = await asyncio.create_subprocess_exec(
+            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_lower_priority
+        )
+        out, err = await self.process.communicate()
+        code = self.process.returncode
+        lines = out.decode(errors="replace").strip().splitlines()
+        try:
+            if code == 0 and lines:
+                return json.loads(lines[-1])
+        except ValueError:
+            pass
+        shutil.rmtree(due.path, ignore_errors=True)
+        self.failed.append(due.version)
+        said = (err.decode(errors="replace").strip().splitlines() or [f"exit code {code}"])[-1]
+        self.on_event(f"evaluation of version {due.version} failed: {said}")
+        return None
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for the waiting and running evaluations, at most `timeout_s`; then stop them."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        if not self.idle.is_set():
+            self.on_event(f"background evaluation unfinished after {timeout_s:g} s at the end of the run")
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the running evaluator (this launcher's own child) and drop what waits."""
+        for due in self.pending:
+            shutil.rmtree(due.path, ignore_errors=True)
+        self.pending.clear()
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+        if self.running is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.running
+
+    def points(self) -> list[dict]:
+        return [self.curve[v] for v in sorted(self.curve)]
+
+
+def _lower_priority() -> None:
+    import os
+
+    os.nice(NICE)
