@@ -126,3 +126,34 @@ def test_the_stream_stays_within_its_rate_whatever_the_record_rate():
     assert num_records > 10 * messages  # far more records than messages
     assert 2 <= messages <= MAX_MESSAGES_PER_S * elapsed + 1
     assert steps == sorted(steps) and steps[-1] > steps[0]  # each message a newer view
+
+
+def test_an_endpoint_alone_is_followed_from_its_pub_socket():
+    """`asyncrl monitor --web tcp://HOST:PORT`: no run directory, the PUB socket's records only."""
+    import zmq
+
+    from asyncrl.monitor.attach import resolve_target
+    from asyncrl.monitor.web.command import RunFollower
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    target = resolve_target(f"tcp://127.0.0.1:{port}")
+    source = RunSource(WebRun(f"tcp://127.0.0.1:{port}", live=target.live))
+    follower = RunFollower(target, source)
+    follower.read_past()
+    follower.start()
+    try:
+        deadline = time.monotonic() + 30
+        seq = 0
+        while source.run.view.step < 1:  # PUB drops what it sends before the SUB has joined: resend
+            assert time.monotonic() < deadline, "no record arrived through the PUB socket"
+            pub.send_multipart([str(seq).encode(), json.dumps(step(0)).encode()])
+            seq += 1
+            follower.stopping.wait(0.05)
+        state = json.loads(source.state_json())
+        assert state["live"] and state["head"]["step"] == 1 and state["label"] == f"tcp://127.0.0.1:{port}"
+    finally:
+        follower.stop()
+        pub.close()
+    assert not follower.thread.is_alive()
