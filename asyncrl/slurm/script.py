@@ -303,11 +303,11 @@ LAUNCHER=$!
 REQUEUE=0
 # SIGUSR1 (the time-limit warning, or `scancel --signal=USR1 --batch JOB`): the launcher stops
 # with a checkpoint (SIGTERM is its graceful stop), then the job requeues itself and resumes.
-# SIGTERM (scancel, pre-emption): the same stop, no requeue.
+# SIGTERM (scancel, pre-emption): the same stop, no requeue, even after a SIGUSR1 (a cancel wins).
 on_signal() {
     say "SIG$1: $2"
     note "SIG$1: $2"
-    [[ $1 == USR1 ]] && REQUEUE=1
+    if [[ $1 == USR1 ]]; then REQUEUE=1; else REQUEUE=0; fi
     kill -TERM "$LAUNCHER" 2>/dev/null
 }
 trap 'on_signal USR1 "stopping with a checkpoint, then requeueing"' USR1

@@ -198,11 +198,13 @@ def _run_until_launched(script: Path, env: dict[str, str], log: Path) -> subproc
 
 
 @pytest.mark.parametrize(
-    ("sig", "restart", "requeued"), [("USR1", "0", True), ("USR1", "20", False), ("TERM", "0", False)]
+    ("sig", "restart", "requeued"),
+    [("USR1", "0", True), ("USR1", "20", False), ("TERM", "0", False), ("USR1+TERM", "0", False)],
 )
 def test_signals_stop_the_launcher_and_usr1_requeues(tmp_path, sig, restart, requeued):
     """SIGUSR1 (the time-limit warning) stops the launcher (SIGTERM) and requeues the job, up to
-    MAX_REQUEUES; SIGTERM (a cancel) stops it and does not requeue. A resume (a checkpoint in the
+    MAX_REQUEUES; SIGTERM (a cancel) stops it and does not requeue, also after a SIGUSR1 (a
+    `scancel` during the stop requeued a job that then ran on). A resume (a checkpoint in the
     run directory) launches with --resume RUN_DIR."""
     job = _job(tmp_path, Layout(learner_nodes=1, generator_nodes=1))
     script = _script(tmp_path, job)
@@ -214,13 +216,14 @@ def test_signals_stop_the_launcher_and_usr1_requeues(tmp_path, sig, restart, req
     }
     log = tmp_path / "log"
     proc = _run_until_launched(script, env, log)
-    proc.send_signal(getattr(signal, f"SIG{sig}"))
+    for name in sig.split("+"):
+        proc.send_signal(getattr(signal, f"SIG{name}"))
     out = proc.communicate(timeout=30)[0]
     assert proc.returncode == (0 if requeued else 130), out
     assert _args(log / "launch.args")[4:] == ["--resume", str(job.run_dir)]
     assert ("requeue 77" in (log / "scontrol.calls").read_text()) == requeued
     events = (job.run_dir / "slurm" / "jobs.log").read_text()
-    assert f"restart {restart}: SIG{sig}" in events
+    assert f"restart {restart}: SIG{sig.split('+')[-1]}" in events
     assert ("requeued (the next allocation resumes)" in events) == requeued
 
 
