@@ -155,7 +155,9 @@ class BaselineRunFailed(RuntimeError):
     """One run of the bench did not complete."""
 
 
-def run_plain(sets: list[str], run_dir: Path, *, threads: int) -> tuple[float, dict[str, Any]]:
+def run_plain(
+    sets: list[str], run_dir: Path, *, threads: int, config: Path | None = None
+) -> tuple[float, dict[str, Any]]:
     """The plain loop as a fresh process on `threads` torch threads; (its wall seconds, its
     result). The JSON result goes to <run_dir>/result.json, everything else to <run_dir>.log."""
     import subprocess
@@ -164,6 +166,8 @@ def run_plain(sets: list[str], run_dir: Path, *, threads: int) -> tuple[float, d
 
     run_dir.mkdir(parents=True)
     args = [sys.executable, "-m", PLAIN_MODULE, "--json", f"--threads={threads}"]
+    if config is not None:
+        args.append(f"--config={config}")
     for s in sets:
         args += ["--set", s]
     log_path, out_path = run_dir.with_suffix(".log"), run_dir / "result.json"
@@ -186,10 +190,15 @@ def run_plain(sets: list[str], run_dir: Path, *, threads: int) -> tuple[float, d
     return wall_s, json.loads(out_path.read_text())
 
 
-def run_variant(variant: str, sets: list[str], run_dir: Path, *, plain_threads: int) -> dict[str, float]:
-    """One run of `variant` with the user's `sets`; its FIGURES (and samples trained)."""
+def run_variant(
+    variant: str, sets: list[str], run_dir: Path, *, plain_threads: int, config: Path | None = None
+) -> dict[str, float]:
+    """One run of `variant` of the job file `config` (default: the embedded job) with the user's
+    `sets`; its FIGURES (and samples trained)."""
     if variant == "plain":
-        wall_s, res = run_plain([*sets, *variant_sets(variant)], run_dir, threads=plain_threads)
+        wall_s, res = run_plain(
+            [*sets, *variant_sets(variant)], run_dir, threads=plain_threads, config=config
+        )
         return {
             "sps": res["samples_per_s"],
             "train_s": res["train_s"],
@@ -201,7 +210,7 @@ def run_variant(variant: str, sets: list[str], run_dir: Path, *, plain_threads: 
     from asyncrl.benchmarks.runs import BenchRunFailed, launch, read_records
 
     try:
-        wall_s = launch([*sets, *variant_sets(variant)], run_dir)
+        wall_s = launch([*sets, *variant_sets(variant)], run_dir, config=config)
     except BenchRunFailed as exc:
         raise BaselineRunFailed(str(exc)) from None
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -220,6 +229,7 @@ def run_baseline_bench(
     out_dir: Path | None,
     plain_threads: int,
     progress: Callable[[str], None] | None = None,
+    config: Path | None = None,
 ) -> dict[str, Any]:
     """Every variant once per repeat, interleaved; `summarize`'s object plus the context."""
     import shutil
@@ -237,7 +247,9 @@ def run_baseline_bench(
                 run_dir = root / f"r{rep}-{variant}"
                 if run_dir.exists():
                     raise BaselineRunFailed(f"{run_dir} already exists; choose another --out-dir")
-                figures[variant] = f = run_variant(variant, sets, run_dir, plain_threads=plain_threads)
+                figures[variant] = f = run_variant(
+                    variant, sets, run_dir, plain_threads=plain_threads, config=config
+                )
                 say(
                     f"repeat {rep + 1}/{repeats} {variant:<6} {f['sps']:8.1f} samples/s (train "
                     f"{f['train_s']:.1f} s), job {f['job_s']:.1f} s, held-out {f['eval_before']:.3f} -> "
@@ -251,6 +263,7 @@ def run_baseline_bench(
     result["samples_trained"] = {v: runs[0][v]["samples"] for v in VARIANTS}
     result["repeats"] = repeats
     result["sets"] = sets
+    result["config"] = str(config) if config else ""
     result["plain_threads"] = plain_threads
     result["num_cpus"] = os.cpu_count()
     result["load_average_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
@@ -291,6 +304,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------- the command
 def command(
+    config: Annotated[
+        Path | None, typer.Argument(help="the job's TOML file (default: the embedded job)")
+    ] = None,
     repeats: Annotated[int, typer.Option(help="rounds of the three variants; medians reported")] = 5,
     set_: Annotated[
         list[str] | None,
@@ -317,7 +333,7 @@ def command(
     from asyncrl.config_sections import ConfigError
 
     try:  # fail on a bad --set before any process starts
-        configs = {v: load_config(None, [*sets, *variant_sets(v)]) for v in VARIANTS}
+        configs = {v: load_config(config, [*sets, *variant_sets(v)]) for v in VARIANTS}
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
     refused = unsupported(configs["plain"])
@@ -330,6 +346,7 @@ def command(
             out_dir=out_dir,
             plain_threads=threads,
             progress=lambda text: typer.echo(text, err=True),
+            config=config.resolve() if config else None,
         )
     except BaselineRunFailed as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

@@ -3,7 +3,8 @@
 
 One process, no overlap, no messages: for each step, sample `groups_per_step` prompts x
 `samples_per_group` answers with Hugging Face `model.generate(do_sample=True)`, score them with
-the task's own verifier (`task.score`), then one forward, backward and optimizer step. It runs the
+the task's rewards (`task.rewards`, through asyncrl's scorer, as the generators score) or, without
+any, its own verifier (`task.score`), then one forward, backward and optimizer step. It runs the
 job `asyncrl launch` runs, read from the same config (`load_config`, so `--set` means the same):
 the model (`model.path`, float32), the task and its prompt stream (step s trains
 `task.train_problem(j)` for j in s*G .. s*G + G - 1, as the launcher admits them), the sampling
@@ -15,8 +16,12 @@ behaviour log-probs (those `generate` sampled from, as asyncrl's default stalene
 anchors), token-mean over every completion token (the eos included). With one update per batch
 the ratio is 1 up to float rounding. Settings it does not implement are refused (`unsupported`).
 
-Evaluation is asyncrl's own: `asyncrl.models.sft.greedy_accuracy` (what `asyncrl.job.evaluate`
-runs on a loaded checkpoint) on the in-memory model, before and after training.
+Evaluation is asyncrl's own: greedy completions of the held-out problems
+(`asyncrl.models.sft.greedy_completions`) scored as `asyncrl.evaluator.score_completions` scores
+them, on the in-memory model, before and after training.
+
+`python -m asyncrl.benchmarks.plain_loop --config JOB.toml` runs a job file (default: the
+embedded job).
 
 Timing (the definitions `asyncrl bench baseline` uses for every variant): `train_s` runs from just
 before the first `generate` to just after the last optimizer step; `samples_per_s` is the trained
@@ -39,6 +44,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -51,6 +58,10 @@ GRPO_STD_EPS = 1e-6
 # Log-ratios are clamped before exp so that a token whose log-prob collapsed cannot overflow the
 # ratio to inf (never binds on-policy: the ratio is 1 up to rounding).
 MAX_LOG_RATIO = 20.0
+
+
+# (problem, asyncrl.models.sft.Completion) pairs -> each one's reward
+Scoring = Callable[[list[tuple[Any, Any]]], list[float]]
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -68,7 +79,6 @@ def unsupported(config: Config) -> list[str]:
         (lrn.lora.rank > 0, "learner.lora.rank > 0"),
         (lrn.mixed_precision != "none", f"learner.mixed_precision = {lrn.mixed_precision!r}"),
         (config.opd.enabled, "opd.enabled"),
-        (bool(config.task.rewards), "task.rewards (the plain loop scores with the task's own verifier)"),
         (config.task.scoring.overlong != "keep", "task.scoring.overlong = 'mask'"),
         (config.sampling.temperature <= 0, "sampling.temperature = 0"),
         (config.sampling.ignore_eos, "sampling.ignore_eos"),
@@ -157,11 +167,15 @@ class Batch(NamedTuple):
     rewards_GN: torch.Tensor
 
 
-def sample_batch(model, tokenizer, task, problems, *, samples_per_group: int, sampling, device) -> Batch:
-    """`samples_per_group` answers to each of `problems` from one `generate` call, and their rewards."""
+def sample_batch(
+    model, tokenizer, task, problems, *, samples_per_group: int, sampling, device, score: Scoring
+) -> Batch:
+    """`samples_per_group` answers to each of `problems` from one `generate` call, and their
+    rewards (`score`: the task's rewards, or its own verifier)."""
     import torch
 
     from asyncrl.models.sampling import answer_ids
+    from asyncrl.models.sft import Completion
 
     prompts = [ids for ids in task.render(problems, tokenizer) for _ in range(samples_per_group)]
     width = max(len(p) for p in prompts)
@@ -189,11 +203,13 @@ def sample_batch(model, tokenizer, task, problems, *, samples_per_group: int, sa
     mask_BT = completion_mask(completion_BT, eos_token_id=tokenizer.eos_token_id)
     logp_old_BT = token_logprobs(scores_BTV, completion_BT)
     keep_BTV = torch.isfinite(scores_BTV) if sampling.top_p < 1.0 else None
-    rewards = []
+    done = []
     for row, ids in enumerate(completion_BT.tolist()):
-        problem = problems[row // samples_per_group]
-        text = tokenizer.decode(answer_ids(ids, tokenizer.eos_token_id), skip_special_tokens=True)
-        rewards.append(task.score(problem.prompt, text, problem.answer))
+        answer = answer_ids(ids, tokenizer.eos_token_id)
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        finish = "stop" if len(answer) < int(mask_BT[row].sum()) else "length"
+        done.append((problems[row // samples_per_group], Completion(text, int(mask_BT[row].sum()), finish)))
+    rewards = score(done)
     rewards_GN = torch.tensor(rewards, dtype=torch.float32).view(len(problems), samples_per_group)
     attention_BS = torch.cat([attn_BL.to(device), torch.ones_like(completion_BT)], dim=1)
     return Batch(
@@ -247,12 +263,13 @@ def run_plain_loop(config: Config, *, threads: int) -> dict[str, Any]:
     if refused:
         raise ValueError(f"the plain loop does not implement: {'; '.join(refused)}")
     model, tokenizer, task, device = _load_job(config, threads=threads)
-    eval_before = _held_out_accuracy(model, tokenizer, task, config)
+    score = partial(_scores, config, task)
+    eval_before = _held_out_accuracy(model, tokenizer, task, config, score)
     optimizer = _optimizer(model, config)
     train_start = time.perf_counter()  # just before the first `generate`
-    mean_rewards, num_tokens = _train(model, optimizer, tokenizer, task, config, device=device)
+    mean_rewards, num_tokens = _train(model, optimizer, tokenizer, task, config, device=device, score=score)
     train_s = time.perf_counter() - train_start
-    eval_after = _held_out_accuracy(model, tokenizer, task, config)
+    eval_after = _held_out_accuracy(model, tokenizer, task, config, score)
     lrn = config.learner
     num_samples = lrn.steps * lrn.groups_per_step * lrn.samples_per_group
     return {
@@ -296,19 +313,50 @@ def _load_job(config: Config, *, threads: int):
     return model, tokenizer, task, device
 
 
-def _held_out_accuracy(model, tokenizer, task, config: Config) -> float:
-    """Greedy accuracy on the task's held-out problems (NaN without any), as asyncrl reports it."""
-    from asyncrl.models.sft import greedy_accuracy
+def _scores(config: Config, task, done: list) -> list[float]:
+    """Each (problem, Completion)'s reward: the weighted sum of task.rewards, scored as asyncrl
+    scores them (a scorer per call: its worker pool is this job's), or the task's own verifier."""
+    if not config.task.rewards:
+        return [task.score(p.prompt, c.text, p.answer) for p, c in done]
+    from asyncrl.rewards.base import RewardInput
+    from asyncrl.rewards.scorer import make_scorer
+
+    scorer = make_scorer(config.task)
+    try:
+        inputs = [
+            RewardInput(
+                prompt=p.prompt,
+                completion=c.text,
+                answer=p.answer,
+                extras=p.extras,
+                num_tokens=c.num_tokens,
+                finish_reason=c.finish_reason,
+                max_new_tokens=config.sampling.max_new_tokens,
+            )
+            for p, c in done
+        ]
+        return [s.reward for s in scorer.score_sync(inputs)]
+    finally:
+        scorer.close()
+
+
+def _held_out_accuracy(model, tokenizer, task, config: Config, score: Scoring) -> float:
+    """Greedy accuracy on the task's held-out problems (NaN without any), as asyncrl reports it:
+    the task's score, or with task.rewards the evaluation reward's mean."""
+    from asyncrl.evaluator import score_completions
+    from asyncrl.models.sft import greedy_completions
 
     if not task.eval_problems:
         return math.nan
-    return greedy_accuracy(
+    done = greedy_completions(
         model,
         tokenizer,
         task,
         max_new_tokens=config.sampling.max_new_tokens,
         batch_size=config.task.eval_batch_size,
     )
+    scores, _ = score_completions(config, task, done)
+    return sum(scores) / len(scores)
 
 
 def _optimizer(model, config: Config):
@@ -322,7 +370,9 @@ def _optimizer(model, config: Config):
     return torch.optim.AdamW(params, lr=lrn.lr, weight_decay=lrn.weight_decay, betas=(0.9, 0.99))
 
 
-def _train(model, optimizer, tokenizer, task, config: Config, *, device) -> tuple[list[float], int]:
+def _train(
+    model, optimizer, tokenizer, task, config: Config, *, device, score: Scoring
+) -> tuple[list[float], int]:
     """`learner.steps` rounds of generate-then-train; each step's mean reward, and tokens trained."""
     lrn, sampling = config.learner, config.sampling
     clip_low, clip_high = lrn.clip_range()
@@ -338,6 +388,7 @@ def _train(model, optimizer, tokenizer, task, config: Config, *, device) -> tupl
             samples_per_group=lrn.samples_per_group,
             sampling=sampling,
             device=device,
+            score=score,
         )
         train_step(
             model,
@@ -358,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m asyncrl.benchmarks.plain_loop",
         description="The plain single-process GRPO loop on asyncrl's job (asyncrl bench baseline).",
     )
+    parser.add_argument("--config", default=None, help="the job's TOML file (default: the embedded job)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all)"
@@ -368,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config_sections import ConfigError
 
     try:
-        config = load_config(None, args.sets)
+        config = load_config(args.config, args.sets)
         result = run_plain_loop(config, threads=max(1, args.threads))
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -20,11 +20,13 @@ class BenchRunFailed(RuntimeError):
     """One launch of the bench did not complete."""
 
 
-def launch(sets: list[str], run_dir: Path, *, command: Sequence[str] = ("launch",)) -> float:
-    """`asyncrl launch` (or another `command` that runs the job) with `sets` into `run_dir`; returns
-    its wall seconds. Output goes to <run_dir>.log; a failed or timed-out run raises BenchRunFailed
-    with the log's tail."""
-    args = [sys.executable, "-m", "asyncrl", *command, "--no-tui"]
+def launch(
+    sets: list[str], run_dir: Path, *, command: Sequence[str] = ("launch",), config: Path | None = None
+) -> float:
+    """`asyncrl launch` (or another `command` that runs the job) of the job file `config` (default:
+    the embedded job) with `sets` into `run_dir`; returns its wall seconds. Output goes to
+    <run_dir>.log; a failed or timed-out run raises BenchRunFailed with the log's tail."""
+    args = [sys.executable, "-m", "asyncrl", *command, *([str(config)] if config else []), "--no-tui"]
     for s in [
         *sets,
         f"run.out_dir={json.dumps(str(run_dir.parent))}",

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from asyncrl.benchmarks.baseline import (
     variant_sets,
 )
 from asyncrl.benchmarks.plain_loop import (
+    _scores,
     clipped_surrogate_token_mean,
     completion_mask,
     grpo_advantages,
@@ -225,6 +227,27 @@ def test_token_logprobs_against_cross_entropy_and_over_a_nucleus():
     )
 
 
+def test_the_plain_loop_scores_with_the_task_rewards_as_asyncrl_does():
+    """With task.rewards the plain loop's rewards are the weighted sums asyncrl's scorer gives."""
+    from asyncrl.models.sft import Completion
+    from asyncrl.tasks.base import make_task
+
+    rewards = [
+        "task.rewards=[{kind='exact_match', name='right', options={extract='last_number'}},"
+        " {kind='regex', name='short', weight=0.5, options={pattern='^.{1,3}$'}}]"
+    ]
+    config = load_config(None, ["task.num_eval=0", *rewards])
+    task = make_task(config.task)
+    problem = task.train_problem(0)
+    done = [
+        (problem, Completion(problem.answer, 3, "stop")),  # right and short: 1 + 0.5
+        (problem, Completion(f"it is {problem.answer}", 5, "stop")),  # right, long: 1
+        (problem, Completion("nope, it is -1", 5, "length")),  # neither: 0
+    ]
+    assert _scores(config, task, done) == [1.5, 1.0, 0.0]
+    assert _scores(load_config(None, ["task.num_eval=0"]), task, done[:1]) == [1.0]  # task.score
+
+
 def test_unsupported_lists_what_the_plain_loop_does_not_implement():
     assert unsupported(load_config(None, [])) == []
     assert unsupported(load_config(None, ["learner.optimizer=sgd", "sampling.top_p=0.9"])) == []
@@ -251,7 +274,14 @@ def test_plain_loop_batch_is_on_policy_and_a_step_trains(top_p):
     problems = [task.train_problem(j) for j in range(4)]
     torch.manual_seed(0)
     batch = sample_batch(
-        model, tokenizer, task, problems, samples_per_group=4, sampling=config.sampling, device="cpu"
+        model,
+        tokenizer,
+        task,
+        problems,
+        samples_per_group=4,
+        sampling=config.sampling,
+        device="cpu",
+        score=partial(_scores, config, task),
     )
     assert batch.rewards_GN.shape == (4, 4) and batch.completion_BT.shape[0] == 16
     assert batch.mask_BT[:, 0].all() and (batch.keep_BTV is None) == (top_p == 1.0)
