@@ -6,7 +6,7 @@ zero-copy frames described by `TensorRef`.
 
 Data flow (see asyncrl/__init__.py for the whole picture):
   scheduler -> generator : Hello, DataEndpoint, PromptTasks (a dispatch's PromptTask each),
-                           WeightsPublished, Shutdown
+                           WeightsPublished, WeightsLoaded (its weight-load canary accepted), Shutdown
   generator -> learner   : Trajectories (samples that finished together) or Trajectory (+ tensor frames)
   generator -> scheduler : Hello, TasksDone (a TaskDone per task whose last sample was sent), WeightsLoaded,
                            Metrics, Heartbeat, Fatal
@@ -239,7 +239,9 @@ WeightsPublished = ShardsPublished | BroadcastPublished
 
 
 class WeightsLoaded(_Msg, frozen=True, kw_only=True):
-    """A generator (or, scheduler -> learner, every generator) now samples with `version`."""
+    """A generator (or, scheduler -> learner, every generator) now samples with `version`;
+    scheduler -> generator: the canary of `version` it sent was accepted (it may send what it
+    sampled with that version)."""
 
     generator_id: str
     version: int

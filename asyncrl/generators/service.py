@@ -46,6 +46,7 @@ from asyncrl.messages import (
     Shutdown,
     TaskDone,
     TasksDone,
+    WeightsLoaded,
 )
 from asyncrl.models.sampling import device_setting
 from asyncrl.runtime import ChildContext, run_child
@@ -109,6 +110,8 @@ class GeneratorService:
             from asyncrl.transport.serve import NetworkWeights
 
             self.receiver.remote = NetworkWeights(ctx.zmq_ctx, files, ctx.run_dir / "weights")
+        # Sending is serialised: a batch the canary's gate releases never overlaps a new one.
+        self.sending = asyncio.Lock()
         self.weights = WeightUpdates(
             self.gen,
             self.receiver,
@@ -133,6 +136,8 @@ class GeneratorService:
                     self.connect_data(msg.endpoint)
                 case ShardsPublished() | BroadcastPublished():  # the WeightsPublished variants
                     self.weights.announce(msg)
+                case WeightsLoaded():  # the launcher accepted this version's canary
+                    self.weights.canary.gate.accept(msg.version)  # the work loop sends what it frees
                 case Shutdown():
                     self.stopping = True
                     self.feed.close()  # samples in flight finish; nothing new starts
@@ -155,6 +160,7 @@ class GeneratorService:
         while not self.stopping:
             await self.wake.wait()
             self.wake.clear()
+            await self.send_released()
             await self.weights.between_batches()
             while self.feed.has_work() and not self.stopping:
                 async with self.weights.model_lock:
@@ -200,7 +206,8 @@ class GeneratorService:
             await pumping  # raises what the generator raised
             # The generator is idle: whatever it was handed has come back (else its task would
             # never be done and the run would stall without a word).
-            if lost := sorted(self.scorer.awaited() - self.feed.queued()):
+            held = self.weights.canary.gate.held_samples()  # waiting for a canary verdict
+            if lost := sorted(self.scorer.awaited() - self.feed.queued() - held):
                 raise ValueError(
                     f"generator {self.ctx.peer_id} ended its stream without returning "
                     f"{len(lost)} sample(s) it took, (task, sample) {lost[:5]}: every draw must "
@@ -212,6 +219,29 @@ class GeneratorService:
             self.busy_s += time.perf_counter() - start
 
     async def take(self, rollouts: list[Rollout]) -> None:
+        """Send `rollouts` on, unless the canary's gate holds them (a token of a version whose
+        verdict is pending, or older ones held); what it released first goes first."""
+        await self.send_released()
+        gate = self.weights.canary.gate
+        if gate.holds(rollouts):
+            if not gate.held:
+                log.info(
+                    "%s: holding rollouts until the canary verdict of version(s) %s",
+                    self.ctx.peer_id,
+                    sorted(gate.pending),
+                )
+            gate.hold(rollouts)
+            return
+        async with self.sending:
+            await self.take_now(rollouts)
+
+    async def send_released(self) -> None:
+        """Send what the canary's gate released (an accepted verdict, a version that failed to load)."""
+        async with self.sending:
+            for rollouts in self.weights.canary.gate.releasable():
+                await self.take_now(rollouts)
+
+    async def take_now(self, rollouts: list[Rollout]) -> None:
         """Score `rollouts`, send the final ones, ask for redraws, report complete groups."""
         verdict = await self.scorer.take(rollouts)
         if verdict.redraw:

@@ -214,6 +214,7 @@ class PlainLoading:
                 fetched = await asyncio.to_thread(self.receiver.remote.fetch, msg.version, lambda m: False)
                 root = str(fetched)
             async with self.model_lock:
+                self.canary.expect(msg)  # before the servers may sample with it
                 await self.gen.load_weights(msg.version, root)
                 await self.canary.after_load(msg)
         finally:
@@ -246,6 +247,7 @@ class GroupLoading:
         if isinstance(msg, ShardsPublished):
             await self.shards.load(msg)
             return
+        self.canary.expect(msg)
         await self.gen.receive_broadcast(msg)
         await self.canary.after_load(msg)
         self.on_applied(msg.version)
@@ -321,6 +323,7 @@ class WeightUpdates:
         self.report = report  # sends the generator's metrics (after a failed load)
         self.model_lock = asyncio.Lock()  # a plain plugin's load_weights never overlaps generation
         self.canary = GeneratorCanary(gen)  # each loaded version's canary scores, until acked
+        self.wake = wake  # the service's work loop (it sends what the canary's gate releases)
         self.loading = choose_loading(
             gen,
             receiver,
@@ -416,6 +419,8 @@ class WeightUpdates:
                 raise
             self.num_load_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
+            self.canary.gate.forget(msg.version)  # it will not be judged: what waited on it may go
+            self.wake.set()
             log.error(
                 "%s: weights version %d could not be loaded, still serving version %d: %s",
                 self.peer_id,

@@ -454,13 +454,18 @@ class Launcher:
                 raise ValueError(f"{type(msg).__name__} from {child.role} {peer} is not expected")
 
     async def on_canary(self, ctrl: Endpoint, child: Child, msg: WeightsLoaded) -> bool:
-        """Judge an ack by its canary (canary.py); True = accepted. A refused version is not taken
-        as loaded: the generator is restarted and loads it afresh; refused too often, the run fails."""
+        """Judge an ack by its canary (canary.py); True = accepted, and the generator is told (it
+        sends nothing sampled with the version before). A refused version is not taken as loaded:
+        the generator is restarted and loads it afresh; refused too often, the run fails."""
         if not self.canary_ids:  # weights.canary = false: nothing to judge, nothing to record
             return True
         verdict = self.canary.on_loaded(child.slot, msg.version, msg.canary)
         self.records.write("canary", verdict.record)
         if not verdict.refused:
+            if msg.canary:  # the generator holds what it sampled with the version until told
+                await self.send_to(
+                    ctrl, child.peer_id, WeightsLoaded(generator_id=child.peer_id, version=msg.version)
+                )
             return True
         reason = (
             f"failed the weight-load canary at weights version {msg.version}: mean |delta log-prob| "

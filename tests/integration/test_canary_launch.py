@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import read_records
 
 from asyncrl.learner.canary import FAULT_ENV
@@ -82,6 +83,36 @@ def test_wrong_weights_under_correct_checksums_are_refused_naming_the_generator(
     assert _load_errors(run_dir) and not any(_load_errors(run_dir))  # the checksums passed
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "weight-load canary" in summary["error"]
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+
+
+def test_async_nothing_sampled_with_a_refused_version_is_trained(tmp_path):
+    """With generation ahead of learning (staleness.max_staleness = 2, the default), the generator
+    applies version 2 while it samples; what it samples with it waits for the verdict, is never
+    sent, and its tasks are drawn again: no trained sample has a token of version 2 or later."""
+    out, run_dir = _launch(
+        tmp_path,
+        "async",
+        "learner.steps=6",
+        # long answers: generation is the slower stage, so the generator is still sampling the
+        # groups admitted earlier when version 2 lands, and samples with it mid-stream
+        "learner.groups_per_step=16",
+        "sampling.max_new_tokens=40",
+        "sampling.ignore_eos=true",
+        "staleness.max_staleness=2",
+        "run.record_schedule=true",
+        fault="2",
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "generator gen-0: weights version" in text, text
+    assert "failed the weight-load canary 2 times in a row" in text, text
+    steps = sorted((run_dir / "schedule").glob("step-*.pt"))
+    assert steps, "no step trained before the refusals"
+    newest = max(
+        int(s["token_versions"].max()) for p in steps for s in torch.load(p, weights_only=True)["samples"]
+    )
+    assert newest <= 1, newest
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
 
 

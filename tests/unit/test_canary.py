@@ -267,3 +267,66 @@ def test_fault_negates_one_matrix_from_its_version_on_and_leaves_the_rest():
     assert torch.equal(bad["model.layers.0.q_proj.weight"], torch.full((2, 2), -2.0))
     assert torch.equal(state["model.layers.0.q_proj.weight"], torch.full((2, 2), 2.0))  # not in place
     assert all(bad[k] is state[k] for k in state if k != "model.layers.0.q_proj.weight")
+
+
+# ---------------------------------------------------------------------- the send gate
+def _rollout(task_id, *versions):
+    from asyncrl.generators.base import Rollout
+
+    n = len(versions)
+    return Rollout(
+        task_id=task_id,
+        sample_index=0,
+        completion_ids=[1] * n,
+        behavior_logprobs=[-1.0] * n,
+        token_versions=list(versions),
+        reward=0.0,
+        finish_reason="stop",
+    )
+
+
+def test_gate_holds_tokens_of_a_pending_version_and_everything_after_them_in_order():
+    from asyncrl.generators.canary import SendGate
+
+    gate = SendGate()
+    old = [_rollout(1, 1, 1)]
+    assert not gate.holds(old)  # nothing pending: straight through
+    gate.expect(2)
+    assert not gate.holds(old)
+    switched = [_rollout(2, 1, 2)]  # its last token came from version 2
+    assert gate.holds(switched)
+    gate.hold(switched)
+    later_old = [_rollout(3, 1)]
+    assert gate.holds(later_old)  # order is kept behind a held batch
+    gate.hold(later_old)
+    assert gate.held_samples() == {(2, 0), (3, 0)}
+    assert gate.releasable() == []
+    gate.expect(3)
+    gate.hold([_rollout(4, 3)])
+    gate.accept(2)
+    assert gate.releasable() == [switched, later_old]  # version 3 still pending for task 4
+    assert gate.held_samples() == {(4, 0)}
+    gate.forget(3)  # version 3 failed to load: it will not be judged
+    assert [b[0].task_id for b in gate.releasable()] == [4] and gate.held_samples() == set()
+
+
+def test_accepting_a_version_settles_the_older_ones():
+    from asyncrl.generators.canary import SendGate
+
+    gate = SendGate()
+    gate.expect(2)
+    gate.expect(3)  # 2 was superseded before it was applied: no ack of it will come
+    gate.hold([_rollout(1, 3)])
+    gate.accept(3)
+    assert len(gate.releasable()) == 1 and gate.pending == set()
+
+
+def test_a_version_is_expected_before_the_staged_offer_and_the_load():
+    canary = GeneratorCanary(_Scorer())
+    canary.applied_callback(_announcement(5), lambda v: None)
+    assert canary.gate.pending == {5}
+    canary.expect(_announcement(6))
+    assert canary.gate.pending == {5, 6}
+    unscored = GeneratorCanary(object())
+    unscored.expect(_announcement(6))
+    assert unscored.gate.pending == set()  # no scores, no verdict: nothing waits
