@@ -30,8 +30,15 @@ case "$1 $2" in
 "-m asyncrl")
     printf '%s\n' "$@" >"$FAKE_LOG/launch.args"
     if [[ -n ${FAKE_LAUNCH_WAITS:-} ]]; then
-        # A launcher that stops when told (SIGTERM), as the real one does: exit 130.
-        trap 'kill %1; exit 130' TERM
+        # A launcher that stops when told (SIGTERM), as the real one does: exit 130; with
+        # FAKE_LAUNCH_HOLD, once the test has created launch.release (a stop that takes a while).
+        stop() {
+            touch "$FAKE_LOG/launch.stopping"
+            while [[ -n ${FAKE_LAUNCH_HOLD:-} && ! -e $FAKE_LOG/launch.release ]]; do sleep 0.05; done
+            kill %1
+            exit 130
+        }
+        trap stop TERM
         sleep 600 &
         touch "$FAKE_LOG/launch.ready"
         wait
@@ -186,14 +193,19 @@ def test_colocated_generators_share_the_learner_node(tmp_path):
     assert "--nodelist=n1" in _args(tmp_path / "log" / "srun-learner.args")
 
 
+def _wait_for(proc: subprocess.Popen, path: Path, text: str = "") -> None:
+    """Until `path` exists (and holds `text`), polling with a deadline."""
+    deadline = time.monotonic() + 30
+    while not (path.exists() and text in path.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)  # polling for a file the script or a fake writes
+
+
 def _run_until_launched(script: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
         ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    deadline = time.monotonic() + 30
-    while not (log / "launch.ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.05)  # polling for the fake launcher's file, with a deadline
+    _wait_for(proc, log / "launch.ready")
     return proc
 
 
@@ -214,10 +226,14 @@ def test_signals_stop_the_launcher_and_usr1_requeues(tmp_path, sig, restart, req
         "SLURM_RESTART_COUNT": restart,
         "FAKE_STATE": "resume",
     }
+    if "+" in sig:  # the second signal comes while the launcher is still stopping
+        env["FAKE_LAUNCH_HOLD"] = "1"
     log = tmp_path / "log"
     proc = _run_until_launched(script, env, log)
     for name in sig.split("+"):
         proc.send_signal(getattr(signal, f"SIG{name}"))
+        _wait_for(proc, job.run_dir / "slurm" / "jobs.log", f"SIG{name}")
+    (log / "launch.release").touch()
     out = proc.communicate(timeout=30)[0]
     assert proc.returncode == (0 if requeued else 130), out
     assert _args(log / "launch.args")[4:] == ["--resume", str(job.run_dir)]
