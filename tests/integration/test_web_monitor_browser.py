@@ -104,9 +104,18 @@ class Served:
 
 
 def wait_for(driver, condition, timeout_s: float, what: str):
+    """`condition(driver)` once truthy, polled; on timeout, what the page said and logged."""
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(condition, message=what)
+    try:
+        return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(condition)
+    except TimeoutException:
+        status = driver.execute_script("return document.getElementById('status')?.textContent")
+        console = [entry["message"] for entry in driver.get_log("browser")]
+        raise AssertionError(
+            f"{what}: not within {timeout_s} s; page status {status!r}, console {console}"
+        ) from None
 
 
 def figures(driver) -> dict:
@@ -139,7 +148,7 @@ def screenshot(driver, name: str) -> None:
         driver.save_screenshot(str(Path(SCREENSHOTS) / name))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_live_default_job_then_its_finished_run_directory(browser, tmp_path):
     """The default job with --web: the page loads, its step counter and throughput chart advance
     while the run trains, the timeline has learner and generator lanes; then the finished run's
@@ -148,10 +157,11 @@ def test_live_default_job_then_its_finished_run_directory(browser, tmp_path):
     args += ["--set", f'run.out_dir="{tmp_path}"', "--set", 'run.name="live"']
     if not SCREENSHOTS:  # the default job, shortened (the documentation's screenshots: all of it)
         args += ["--set", "learner.steps=30", "--set", "task.num_eval=100"]
-    launch = Served(args, deadline_s=120)
+    launch = Served(args, deadline_s=240)  # a deadline: a loaded machine takes long to import
     try:
         browser.get(launch.url)
-        first = wait_for(browser, lambda d: (f := figures(d)) and step_of(f) >= 1 and f, 120, "a first step")
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready"), 30, "the page")
+        first = wait_for(browser, lambda d: (f := figures(d)) and step_of(f) >= 1 and f, 240, "a first step")
         later = wait_for(
             browser,
             lambda d: (
@@ -172,6 +182,9 @@ def test_live_default_job_then_its_finished_run_directory(browser, tmp_path):
             wait_for(browser, lambda d: step_of(figures(d)) >= total // 2, 120, "halfway")
             screenshot(browser, "web_monitor_live.png")
         assert launch.proc.wait(timeout=180) == 0, launch.output()[-3000:]
+    except AssertionError as exc:
+        exc.add_note("the launch's output, last lines:\n" + launch.output()[-3000:])
+        raise
     finally:
         launch.stop()
     run_dir = tmp_path / "live"

@@ -311,10 +311,15 @@ async function follow(info, status) {
   if (!first.live) return;
   const source = new EventSource(`${base}/stream`);
   source.addEventListener("state", (e) => {
-    const s = JSON.parse(e.data);
-    render(parts, s);
-    parts.sec.dataset.updates = Number(parts.sec.dataset.updates || 0) + 1;
-    if (!s.live) source.close();
+    try {
+      const s = JSON.parse(e.data);
+      render(parts, s);
+      parts.sec.dataset.updates = Number(parts.sec.dataset.updates || 0) + 1;
+      if (!s.live) source.close();
+    } catch (err) {
+      status.textContent = `${info.label}: ${err}`;  // shown, and the next message tries again
+      console.error(err);
+    }
   });
   source.onerror = () => { status.textContent = `stream of ${info.label} interrupted; retrying`; };
   source.onopen = () => { status.textContent = "live"; };
@@ -330,6 +335,7 @@ async function main() {
     document.body.dataset.readyMs = String(Math.round(performance.now()));
   } catch (err) {
     status.textContent = String(err);
+    console.error(err);
   }
 }
 
