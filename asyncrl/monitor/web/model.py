@@ -146,13 +146,15 @@ class WebRun:
         self.events.append([t, str(r.get("type")), text])
 
     def _on_eval(self, r: dict) -> None:
-        """Periodic held-out evaluation (`eval` records): version, accuracy, rewards, pass_at_k, n."""
+        """Periodic held-out evaluation (`eval` records, docs/monitor.md "Evaluation curve"):
+        version, accuracy, pass_at_k, rewards, problems, samples."""
         point = {"version": int(_num(r.get("version"), 0.0)), "accuracy": _num(r.get("accuracy"))}
         for key in ("rewards", "pass_at_k"):
             if isinstance(r.get(key), dict):
                 point[key] = {k: _num(v) for k, v in r[key].items()}
-        if isinstance(r.get("n"), int):
-            point["n"] = r["n"]
+        for key in ("n", "problems", "samples"):  # how many problems and completions it took
+            if isinstance(r.get(key), int):
+                point[key] = r[key]
         self.evals.append(point)
 
     _handlers = {

@@ -252,7 +252,8 @@ function evalLines(s) {
   if (h.eval_after !== null) pts.push([h.policy_version, h.eval_after, h.eval_after, h.eval_after]);
   pts.sort((a, b) => a[0] - b[0]);
   const lines = [{ name: "accuracy", pts }];
-  const ks = new Set(s.evals.flatMap((e) => Object.keys(e.pass_at_k || {})));
+  // pass@1 is the accuracy itself (docs/monitor.md, "Evaluation curve"): only k > 1 gets a line
+  const ks = new Set(s.evals.flatMap((e) => Object.keys(e.pass_at_k || {}).filter((k) => k !== "1")));
   for (const k of [...ks].sort()) {
     const kp = s.evals.filter((e) => e.pass_at_k && k in e.pass_at_k).map((e) => [e.version, e.pass_at_k[k], e.pass_at_k[k], e.pass_at_k[k]]);
     lines.push({ name: `pass@${k}`, pts: kp });
