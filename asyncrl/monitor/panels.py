@@ -286,7 +286,8 @@ def diagnostics_panel(v: RunView, lay: Layout) -> Rows:
     if s is None:
         t.add_row("loss", DASH)
         return t
-    t.add_row("loss", f"{fmt(s.get('loss'), '+.4f')}  {sparkline(v.losses, lay.spark)}")
+    t.add_row("loss", fmt(s.get("loss"), "+.4f"))
+    t.add_row("", sparkline(v.losses, lay.spark))  # its own row: beside the figure it was cut at the end
     t.add_row("grad norm", f"{fmt(s.get('grad_norm'), '.3f')}   lr scale {fmt(s.get('lr_scale'), '.3g')}")
     t.add_row("loss clip fraction", fmt(s.get("clip_fraction"), ".4f"))
     # Staleness is its own panel; the policy's `clip_fraction` is another figure than the loss's.
