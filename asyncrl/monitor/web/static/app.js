@@ -178,7 +178,7 @@ const PANELS = [
   ["rewards", "Rewards", "one", "mean reward of each step's samples; each reward's running mean (task.rewards)"],
   ["evaluation", "Held-out evaluation", "one", "accuracy by policy_version: before and after training, and eval records"],
   ["lengths", "Completion lengths", "one", "mean tokens per completion, per step: generated, trained, dropped"],
-  ["sync", "Weight sync", "one", "per version: publish time, slowest generator load time (ms)"],
+  ["sync", "Weight sync", "pair", "per version: publish time and the slowest generator's load time (ms); MiB published"],
   ["events", "Events", "events", ""],
   ["config", "Resolved config", "config", ""],
 ];
@@ -279,10 +279,11 @@ function render(parts, s) {
   const versions = [0].concat(s.head.total_steps ? [s.head.total_steps] : []);  // the whole run's span
   lineChart(parts.svgs.evaluation[0], evalLines(s), { xlabel: "version", xInclude: versions, empty: "no held-out evaluation recorded" });
   lineChart(parts.svgs.lengths[0], pick(se, "length/"), { xlabel: "step", zero: true });
-  const mib = se["sync/mib"] && se["sync/mib"].length ? se["sync/mib"][se["sync/mib"].length - 1][1] : null;
-  lineChart(parts.svgs.sync[0], [
+  const [syncTime, syncSize] = parts.svgs.sync;
+  lineChart(syncTime, [
     { name: "publish ms", pts: se["sync/publish_ms"] }, { name: "load ms (slowest)", pts: se["sync/load_ms"] },
-  ], { xlabel: `version (${fmt(mib)} MiB each)`, zero: true, band: true });
+  ], { xlabel: "version", zero: true, band: true });
+  lineChart(syncSize, [{ name: "MiB", pts: se["sync/mib"], color: COLORS[2] }], { xlabel: "version", zero: true, band: true });
   renderEvents(parts, s);
 }
 
