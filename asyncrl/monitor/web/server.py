@@ -149,7 +149,7 @@ async def serve_stream(request: web.Request, src: RunSource) -> web.StreamRespon
                 await response.write(b": keepalive\n\n")
                 last_write = time.monotonic()
             await asyncio.sleep(interval_s)  # the rate bound, not a synchronisation
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:  # the page went away (a server stopping cancels the loop instead)
         pass
     return response
 
