@@ -598,6 +598,8 @@ class Launcher:
         finally:
             self.finished.set()
             await self.stop_workers(ctrl)
+            if self.interrupted:
+                await self.take_late_messages(ctrl, inbox)
             if self.evals is not None:  # a finished run's last evaluations, a stopped one's none
                 await (self.evals.close() if self.failure or self.interrupted else self.evals.drain(EVAL_DRAIN_S))
             if self.book.num_steps_trained > self.resume_version and self.state.step < self.cfg.learner.steps:
@@ -610,6 +612,14 @@ class Launcher:
         if self.failure is not None:
             raise RunFailed(self.failure)
         return self.state
+
+    async def take_late_messages(self, ctrl: Endpoint, inbox: Inbox) -> None:
+        """Interrupted: what the workers sent while they stopped (above all the StepDone of a step
+        the learner finished before its Shutdown came), handled in arrival order, so that the
+        launcher's half of the stop's checkpoint is of the version the learner's half is."""
+        while not inbox.queue.empty():
+            sender, msg, _ = inbox.queue.get_nowait()
+            await self.on_message(ctrl, sender, msg)
 
     def open_control(self, zctx: zmq.Context) -> Endpoint:
         """The control socket, bound (under the run's socket policy), and the join desk's file

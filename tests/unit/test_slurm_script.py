@@ -361,29 +361,64 @@ def test_run_state_reads_the_checkpoints(tmp_path):
     assert run_state(tmp_path) == "complete"
 
 
-def test_a_signal_after_the_last_step_leaves_the_run_completed(tmp_path):
-    """The time-limit warning landed while the launcher was stopping after step 300 of 300: the run
-    was recorded as interrupted (no held-out evaluation after training) and the job requeued."""
+def _launcher(tmp_path: Path, *sets: str):
     from asyncrl.config_load import load_config
     from asyncrl.job import load_task
     from asyncrl.models.default import DEFAULT_MODEL_DIR
     from asyncrl.scheduler.service import Launcher
 
-    config = load_config(None, ["learner.steps=2", "task.num_eval=0"])
+    config = load_config(None, ["task.num_eval=0", *sets])
     task, tokenizer, _ = load_task(config, DEFAULT_MODEL_DIR)
 
     class Quiet:
         def update(self, state) -> None:
             pass
 
-        def event(self, text: str) -> None:
+        def event(self, text: str, **fields) -> None:
             pass
 
-    launcher = Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), task=task, tokenizer=tokenizer)
+    return Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), task=task, tokenizer=tokenizer)
+
+
+def test_a_step_the_learner_finished_while_stopping_reaches_the_checkpoint(tmp_path):
+    """Interrupted: the learner finished step 3 before its Shutdown came and saved its half of the
+    stop's checkpoint at version 4, while the launcher, which no longer handled messages, saved
+    its half at 3: no complete checkpoint, and the requeued allocation could not resume (seen in
+    the slurm test). The StepDone waiting in the inbox is now handled first."""
+    import asyncio
+
+    from asyncrl.messages import StepDone
+    from asyncrl.scheduler.children import Child
+    from asyncrl.scheduler.inbox import Inbox
+
+    launcher = _launcher(tmp_path, "learner.steps=8")
+    launcher.state.step = launcher.state.policy_version = 3
+    launcher.interrupted = True
+    launcher.children["learner"] = Child(peer_id="learner", role="learner", handle=None, stopping=True)
+
+    class Ctrl:
+        num_rejected = 0
+
+        def reject(self, reason: str) -> None:
+            raise AssertionError(reason)
+
+    inbox = Inbox(Ctrl(), None, launcher.finished)
+    done = dict(num_trajectories=8, num_tokens=40, loss=0.0, mean_reward=0.5, max_staleness=0)
+    done.update(mean_staleness=0.0, clip_fraction=0.0, grad_norm=1.0, step_s=0.1, idle_s=0.0)
+    inbox.queue.put_nowait((b"learner", StepDone(step=3, version=4, **done), []))
+    asyncio.run(launcher.take_late_messages(Ctrl(), inbox))
+    assert (launcher.state.step, launcher.state.policy_version) == (4, 4)
+    assert inbox.queue.empty()
+
+
+def test_a_signal_after_the_last_step_leaves_the_run_completed(tmp_path):
+    """The time-limit warning landed while the launcher was stopping after step 300 of 300: the run
+    was recorded as interrupted (no held-out evaluation after training) and the job requeued."""
+    launcher = _launcher(tmp_path, "learner.steps=2")
     launcher.state.step = 1
     launcher.interrupt()
     assert launcher.interrupted and launcher.finished.is_set()
-    after = Launcher(config, tmp_path, DEFAULT_MODEL_DIR, Quiet(), task=task, tokenizer=tokenizer)
+    after = _launcher(tmp_path, "learner.steps=2")
     after.state.step = 2
     after.interrupt()
     assert not after.interrupted
