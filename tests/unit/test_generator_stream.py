@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.config_load import load_config
 from asyncrl.generators.base import Rollout
+from asyncrl.generators.canary import GeneratorCanary
 from asyncrl.generators.feed import SampleFeed
 from asyncrl.generators.scoring import SampleScorer
 from asyncrl.generators.service import GeneratorService
@@ -110,6 +111,8 @@ def service(sockets: Sockets, gen) -> GeneratorService:
     svc.num_opd_samples = svc.num_samples = svc.num_tokens = 0
     svc.busy_s = 0.0
     svc.metrics_sent_at = math.inf  # no Metrics in this test
+    svc.sending = asyncio.Lock()
+    svc.weights = SimpleNamespace(canary=GeneratorCanary(None))  # no canary: nothing is held
     return svc
 
 
