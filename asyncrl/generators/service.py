@@ -15,7 +15,9 @@ Weights (docs/weights.md): announcements go to `weights.WeightUpdates`, whose `g
 fetches each version it needs concurrently with generation and hands it to the generator the way
 its plugin takes weights (chosen once at start: staged, plain `load_weights` between batches, or
 its servers in the broadcast group), and whose `gen-acks` task sends `WeightsLoaded`; a version
-that cannot be loaded is retried, and never acked (the failure rules are in `weights.py`). The
+that cannot be loaded is retried, and never acked (the failure rules are in `weights.py`).
+Rollouts carrying a token of a version whose weight-load canary the launcher has not judged yet
+wait (`canary.SendGate`), in order, until its `WeightsLoaded` comes back (docs/weights.md, "Canary"). The
 Trajectory frames are built next to the codec (`transport.codec.trajectory_frames`).
 
 Run as `python -m asyncrl.generators.service --ctrl ADDR --peer-id ID --run-dir DIR --args '{"model": DIR, "data": ADDR}'`
