@@ -313,22 +313,23 @@ on_signal() {
 trap 'on_signal USR1 "stopping with a checkpoint, then requeueing"' USR1
 trap 'on_signal TERM "stopping with a checkpoint"' TERM
 
-# The launcher's control address, once it has written it (it waits for the learner's ranks).
+# ---- The learner: one torchrun per learner node, a job step -------------------------------------
+# Started with the launcher: its ranks import and wait for RUN_DIR/learner_join.json meanwhile.
+# Steps ignore SIGUSR1 (`scancel --signal=USR1 --full` reaches them too): the launcher stops them.
+MASTER_PORT=$("$PYTHON" -m asyncrl.slurm.join --free-port)
+GPU_STEP=()
+((GPUS_PER_NODE)) && GPU_STEP=(--gpus-per-node="$GPUS_PER_NODE")
+srun --job-name=learner --overlap --kill-on-bad-exit=1 --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" \
+    --ntasks-per-node=1 --nodelist="$LEARNER_LIST" "${GPU_STEP[@]}" \
+    --output="$LOGS/learner-%N.log" \
+    bash -c 'trap "" USR1; exec "$@" --node-rank="$SLURM_PROCID" -m asyncrl.learner.torchrun "$RUN_DIR"' _ \
+    "$PYTHON" -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$PER_NODE" \
+    --master-addr="$HEAD_ADDR" --master-port="$MASTER_PORT" &
+STEPS=($!)
+
+# The launcher's control address, once it has written it (when it is ready for the learner).
 JOIN=$("$PYTHON" -m asyncrl.slurm.join "$RUN_DIR" --pid "$LAUNCHER" --timeout 600)
-STEPS=()
 if [[ -n $JOIN ]]; then
-    # ---- The learner: one torchrun per learner node, a job step ----------------------------------
-    # Steps ignore SIGUSR1 (`scancel --signal=USR1 --full` reaches them too): the launcher stops them.
-    MASTER_PORT=$("$PYTHON" -m asyncrl.slurm.join --free-port)
-    GPU_STEP=()
-    ((GPUS_PER_NODE)) && GPU_STEP=(--gpus-per-node="$GPUS_PER_NODE")
-    srun --job-name=learner --overlap --kill-on-bad-exit=1 --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" \
-        --ntasks-per-node=1 --nodelist="$LEARNER_LIST" "${GPU_STEP[@]}" \
-        --output="$LOGS/learner-%N.log" \
-        bash -c 'trap "" USR1; exec "$@" --node-rank="$SLURM_PROCID" -m asyncrl.learner.torchrun "$RUN_DIR"' _ \
-        "$PYTHON" -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$PER_NODE" \
-        --master-addr="$HEAD_ADDR" --master-port="$MASTER_PORT" &
-    STEPS+=($!)
     # ---- The generators: one worker per GPU (or per CPU node), each serving one slot, a job step -
     GPU_WORKER=()
     ((GPUS_PER_NODE)) && GPU_WORKER=(--gpus-per-task=1)
