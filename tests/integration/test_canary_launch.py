@@ -160,3 +160,25 @@ def test_sglang_servers_score_the_canary_and_a_wrong_version_is_refused_naming_t
     assert all(r["engine"].startswith("http://127.0.0.1:") for r in records), records
     assert records[0]["mean_abs_delta"] <= HONEST_STANDIN
     assert f"on {records[2]['engine']}" in text and "generator gen-0: weights version 2" in text, text
+
+
+STANDIN_LORA = (
+    'generators.kind="sglang"',
+    "generators.options.launch=1",
+    'generators.options.launch_command="python -m tests.support.sglang.server"',
+    'generators.options.launch_args="--log-level warning --skip-tokenizer-init --enable-lora --max-lora-rank 8"',
+    'learner.lora.publish="adapter"',
+)
+
+
+@pytest.mark.parametrize("publish", ["merged", "adapter"])
+def test_lora_versions_are_checked(tmp_path, publish):
+    """learner.lora.rank = 8: merged weights on the torch generator (the reference is the learner's
+    adapter model, the scores the merged copy: equal to rounding), or adapters on the stand-in
+    server (scored with the version's adapter named)."""
+    sets = ("learner.steps=3", "learner.lora.rank=8", *(STANDIN_LORA if publish == "adapter" else ()))
+    out, run_dir = _launch(tmp_path, publish, *sets)
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = read_records(run_dir, "canary")
+    assert {1, 2} <= {r["version"] for r in records}, records
+    assert all(r["outcome"] == "accepted" and r["mean_abs_delta"] <= HONEST_STANDIN for r in records), records
