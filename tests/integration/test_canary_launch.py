@@ -182,3 +182,23 @@ def test_lora_versions_are_checked(tmp_path, publish):
     records = read_records(run_dir, "canary")
     assert {1, 2} <= {r["version"] for r in records}, records
     assert all(r["outcome"] == "accepted" and r["mean_abs_delta"] <= HONEST_STANDIN for r in records), records
+
+
+@pytest.mark.parametrize("generator", ["torch", "sglang"])
+def test_broadcast_versions_are_checked(tmp_path, generator):
+    """weights.transport = "broadcast": the announcement carries the reference, the members score
+    after the broadcast (the torch generator as it applies it, the stand-in server's generator
+    after its servers took it over the group)."""
+    standin = (
+        'generators.kind="sglang"',
+        "generators.options.launch=1",
+        'generators.options.launch_command="python -m tests.support.sglang.server"',
+        'generators.options.launch_args="--log-level warning --skip-tokenizer-init"',
+    )
+    sets = ("learner.steps=3", 'weights.transport="broadcast"', *(standin if generator == "sglang" else ()))
+    out, run_dir = _launch(tmp_path, generator, *sets)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert {p["transport"] for p in read_records(run_dir, "publish")} >= {"broadcast"}
+    records = read_records(run_dir, "canary")
+    assert {1, 2} <= {r["version"] for r in records}, records
+    assert all(r["outcome"] == "accepted" and r["mean_abs_delta"] <= HONEST_STANDIN for r in records), records
