@@ -49,22 +49,7 @@ def launch(
     ] = None,
 ) -> None:
     """Train: spawn the learner and generators, stream until done, write the run directory."""
-    from asyncrl.config_load import load_config
-    from asyncrl.config_sections import ConfigError
-    from asyncrl.models.hf import quiet_offline
-
-    quiet_offline()
-    try:
-        if resume is not None:
-            if config is not None:
-                _fail("--resume takes the run's own config.json; drop the CONFIG file")
-            from asyncrl.job import load_for_resume
-
-            cfg, _ = load_for_resume(resume, set_ or [])
-        else:
-            cfg = load_config(config, set_ or [])
-    except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
+    cfg = _launch_config(config, set_ or [], resume)
     if cfg.run.spawn == "fork":
         from asyncrl.scheduler.spawner import prewarm
 
@@ -113,6 +98,25 @@ def launch(
     typer.echo(f"run directory: {summary.run_dir}")
     if summary.status == "interrupted":
         raise typer.Exit(130)
+
+
+def _launch_config(config: Path | None, sets: list[str], resume: Path | None):
+    """The job's config: the file (or the embedded job) with `sets`, or a resumed run's own."""
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
+    from asyncrl.models.hf import quiet_offline
+
+    quiet_offline()
+    try:
+        if resume is None:
+            return load_config(config, sets)
+        if config is not None:
+            _fail("--resume takes the run's own config.json; drop the CONFIG file")
+        from asyncrl.job import load_for_resume
+
+        return load_for_resume(resume, sets)[0]
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
 
 
 def _web_reporter(reporter, cfg, *, host: str, port: int, token_file: Path | None):

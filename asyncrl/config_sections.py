@@ -575,6 +575,9 @@ class EvalConfig(Section, frozen=True, kw_only=True):
     # sampling.temperature, reported as pass@k, pass@1 and each reward's mean.
     samples: PosInt = 1
     threads: PosInt = 1  # the evaluator process's torch threads
+    # The evaluator's CPU priority below training's (an os.nice increment, 0-19): where it shares
+    # cores with training, training keeps them and the evaluation takes what is left.
+    nice: Annotated[int, Meta(ge=0, le=19)] = 10
     # Versions written and waiting for the evaluator at most; past that the oldest waiting one is
     # skipped (its weights removed) and counted: evaluation never holds the run back.
     max_pending: PosInt = 2

@@ -307,6 +307,21 @@ class HeldOut:
         )
 
 
+def held_out_fields(held_out: HeldOut, launcher: Launcher, task: Task) -> dict[str, Any]:
+    """summary.json's held-out evaluation: before and after, and the background curve."""
+    evals = launcher.evals
+    return dict(
+        eval_before=held_out.before[0],
+        eval_after=held_out.after[0],
+        eval_problems=len(task.eval_problems),
+        eval_rewards_before=held_out.before[1],
+        eval_rewards_after=held_out.after[1],
+        eval_curve=evals.points() if evals else [],
+        evals_skipped=evals.skipped if evals else [],
+        evals_failed=evals.failed if evals else [],
+    )
+
+
 def build_summary(
     config: Config,
     launcher: Launcher,
@@ -350,14 +365,7 @@ def build_summary(
         generator_restarts=state.generator_restarts,
         steps_skipped_nonfinite=state.steps_skipped_nonfinite,
         open_group_bound=learner.open_group_bound if learner is not None else 0,
-        eval_before=held_out.before[0],
-        eval_after=held_out.after[0],
-        eval_problems=len(task.eval_problems),
-        eval_rewards_before=held_out.before[1],
-        eval_rewards_after=held_out.after[1],
-        eval_curve=launcher.evals.points() if launcher.evals else [],
-        evals_skipped=launcher.evals.skipped if launcher.evals else [],
-        evals_failed=launcher.evals.failed if launcher.evals else [],
+        **held_out_fields(held_out, launcher, task),
         reward_means=tally.means(),
         reward_failures=dict(tally.failures),
         samples_scored=tally.num_scored,

@@ -2,7 +2,7 @@
 
 Place in the data flow: the learner writes a due version's weights and says so (`EvalDue`); the
 launcher hands it here (`submit`). One evaluator process (`python -m asyncrl.evaluator`) runs at a
-time, at a lower CPU priority than training; versions that come due meanwhile wait, at most
+time, at a lower CPU priority than training (`eval.nice`); versions that come due meanwhile wait, at most
 `eval.max_pending` of them (past that the oldest waiting one is skipped and its weights removed),
 so evaluation never holds training back. Each result becomes an `eval` record and a point of the
 curve (`curve`), kept in summary.json; at the end of a run `drain` waits for what is left, up to a
@@ -15,17 +15,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from asyncrl.messages import EvalDue
 
 log = logging.getLogger(__name__)
-
-NICE = 10  # the evaluator's CPU priority below training's (os.nice increment)
 
 
 class BackgroundEvals:
@@ -34,12 +34,14 @@ class BackgroundEvals:
         run_dir: Path,
         *,
         max_pending: int,
+        nice: int = 10,
         on_result: Callable[[dict], None],
         on_event: Callable[[str], None],
         command: tuple[str, ...] = (sys.executable, "-m", "asyncrl.evaluator"),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.max_pending = max_pending
+        self.nice = nice
         self.on_result = on_result
         self.on_event = on_event
         self.command = command
@@ -92,7 +94,10 @@ class BackgroundEvals:
     async def _evaluate(self, due: EvalDue) -> dict | None:
         args = (*self.command, str(self.run_dir), str(due.version), due.path)
         self.process = await asyncio.create_subprocess_exec(
-            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_lower_priority
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=partial(os.nice, self.nice) if self.nice else None,
         )
         out, err = await self.process.communicate()
         code = self.process.returncode
@@ -129,9 +134,3 @@ class BackgroundEvals:
 
     def points(self) -> list[dict]:
         return [self.curve[v] for v in sorted(self.curve)]
-
-
-def _lower_priority() -> None:
-    import os
-
-    os.nice(NICE)

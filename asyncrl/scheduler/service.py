@@ -187,20 +187,34 @@ class Launcher:
             snapshot_s=config.monitor.snapshot_s,
             snapshot=self.snapshot,
         )
+        self.remote: JoinDesk | None = None  # generators.remote > 0: slots served by workers that join
+        self.workers = Workers(self.make_spawner(spawner), role_modules, self.records)
+        self.children = self.workers.children  # peer id -> a live worker
+        self.evals = self.background_evals() if config.eval.every else None
+
+    def make_spawner(self, spawner: Spawner | None) -> Spawner:
+        """The caller's spawner, or the run's: forked or fresh processes; the learner's ranks
+        left to torchrun; remote slots through the join desk (`self.remote`)."""
+        config, run_dir = self.cfg, self.run_dir
         if spawner is None:
             spawner = ForkSpawner(run_dir) if config.run.spawn == "fork" else LocalSpawner(run_dir)
         if config.learner.start == "torchrun":  # the learner's ranks join; the launcher starts none
             spawner = JoinSpawner(spawner, run_dir, joined=frozenset({"learner"}))
-        self.remote: JoinDesk | None = None  # generators.remote > 0: slots served by workers that join
         if config.generators.remote:
             slot_of = lambda peer: getattr(self.pool.get(peer), "slot", "")  # noqa: E731
             self.remote = JoinDesk(
-                config, spawner, self.records, slot_of, model_path=model_path, run_dir=run_dir
+                config, spawner, self.records, slot_of, model_path=self.model_path, run_dir=run_dir
             )
             spawner = self.remote.spawner
-        self.workers = Workers(spawner, role_modules, self.records)
-        self.children = self.workers.children  # peer id -> a live worker
-        self.evals = self.background_evals() if config.eval.every else None
+        return spawner
+
+    def on_eval_result(self, result: dict) -> None:
+        self.records.write("eval", result)
+        passes = ", ".join(f"pass@{k} {v:.3f}" for k, v in result.get("pass_at_k", {}).items() if k != "1")
+        self.records.event(
+            f"held-out accuracy at version {result['version']}: {result['accuracy']:.3f}"
+            + (f" ({passes})" if passes else "")
+        )
 
     def background_evals(self) -> BackgroundEvals:
         """`eval.every`: the evaluator processes; a resumed run's curve so far comes back from its
@@ -208,7 +222,8 @@ class Launcher:
         evals = BackgroundEvals(
             self.run_dir,
             max_pending=self.cfg.eval.max_pending,
-            on_result=lambda result: self.records.write("eval", result),
+            nice=self.cfg.eval.nice,
+            on_result=self.on_eval_result,
             on_event=self.records.event,
         )
         if self.resume_version:
@@ -601,7 +616,9 @@ class Launcher:
             if self.interrupted:
                 await self.take_late_messages(ctrl, inbox)
             if self.evals is not None:  # a finished run's last evaluations, a stopped one's none
-                await (self.evals.close() if self.failure or self.interrupted else self.evals.drain(EVAL_DRAIN_S))
+                await (
+                    self.evals.close() if self.failure or self.interrupted else self.evals.drain(EVAL_DRAIN_S)
+                )
             if self.book.num_steps_trained > self.resume_version and self.state.step < self.cfg.learner.steps:
                 self.save_checkpoint()  # stopped early: the learner saved its half on Shutdown
             receiver.cancel()
