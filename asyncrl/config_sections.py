@@ -550,10 +550,11 @@ class WeightsConfig(Section, frozen=True, kw_only=True):
     update_deadline_s: PosFloat = 120.0
     # The weight-load canary (docs/weights.md, "Canary"): after loading a version each generator
     # scores fixed sequences built from the task's first training prompts (and their answers),
-    # about `canary_tokens` tokens (its cost: docs/weights.md, "Canary"); the launcher compares with the learner's own log-probs and
+    # about `canary_tokens` tokens; the launcher compares with the learner's own log-probs and
     # refuses a version beyond `canary_tolerance` (the generator is restarted and reloads it);
-    # `canary_max_refusals` refusals in a row for one generator fail the run.
-    canary: bool = True
+    # `canary_max_refusals` refusals in a row for one generator fail the run. Off by default: on
+    # the default job its forwards are several % of the work (docs/weights.md, "Canary").
+    canary: bool = False
     canary_tokens: Annotated[int, Meta(ge=2, le=4096)] = 32
     canary_tolerance: CanaryTolerance = CanaryTolerance()
     canary_max_refusals: PosInt = 2

@@ -32,7 +32,7 @@ HONEST_STANDIN = 1e-4
 def _launch(
     tmp_path: Path, name: str, *sets: str, fault: str = ""
 ) -> tuple[subprocess.CompletedProcess, Path]:
-    """A short run of the default job (the shipped model and task), on-policy."""
+    """A short run of the default job (the shipped model and task), on-policy, with the canary."""
     args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui"]
     for s in (
         f'run.out_dir="{tmp_path}"',
@@ -41,6 +41,7 @@ def _launch(
         "learner.samples_per_group=4",
         "task.num_eval=0",
         "staleness.max_staleness=0",
+        "weights.canary=true",  # off by default (docs/weights.md, "Canary": its cost)
         *sets,
     ):
         args += ["--set", s]
