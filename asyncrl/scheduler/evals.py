@@ -59,7 +59,7 @@ class BackgroundEvals:
         checkpoint it resumes from; later ones are evaluated again)."""
         for r in records:
             if r.get("version", up_to + 1) <= up_to:
-                self.curve[int(r["version"])] = r
+                self.curve[int(r["version"])] = {k: v for k, v in r.items() if k not in ("type", "time_s")}
 
     def submit(self, due: EvalDue) -> None:
         self.pending.append(due)
