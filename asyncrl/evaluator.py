@@ -42,31 +42,12 @@ def score_completions(config: Config, task, done: list) -> tuple[list[float], di
     """Each completion's evaluation score and the rewards' means, scored as training scores."""
     if not config.task.rewards:
         return [task.score(p.prompt, c.text, p.answer) for p, c in done], {}
-    from asyncrl.rewards.base import RewardInput
-    from asyncrl.rewards.scorer import make_scorer
+    from asyncrl.rewards.scorer import reward_means
+    from asyncrl.rewards.scorer import score_completions as score
 
-    scorer = make_scorer(config.task)
-    try:
-        scores = scorer.score_sync(
-            [
-                RewardInput(
-                    prompt=p.prompt,
-                    completion=c.text,
-                    answer=p.answer,
-                    extras=p.extras,
-                    num_tokens=c.num_tokens,
-                    finish_reason=c.finish_reason,
-                    max_new_tokens=config.sampling.max_new_tokens,
-                )
-                for p, c in done
-            ]
-        )
-    finally:
-        scorer.close()
-    key = config.task.scoring.eval_reward or scorer.names[0]
-    means = {name: sum(s.parts.get(name, 0.0) for s in scores) / len(scores) for name in scorer.names}
-    means["total"] = sum(s.reward for s in scores) / len(scores)
-    return [s.parts.get(key, 0.0) for s in scores], means
+    scores, names = score(config.task, done, max_new_tokens=config.sampling.max_new_tokens)
+    key = config.task.scoring.eval_reward or names[0]
+    return [s.parts.get(key, 0.0) for s in scores], reward_means(scores, names)
 
 
 def pass_at_k(scores: list[float], samples: int) -> dict[str, float]:

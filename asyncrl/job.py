@@ -80,33 +80,13 @@ def evaluate(config: Config, path: Path, task: Task) -> tuple[float, dict[str, f
     )
     if not config.task.rewards:
         return checkpoint_accuracy(path, task, **decode), {}
-    from asyncrl.rewards.base import RewardInput
-    from asyncrl.rewards.scorer import make_scorer
+    from asyncrl.rewards.scorer import reward_means, score_completions
 
     done = checkpoint_completions(path, task, **decode)
-    scorer = make_scorer(config.task)
-    try:
-        scores = scorer.score_sync(
-            [
-                RewardInput(
-                    prompt=p.prompt,
-                    completion=c.text,
-                    answer=p.answer,
-                    extras=p.extras,
-                    num_tokens=c.num_tokens,
-                    finish_reason=c.finish_reason,
-                    max_new_tokens=max_new,
-                )
-                for p, c in done
-            ]
-        )
-    finally:
-        scorer.close()
-    means = {name: sum(s.parts.get(name, 0.0) for s in scores) / len(scores) for name in scorer.names}
-    means["total"] = sum(s.reward for s in scores) / len(scores)
+    scores, names = score_completions(config.task, done, max_new_tokens=max_new)
+    means = reward_means(scores, names)
     means[NUM_FAILED] = float(sum(s.failed for s in scores))
-    key = config.task.scoring.eval_reward or scorer.names[0]
-    return means[key], means
+    return means[config.task.scoring.eval_reward or names[0]], means
 
 
 def load_task(config: Config, path: Path) -> tuple[Task, Any, dict[str, int]]:
@@ -395,6 +375,7 @@ def build_summary(
         lint=[f.to_json() for f in warnings],
         run_dir=str(run_dir),
         dataset_position=dataset_position(task, next_group=launcher.mode.admission.num_admitted),
+        canary=launcher.canary.summary() if launcher.canary_ids else None,
         error=failure or None,
     )
 

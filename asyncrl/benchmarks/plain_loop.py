@@ -318,26 +318,10 @@ def _scores(config: Config, task, done: list) -> list[float]:
     scores them (a scorer per call: its worker pool is this job's), or the task's own verifier."""
     if not config.task.rewards:
         return [task.score(p.prompt, c.text, p.answer) for p, c in done]
-    from asyncrl.rewards.base import RewardInput
-    from asyncrl.rewards.scorer import make_scorer
+    from asyncrl.rewards.scorer import score_completions
 
-    scorer = make_scorer(config.task)
-    try:
-        inputs = [
-            RewardInput(
-                prompt=p.prompt,
-                completion=c.text,
-                answer=p.answer,
-                extras=p.extras,
-                num_tokens=c.num_tokens,
-                finish_reason=c.finish_reason,
-                max_new_tokens=config.sampling.max_new_tokens,
-            )
-            for p, c in done
-        ]
-        return [s.reward for s in scorer.score_sync(inputs)]
-    finally:
-        scorer.close()
+    scores, _ = score_completions(config.task, done, max_new_tokens=config.sampling.max_new_tokens)
+    return [s.reward for s in scores]
 
 
 def _held_out_accuracy(model, tokenizer, task, config: Config, score: Scoring) -> float:

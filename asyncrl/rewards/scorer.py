@@ -294,3 +294,35 @@ def _resolve(done: asyncio.Future) -> None:
 def make_scorer(section: TaskConfig) -> Scorer | None:
     """The task's Scorer, or None when `task.rewards` is empty (the task's own score applies)."""
     return Scorer(section) if section.rewards else None
+
+
+def score_completions(
+    section: TaskConfig, done: Sequence[tuple[Any, Any]], *, max_new_tokens: int
+) -> tuple[list[Score], list[str]]:
+    """Score (problem, completion) pairs outside a run (held-out evaluation, the plain loop) with
+    `section.rewards`, as the generators score samples; a completion has `text`, `num_tokens` and
+    `finish_reason`. Returns the scores and the rewards' names; the scorer is closed after."""
+    scorer = Scorer(section)
+    try:
+        inputs = [
+            RewardInput(
+                prompt=p.prompt,
+                completion=c.text,
+                answer=p.answer,
+                extras=p.extras,
+                num_tokens=c.num_tokens,
+                finish_reason=c.finish_reason,
+                max_new_tokens=max_new_tokens,
+            )
+            for p, c in done
+        ]
+        return scorer.score_sync(inputs), list(scorer.names)
+    finally:
+        scorer.close()
+
+
+def reward_means(scores: Sequence[Score], names: Sequence[str]) -> dict[str, float]:
+    """Each reward's mean over `scores`, and "total" (the weighted sum's)."""
+    means = {name: sum(s.parts.get(name, 0.0) for s in scores) / len(scores) for name in names}
+    means["total"] = sum(s.reward for s in scores) / len(scores)
+    return means

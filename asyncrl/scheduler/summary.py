@@ -76,7 +76,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # Background evaluation (eval.every): one point per evaluated version, as its `eval` record
     # (version, accuracy = pass@1, pass_at_k, rewards, problems, samples, eval_s); versions skipped
     # because the evaluator fell behind, and versions whose evaluation failed.
-    eval_curve: list[dict] = []
+    eval_curve: list[dict]
     evals_skipped: list[int] = []
     evals_failed: list[int] = []
     reward_means: dict[str, float]  # each reward's mean over the samples generated

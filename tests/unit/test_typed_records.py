@@ -173,6 +173,7 @@ def test_summary_json_is_written_from_the_struct_nan_included(tmp_path):
         eval_after=0.5,
         eval_rewards_before={},
         eval_rewards_after={},
+        eval_curve=[],
         reward_means={},
         reward_failures={},
         completion_lengths={"generated": 4.0},
@@ -186,7 +187,8 @@ def test_summary_json_is_written_from_the_struct_nan_included(tmp_path):
     text = (tmp_path / "summary.json").read_text()
     assert '"eval_before": NaN' in text  # as json.dumps wrote it before
     out = json.loads(text)
-    absent = ("dataset_position", "canary", "error")  # omitted where they do not apply
+    # omitted where they do not apply
+    absent = ("evals_skipped", "evals_failed", "dataset_position", "canary", "error")
     assert list(out) == [k for k in summary_keys() if k not in absent]
 
 
