@@ -96,3 +96,6 @@ def test_a_short_sync_run_on_the_real_model(tmp_path: Path) -> None:
     for step in steps:
         assert step["stats"]["mismatch_k3"] < 1e-6, step["stats"]
     assert "held-out accuracy before training" in done.stdout + done.stderr
+    canary = summary["canary"]  # the example's weight-load canary: every version checked, none refused
+    assert canary["checked"] >= 1 and canary["refused"] == 0, canary
+    assert canary["max_abs_delta"] < LOGPROB_TOLERANCE_F32 * 10
