@@ -260,11 +260,6 @@ def check_eval(config: Config) -> None:
             f"eval.every = {every} evaluates held-out problems, and task.num_eval = 0 holds none out; "
             "set task.num_eval, or eval.every = 0"
         )
-    if every >= config.learner.steps > 0 and every:
-        raise ConfigError(
-            f"eval.every = {every} is not below learner.steps = {config.learner.steps}: no version "
-            "would be evaluated between before and after; lower it, or set eval.every = 0"
-        )
 
 
 def check_task_kind(section: TaskConfig) -> None:
