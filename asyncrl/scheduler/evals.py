@@ -1,10 +1,10 @@
 """Background evaluation, the launcher's half (`eval.every`; docs/monitor.md, "Evaluation curve").
 
 Place in the data flow: the learner writes a due version's weights and says so (`EvalDue`); the
-launcher hands it here (`submit`). One evaluator process (`python -m asyncrl.evaluator`) runs at a
-time, at a lower CPU priority than training (`eval.nice`); versions that come due meanwhile wait, at most
-`eval.max_pending` of them (past that the oldest waiting one is skipped and its weights removed),
-so evaluation never holds training back. Each result becomes an `eval` record and a point of the
+launcher hands it here (`submit`). One evaluator process (`python -m asyncrl.evaluator`) runs at
+a time, at a lower CPU priority than training (`eval.nice`); versions that come due meanwhile
+wait, at most `eval.max_pending` of them (past that the oldest waiting one is skipped and its
+weights removed), so evaluation never holds training back. Each result becomes an `eval` record and a point of the
 curve (`curve`), kept in summary.json; at the end of a run `drain` waits for what is left, up to a
 deadline. A failed evaluation is an event, not a failed run.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -24,8 +23,6 @@ from functools import partial
 from pathlib import Path
 
 from asyncrl.messages import EvalDue
-
-log = logging.getLogger(__name__)
 
 
 class BackgroundEvals:
