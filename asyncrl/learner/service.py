@@ -328,7 +328,9 @@ class LearnerService:
             held=held,
         )
         if eval_due(self.ctx.config, version):
-            await self.ctx.ctrl.send(EvalDue(version=version, path=str(eval_snapshot_dir(self.ctx.run_dir, version))))
+            await self.ctx.ctrl.send(
+                EvalDue(version=version, path=str(eval_snapshot_dir(self.ctx.run_dir, version)))
+            )
         if last and self.evaluates:
             await self.send_evaluation("after")  # before the last StepDone, which ends the run
         held, windows = loop.depth()

@@ -32,7 +32,8 @@ def _chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
     out = []
     for q in questions:
         ids = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": q}], add_generation_prompt=True
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
         )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
@@ -50,7 +51,14 @@ def test_learner_logprobs_equal_the_generators_behavior_logprobs() -> None:
     sampling = SamplingParams(temperature=1.0, max_new_tokens=48)
     work = [
         PromptTask(
-            task_id=i, group_id=i, prompt_ids=p, num_samples=2, sampling=sampling, dataset_index=i, window=0, answer="1"
+            task_id=i,
+            group_id=i,
+            prompt_ids=p,
+            num_samples=2,
+            sampling=sampling,
+            dataset_index=i,
+            window=0,
+            answer="1",
         )
         for i, p in enumerate(prompts)
     ]

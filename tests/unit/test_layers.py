@@ -27,9 +27,7 @@ import asyncrl
 
 PACKAGE_ROOT = Path(asyncrl.__file__).resolve().parent
 
-APP = frozenset(
-    {"cli", "job", "replay", "evaluator", "worker", "slurm", "benchmarks", "testing", "__main__"}
-)
+APP = frozenset({"cli", "job", "replay", "evaluator", "worker", "slurm", "benchmarks", "testing", "__main__"})
 ROLES = frozenset({"scheduler", "learner", "generators", "monitor"})
 INFRA = frozenset({"transport", "runtime"})
 LEAVES = frozenset(

@@ -51,7 +51,9 @@ def _fake_prepared(home: Path, name: str = NAME, dtype: str = "float32") -> Path
 
 
 def test_unprepared_reference_names_the_command(home: Path) -> None:
-    with pytest.raises(PrepareError, match=r"run `asyncrl models prepare smollm2-135m-instruct --dtype bf16`"):
+    with pytest.raises(
+        PrepareError, match=r"run `asyncrl models prepare smollm2-135m-instruct --dtype bf16`"
+    ):
         prepared_dir("prepared:smollm2-135m-instruct-bf16")
     with pytest.raises(PrepareError, match=r"no such preparable model; known: smollm2-135m-instruct"):
         prepared_dir("prepared:gpt-5")
@@ -113,7 +115,9 @@ def test_the_prepared_real_model_loads_as_an_ordinary_checkpoint() -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     tokenizer = load_tokenizer(path)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True
+    )
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
