@@ -175,12 +175,13 @@ def convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
         raise PrepareError(
             "converting a GGUF checkpoint needs the `gguf` package: pip install 'asyncrl[gguf]'"
         ) from None
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     from asyncrl.models.hf import quiet_offline
 
     quiet_offline()
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's own progress bars
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     folder, file = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
