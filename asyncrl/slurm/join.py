@@ -71,8 +71,10 @@ def run_state(run_dir: Path) -> str:
 
 
 def free_port() -> int:
+    """A port the kernel has free now, for torchrun's rendezvous (asked on loopback: nothing is
+    served here, and the package binds beyond loopback only under CURVE)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
