@@ -172,18 +172,25 @@ class Follower:
             self.sub.connect(target.endpoint)
 
     def catch_up(self) -> int:
-        """Everything in the file past what was seen; returns how many records were new."""
+        """What the file held past what was seen when this call began; returns how many records
+        were new. Read a piece at a time (a long run's records are folded, not all held at once)
+        and only up to the size the file had at the start: a run that writes faster than this
+        reads cannot keep the caller (and the q key) waiting."""
         self.last_file_read = time.monotonic()
         if self.file is None:
             return 0
+        try:
+            end = self.file.path.stat().st_size
+        except FileNotFoundError:
+            return 0
         num_new = 0
-        while True:  # a piece at a time: a long run's records are folded, not all held at once
+        while True:
             new = self.file.read_new(self.next_seq)
             for seq, record in new:
                 self.sink(record)
                 self.next_seq = seq + 1
             num_new += len(new)
-            if not self.file.more:
+            if not self.file.more or self.file.offset >= end:
                 return num_new
 
     def on_frames(self, frames: list[bytes]) -> None:
