@@ -215,9 +215,12 @@ class Follower:
         self.next_seq = seq + 1
 
     def poll(self, timeout_ms: int) -> None:
-        """Wait up to `timeout_ms` for records; read the file when the socket is quiet."""
+        """Wait up to `timeout_ms` for records; read the file when the socket is quiet. Takes at
+        most `timeout_ms` of frames at a time: a run that publishes faster than this folds them
+        must not keep the caller (and the q key) waiting."""
         if self.sub is not None and self.sub.poll(timeout_ms):
-            while True:
+            until = time.monotonic() + timeout_ms / 1000
+            while time.monotonic() < until:
                 try:
                     frames = self.sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
