@@ -579,6 +579,9 @@ class EvalConfig(Section, frozen=True, kw_only=True):
     # The evaluator's CPU priority below training's (an os.nice increment, 0-19): where it shares
     # cores with training, training keeps them and the evaluation takes what is left.
     nice: Annotated[int, Meta(ge=0, le=19)] = 10
+    # On Linux, also the idle scheduling class (SCHED_IDLE): the evaluator runs only on a core that
+    # training leaves idle; a niced process still takes a small share of a busy one.
+    idle_class: bool = True
     # Versions written and waiting for the evaluator at most; past that the oldest waiting one is
     # skipped (its weights removed) and counted: evaluation never holds the run back.
     max_pending: PosInt = 2

@@ -2,7 +2,8 @@
 
 Place in the data flow: the learner writes a due version's weights and says so (`EvalDue`); the
 launcher hands it here (`submit`). One evaluator process (`python -m asyncrl.evaluator`) runs at
-a time, at a lower CPU priority than training (`eval.nice`); versions that come due meanwhile
+a time, at a lower CPU priority than training (`eval.nice`, and on Linux the idle scheduling
+class, `eval.idle_class`); versions that come due meanwhile
 wait, at most `eval.max_pending` of them (past that the oldest waiting one is skipped and its
 weights removed), so evaluation never holds training back. Each result becomes an `eval` record and a point of the
 curve (`curve`), kept in summary.json; at the end of a run `drain` waits for what is left, up to a
@@ -25,6 +26,16 @@ from pathlib import Path
 from asyncrl.messages import EvalDue
 
 
+def lower_priority(nice: int, *, idle_class: bool) -> None:
+    """In the evaluator's process before it runs: nice it by `nice` and, where the platform has it
+    (Linux) and `idle_class` says so, move it to SCHED_IDLE, where it runs only on a core that every
+    normal-class process leaves idle (a niced process still takes a share of a busy core)."""
+    if nice:
+        os.nice(nice)
+    if idle_class and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 class BackgroundEvals:
     def __init__(
         self,
@@ -32,6 +43,7 @@ class BackgroundEvals:
         *,
         max_pending: int,
         nice: int = 10,
+        idle_class: bool = True,
         on_result: Callable[[dict], None],
         on_event: Callable[[str], None],
         command: tuple[str, ...] = (sys.executable, "-m", "asyncrl.evaluator"),
@@ -39,6 +51,7 @@ class BackgroundEvals:
         self.run_dir = Path(run_dir)
         self.max_pending = max_pending
         self.nice = nice
+        self.idle_class = idle_class
         self.on_result = on_result
         self.on_event = on_event
         self.command = command
@@ -94,7 +107,7 @@ class BackgroundEvals:
             *args,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            preexec_fn=partial(os.nice, self.nice) if self.nice else None,
+            preexec_fn=partial(lower_priority, self.nice, idle_class=self.idle_class),
         )
         out, err = await self.process.communicate()
         code = self.process.returncode

@@ -223,6 +223,7 @@ class Launcher:
             self.run_dir,
             max_pending=self.cfg.eval.max_pending,
             nice=self.cfg.eval.nice,
+            idle_class=self.cfg.eval.idle_class,
             on_result=self.on_eval_result,
             on_event=self.records.event,
         )
