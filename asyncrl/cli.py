@@ -26,14 +26,17 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+# The job's config and its overrides, as `launch`, `lint` and `slurm` take them.
+ConfigArg = Annotated[Path | None, typer.Argument(help="TOML config file (default: the embedded job)")]
+SetOption = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")
+]
+
+
 @app.command()
 def launch(
-    config: Annotated[
-        Path | None, typer.Argument(help="TOML config file (default: the embedded job)")
-    ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")
-    ] = None,
+    config: ConfigArg = None,
+    set_: SetOption = None,
     no_tui: Annotated[
         bool, typer.Option("--no-tui", help="Plain log lines instead of the live view")
     ] = False,
@@ -241,12 +244,8 @@ def report(
 
 @app.command()
 def lint(
-    config: Annotated[
-        Path | None, typer.Argument(help="TOML config file (default: the embedded job)")
-    ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config key: --set learner.epochs=2")
-    ] = None,
+    config: ConfigArg = None,
+    set_: SetOption = None,
 ) -> None:
     """Check a config for unsafe settings (docs/safety.md); exit 1 on an error. Starts nothing."""
     from asyncrl.config_load import load_config
@@ -391,12 +390,8 @@ def models_list() -> None:
 
 @app.command()
 def slurm(
-    config: Annotated[
-        Path | None, typer.Argument(help="TOML config file (default: the embedded job)")
-    ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config key: --set learner.lr=3e-4")
-    ] = None,
+    config: ConfigArg = None,
+    set_: SetOption = None,
     learner_nodes: Annotated[int, typer.Option("--learner-nodes", help="Nodes for the learner's ranks")] = 1,
     generator_nodes: Annotated[
         int, typer.Option("--generator-nodes", help="Nodes for generator workers")

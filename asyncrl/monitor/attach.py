@@ -51,7 +51,8 @@ class Target:
         return f"asyncrl monitor · {where} · {'live' if self.live else 'replay'}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -87,7 +88,7 @@ def resolve_target(arg: str) -> Target:
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{info_path} is unreadable ({exc}); replay only: remove it") from None
         endpoint = info.get("endpoint")
-        live = bool(info.get("live")) and _pid_alive(int(info.get("pid", 0)))
+        live = bool(info.get("live")) and pid_alive(int(info.get("pid", 0)))
     live = live and not (run_dir / "summary.json").is_file()
     return Target(run_dir=run_dir, endpoint=endpoint, live=live)
 

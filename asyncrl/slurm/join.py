@@ -17,25 +17,15 @@ socket that workers join too. The script removes a stale file before it starts t
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
 from pathlib import Path
 
+from asyncrl.monitor.attach import pid_alive
 from asyncrl.runtime import JOIN_FILE, read_join_info
 
 POLL_S = 0.2
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def wait_for_join(run_dir: Path, *, pid: int, timeout_s: float) -> str:
@@ -43,7 +33,7 @@ def wait_for_join(run_dir: Path, *, pid: int, timeout_s: float) -> str:
     path = run_dir / JOIN_FILE
     deadline = time.monotonic() + timeout_s
     while not path.is_file():
-        if not alive(pid):
+        if not pid_alive(pid):
             raise ValueError(f"the launcher (pid {pid}) exited before it wrote {path}; see its log")
         if time.monotonic() > deadline:
             raise ValueError(
