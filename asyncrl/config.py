@@ -17,6 +17,7 @@ import msgspec
 from asyncrl.config_sections import (
     BufferConfig,
     ClusterConfig,
+    EnvConfig,
     EvalConfig,
     GeneratorConfig,
     LearnerConfig,
@@ -39,6 +40,7 @@ class Config(Section, frozen=True, kw_only=True):
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
     generators: GeneratorConfig = GeneratorConfig()
+    env: EnvConfig = EnvConfig()
     learner: LearnerConfig = LearnerConfig()
     staleness: StalenessConfig = StalenessConfig()
     opd: OpdConfig = OpdConfig()
@@ -92,6 +94,11 @@ class Config(Section, frozen=True, kw_only=True):
                 "small, so use learner.sharding = 'none' (replicated ranks) with LoRA"
             )
         self._check_remote()
+        if self.env.kind and self.task.rewards:
+            raise ValueError(
+                "env.kind is set and so is task.rewards: an environment's episodes carry their own "
+                "reward (StepResult.reward); drop task.rewards or env.kind"
+            )
         if self.auto_staleness and self.buffer.mode == "pool":
             raise ValueError(
                 "staleness.max_staleness = 'auto' moves window admission's bound; buffer.mode = 'pool' "

@@ -201,6 +201,43 @@ class GeneratorConfig(Section, frozen=True, kw_only=True):
     remote_weights: Literal["network", "shared"] = "network"
 
 
+class EnvSandboxConfig(Section, frozen=True, kw_only=True):
+    """Limits of every environment worker process and of the code it runs (docs/environments.md)."""
+
+    cpu_s: PosInt = 60  # CPU seconds per worker process (RLIMIT_CPU; code-tool runs get their own)
+    memory_mb: PosInt = 2048  # address space per worker process (RLIMIT_AS)
+    file_mb: PosInt = 16  # largest file a worker may write (RLIMIT_FSIZE)
+    # Workers run with no network (their own network namespace where the kernel allows, and
+    # Landlock TCP rules); true lets an environment that calls a service reach the network.
+    network: bool = False
+
+
+class EnvConfig(Section, frozen=True, kw_only=True):
+    """Agentic episodes (docs/environments.md): "" = single-turn sampling."""
+
+    # Registry name (entry point `asyncrl.environments`) or `pkg.mod:obj`: a factory called with an
+    # EnvironmentContext, returning an Environment (asyncrl/environments/base.py).
+    kind: str = ""
+    options: dict[str, Any] = {}  # for the environment plugin (EnvironmentContext.options)
+    # Environment worker processes per generator (jailed: sandbox limits, private directory, no
+    # network); 0 = environments run in the generator's event loop (async, I/O-bound ones).
+    workers: NonNegInt = 2
+    max_episodes: PosInt = 64  # episodes in flight per generator (decoding or waiting on their environment)
+    max_turns: PosInt = 8  # model turns per episode
+    max_tokens: PosInt = 256  # model tokens per episode (each turn also stops at sampling.max_new_tokens)
+    max_episode_s: PosFloat = 300.0  # wall-clock per episode
+    step_timeout_s: PosFloat = 30.0  # one reset or step; past it the worker is killed and replaced
+    # An episode whose environment raised, hung, died or answered malformed: "retry" it from the
+    # start (up to max_retries times, then fail), or "fail" it: reward failure_reward, no token trained.
+    on_failure: Literal["retry", "fail"] = "retry"
+    max_retries: NonNegInt = 1
+    failure_reward: float = 0.0
+    # Tokens that end a model turn besides eos (e.g. "</tool_call>", or "=" for the calculator); each
+    # must be one token of the model's vocabulary.
+    stop_tokens: list[str] = []
+    sandbox: EnvSandboxConfig = EnvSandboxConfig()
+
+
 class LoraConfig(Section, frozen=True, kw_only=True):
     """LoRA RL (peft): train low-rank adapters only; rank 0 = off (docs/learner.md)."""
 

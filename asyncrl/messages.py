@@ -389,6 +389,9 @@ class GeneratorMetrics(_MetricRecord, frozen=True, kw_only=True, tag="generator"
     inflight_updates: int
     teacher_s: float
     teacher_version: int  # -1: no self-distillation teacher
+    # Agentic episodes (env.kind): the episode runner's counters by their own flat names
+    # ("env/turns", "env/failures_timeout", "env/budget_tokens", ...; docs/environments.md).
+    env: dict[str, float] = {}
 
 
 class TeacherMetrics(_MetricRecord, frozen=True, kw_only=True, tag="teacher", rename=_named("teacher")):

@@ -85,6 +85,9 @@ class GeneratorContext:
     # "batch" (a batch of up to max_batch_groups groups at a time), for generators that batch.
     batching: str = "continuous"
     max_batch_groups: int = 16  # generators.max_batch_groups: groups (x their samples) decoded at once
+    # The `env` section (asyncrl.config_sections.EnvConfig): with `env.kind` set, every sample is an
+    # agentic episode (generators/episodes.py); None or kind "" = single-turn sampling.
+    env: Any = None
 
 
 @runtime_checkable

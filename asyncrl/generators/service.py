@@ -88,6 +88,7 @@ class GeneratorService:
                 device=device_setting(cfg.generators.device),
                 batching=cfg.generators.batching,
                 max_batch_groups=cfg.batch_groups,
+                env=cfg.env,
             )
         )
         self.num_opd_samples = cfg.opd.samples_per_position
@@ -306,6 +307,7 @@ class GeneratorService:
                     inflight_updates=int(getattr(self.gen, "num_inflight_updates", 0)),
                     teacher_s=float(getattr(self.gen, "teacher_s", 0.0)),
                     teacher_version=int(getattr(self.gen, "teacher_version", -1)),
+                    env=dict(getattr(self.gen, "env_counters", {})),
                 ),
             )
         )

@@ -111,6 +111,16 @@ class TorchGenerator:
         self.teacher_s = 0.0  # time spent in teacher forwards
         self._refill: RefillPolicy | None = None  # continuous batching: when to take samples
         self._refill_key: tuple | None = None
+        self._turns = None  # env.kind set: the TorchTurnServer that decodes episodes' turns
+        self._episodes = None  # ... and their EpisodeRunner (generators/episodes.py)
+
+    @staticmethod
+    def check_config(config) -> None:
+        """`asyncrl launch` calls this before any process starts: the environment must load."""
+        if config.env.kind:
+            from asyncrl.environments.base import resolve_environment
+
+            resolve_environment(config.env.kind)
 
     def setup(self, ctx: GeneratorContext) -> None:
         import torch
@@ -131,6 +141,60 @@ class TorchGenerator:
         if ctx.opd is not None and ctx.opd.samples_per_position:
             self._teacher = self._make_teacher(ctx, device)
             self._opd_samples = ctx.opd.samples_per_position
+        if ctx.env is not None and ctx.env.kind:
+            self._setup_episodes(ctx)
+
+    def _setup_episodes(self, ctx: GeneratorContext) -> None:
+        """Agentic episodes (`env.kind`): turns decode on a TorchTurnServer, episodes run on the
+        event loop (`generators/episodes.py`)."""
+        from asyncrl.generators.episodes import TorchTurnServer, make_runner, stop_token_ids
+
+        if self._teacher is not None:
+            raise ValueError("env.kind with opd.enabled is not supported yet: episodes carry no teacher scores")
+        stops = list(stop_token_ids(self._tokenizer, list(ctx.env.stop_tokens)))
+        self._turns = TorchTurnServer(self, stop_ids=stops, capacity=ctx.env.max_episodes)
+        max_context = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
+        self._episodes = make_runner(ctx, self._turns, self._tokenizer, max_context=max_context)
+
+    def turn_sampler(self, params, stop_ids):
+        """The Sampler of episode turns: a turn also ends at any of `stop_ids`."""
+        from asyncrl.models.sampling import Sampler
+
+        tok = self._tokenizer
+        return Sampler(
+            self._model,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            current_version=lambda: self._version,
+            poll_update=self.apply_pending,
+            inflight=self._inflight,
+            stop_token_ids=stop_ids,
+        )
+
+    @property
+    def env_counters(self) -> dict[str, float]:
+        """The episode counters (`env/...` metrics); empty without an environment."""
+        return {} if self._episodes is None else self._episodes.counters.values()
+
+    async def _episode_stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
+        from asyncrl.generators.episodes import episode_stream
+        from asyncrl.models.sampling import sample_seed
+
+        assert self._ctx is not None and self._turns is not None
+        self._turns.start()
+        try:
+            async for rollouts in episode_stream(
+                feed,
+                self._episodes,
+                max_episodes=self._ctx.env.max_episodes,
+                seed_of=lambda d: sample_seed(self._run_seed, d.task.group_id, d.sample_index, d.task.attempt),
+            ):
+                yield rollouts
+        finally:
+            await asyncio.to_thread(self._turns.stop)
 
     def _make_teacher(self, ctx: GeneratorContext, device) -> Teacher:
         from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
@@ -178,7 +242,12 @@ class TorchGenerator:
     # ------------------------------------------------------------------ streaming
     async def generate_stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
         """Sample what `feed` hands out, on a worker thread; yield each decode step's finished
-        samples as Rollouts. Ends when nothing is running and the feed gives nothing."""
+        samples as Rollouts. Ends when nothing is running and the feed gives nothing. With an
+        environment, every sample is an episode (`_episode_stream`)."""
+        if self._episodes is not None:
+            async for rollouts in self._episode_stream(feed):
+                yield rollouts
+            return
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[list[Rollout] | None] = asyncio.Queue()
         stop = threading.Event()
@@ -377,6 +446,12 @@ class TorchGenerator:
         ]
 
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
+        if self._episodes is not None:  # whole groups of episodes, through the same stream
+            from asyncrl.generators.feed import SampleFeed
+
+            feed = SampleFeed()
+            feed.put(tasks)
+            return [r async for batch in self._episode_stream(feed) for r in batch]
         if len({t.sampling for t in tasks}) > 1:
             # One batched call samples with one set of parameters; split mixed batches.
             out: list[Rollout] = []
@@ -413,6 +488,8 @@ class TorchGenerator:
         with self._lock:
             if version > self._version and (self._pending is None or version > self._pending[0]):
                 self._pending = (version, state, on_applied)
+        if self._turns is not None:
+            self._turns.wake()  # an idle turn server applies them now
 
     def apply_pending(self) -> bool:
         """Copy offered weights into the model now, if any; True when the weights changed.
@@ -463,4 +540,7 @@ class TorchGenerator:
         await asyncio.to_thread(self.load_weights_sync, version, location)
 
     async def close(self) -> None:
+        if self._episodes is not None:
+            await self._episodes.host.aclose()
+            self._episodes = None
         self._model = None

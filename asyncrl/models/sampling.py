@@ -209,6 +209,7 @@ class Sampler:
         num_extra_samples: int = 0,
         ignore_eos: bool = False,
         compact: bool = True,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -230,6 +231,9 @@ class Sampler:
         self.num_extra = num_extra_samples
         self.ignore_eos = ignore_eos
         self.compact = compact
+        # More tokens that end a sample, as eos does (an agent's end of turn or tool-call close).
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self._stop_T = torch.tensor(sorted(self.stop_token_ids), dtype=torch.long)
         self.num_steps = 0  # decode steps taken (tokens sampled per running sample)
         self.num_weight_updates = 0
         self.num_running = 0  # samples not finished yet
@@ -332,7 +336,7 @@ class Sampler:
         out = []
         for j, (i, n) in enumerate(zip(idx_B.tolist(), lengths, strict=True)):
             tokens = ids[j][:n]
-            stop = tokens[-1] == self.eos_token_id and not self.ignore_eos
+            stop = tokens[-1] in self.stop_token_ids or (tokens[-1] == self.eos_token_id and not self.ignore_eos)
             out.append(
                 FinishedSample(
                     self._keys[i],
@@ -383,6 +387,8 @@ class Sampler:
         done_B = r["n"] >= self.max_new_tokens
         if not self.ignore_eos:
             done_B |= tok_cpu_B == self.eos_token_id
+        if self.stop_token_ids:
+            done_B |= torch.isin(tok_cpu_B, self._stop_T)
         done_B &= live_B
         finished: list[FinishedSample] = []
         if bool(done_B.any()):

@@ -1,1 +1,1 @@
-"""A multi-turn, tool-using generator plugin for asyncrl: see agent.py and docs/generators.md."""
+"""A multi-turn, tool-using environment for asyncrl: see environment.py and docs/environments.md."""

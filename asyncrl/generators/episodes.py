@@ -1,0 +1,225 @@
+"""Agentic episodes in a generator: the stream of episodes over the feed, and the torch turn server.
+
+Place in the data flow: with `env.kind` set, the torch and sglang generators' `generate_stream`
+is `episode_stream`: it keeps up to `env.max_episodes` episodes in flight (coroutines of
+`environments.runner.EpisodeRunner`), takes a new sample from the feed as soon as one ends and
+yields each episode's Rollout when it ends. Each backend gives the runner one turn at a time:
+SGLang sends one /generate per turn (`sglang/generator.py: turn`); the torch generator has a
+`TorchTurnServer`, a decoding thread with continuous batching whose rows are turns, not episodes:
+a turn joins the batch when its episode asks for it and leaves it when it ends, so an episode
+waiting on its environment holds no row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.environments.runner import Budgets, EnvCounters, EpisodeRunner, TurnOutput, TurnRequest
+
+if TYPE_CHECKING:
+    from asyncrl.environments.host import EnvHost
+    from asyncrl.generators.base import GeneratorContext, Rollout
+    from asyncrl.generators.feed import SampleFeed
+
+
+def stop_token_ids(tokenizer: Any, texts: list[str]) -> dict[int, str]:
+    """id -> text of each `env.stop_tokens` entry; ValueError when one is not a single token."""
+    out = {}
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(
+                f"env.stop_tokens: {text!r} is {len(ids)} tokens of the model's tokenizer ({ids}); "
+                "each stop token must be exactly one token"
+            )
+        out[ids[0]] = text
+    return out
+
+
+def open_host(ctx: GeneratorContext) -> EnvHost:
+    """The environment host of `ctx.env`: worker processes (`env.workers` > 0) or this event loop."""
+    from asyncrl.environments.base import EnvironmentContext, resolve_environment
+
+    env = ctx.env
+    factory = resolve_environment(env.kind)
+    env_ctx = EnvironmentContext(options=dict(env.options), model_path=ctx.model_path)
+    if env.workers:
+        from asyncrl.environments.pool import ProcessPoolHost
+
+        return ProcessPoolHost(env, env_ctx, run_dir=ctx.run_dir, name=ctx.generator_id)
+    from asyncrl.environments.host import InProcessHost
+
+    return InProcessHost(factory, env_ctx, timeout_s=env.step_timeout_s)
+
+
+def make_runner(
+    ctx: GeneratorContext, backend: Any, tokenizer: Any, *, max_context: int = 0
+) -> EpisodeRunner:
+    """The episode runner of a generator whose `ctx.env.kind` is set."""
+    stops = stop_token_ids(tokenizer, list(ctx.env.stop_tokens))
+    return EpisodeRunner(
+        backend,
+        open_host(ctx),
+        tokenizer,
+        Budgets.from_config(ctx.env, max_context=max_context),
+        stop_texts=stops,
+        counters=EnvCounters(),
+    )
+
+
+async def episode_stream(
+    feed: SampleFeed, runner: EpisodeRunner, *, max_episodes: int, seed_of: Callable[[Any], int]
+) -> AsyncIterator[list[Rollout]]:
+    """Up to `max_episodes` episodes of `feed`'s samples in flight; each Rollout yielded as its
+    episode ends (those that ended together in one list). Ends when none is in flight and the
+    feed gives nothing; an episode that raises (a backend failure) ends the stream with its error."""
+    running: set[asyncio.Task] = set()
+    try:
+        while True:
+            feed.changed.clear()  # before taking: work put after this wakes the wait below
+            for draw in feed.take(max_episodes - len(running)):
+                running.add(
+                    asyncio.create_task(
+                        runner.run(draw.task, draw.sample_index, seed_of(draw)),
+                        name=f"episode-t{draw.task.task_id}-s{draw.sample_index}",
+                    )
+                )
+            if not running:
+                return
+            changed = asyncio.create_task(feed.changed.wait())
+            done, _ = await asyncio.wait({*running, changed}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            finished = [t for t in running if t in done]
+            running.difference_update(finished)
+            if finished:
+                yield [t.result() for t in finished]
+    finally:
+        for t in running:
+            t.cancel()
+
+
+class TorchTurnServer:
+    """Decodes turns for the torch generator on one thread, with continuous batching.
+
+    `turn` (on the event loop) queues a request and awaits its output; the thread adds queued
+    turns to its `Sampler` between decode steps (up to `capacity` rows; turns with other sampling
+    params wait until the batch empties), steps, and resolves each finished turn's future. New
+    weights are applied between decode steps (the Sampler's `poll_update`, `weights.inflight`
+    per turn) and before a turn joins an empty batch. A turn longer than its request's budget (the
+    batch decodes up to the sampling's `max_new_tokens`) is cut to its budget, finish "length".
+    """
+
+    def __init__(self, gen: Any, *, stop_ids: list[int], capacity: int) -> None:
+        self.gen = gen
+        self.stop_ids = stop_ids
+        self.capacity = capacity
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[TurnRequest, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._decoding: dict[int, tuple] = {}  # id(future) -> key, of the turns in the Sampler
+
+    @property
+    def version(self) -> int:
+        return self.gen.version
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="torch-turns", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def wake(self) -> None:
+        """New weights were offered: an idle thread applies them now."""
+        with self._cond:
+            self._cond.notify_all()
+
+    async def turn(self, request: TurnRequest) -> TurnOutput:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the torch turn server is stopped")
+            self._queue.append((request, fut, loop))
+            self._cond.notify_all()
+        return await fut
+
+    def _take(self, running: int, params) -> list[tuple[TurnRequest, asyncio.Future, Any]]:
+        """Queued turns that join the batch now (called with the lock held)."""
+        out = []
+        while self._queue and running + len(out) < self.capacity:
+            req = self._queue[0][0]
+            if params is not None and running and req.sampling != params:
+                break
+            if out and req.sampling != out[0][0].sampling:
+                break
+            out.append(self._queue.popleft())
+        return out
+
+    def _run(self) -> None:
+        import torch
+
+        from asyncrl.models.sampling import SampleRequest
+
+        sampler = params = None
+        try:
+            with torch.no_grad():
+                while True:
+                    running = 0 if sampler is None else sampler.num_running
+                    with self._cond:
+                        while not self._stopped and not self._queue and running == 0:
+                            self._cond.wait()
+                            self.gen.apply_pending()  # idle: a safe point for offered weights
+                        if self._stopped:
+                            break
+                        joining = self._take(running, params)
+                    if joining:
+                        if running == 0:
+                            self.gen.apply_pending()
+                            if params != joining[0][0].sampling:
+                                params = joining[0][0].sampling
+                                sampler = self.gen.turn_sampler(params, self.stop_ids)
+                        self._decoding.update((id(key[1]), key) for key in joining)
+                        sampler.add([SampleRequest(key, key[0].ids, key[0].seed) for key in joining])
+                    if sampler is not None and sampler.num_running:
+                        for done in sampler.step():
+                            self._resolve(done)
+        except BaseException as exc:  # the model failed: every waiting episode gets the error
+            self._fail_all(exc)
+            raise
+
+    def _resolve(self, done) -> None:
+        self._decoding.pop(id(done.key[1]), None)
+        req, fut, loop = done.key
+        n = min(len(done.completion_ids), req.max_new_tokens)
+        finish = done.finish_reason if n == len(done.completion_ids) else "length"
+        out = TurnOutput(done.completion_ids[:n], done.logprobs[:n], done.versions[:n], finish)
+        loop.call_soon_threadsafe(_set_result, fut, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            self._stopped = True
+            waiting = list(self._queue)
+            self._queue.clear()
+        for _, fut, loop in [*waiting, *self._decoding.values()]:
+            loop.call_soon_threadsafe(_set_exception, fut, exc)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(RuntimeError(f"the torch turn server failed: {exc!r}"))
