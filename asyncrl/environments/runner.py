@@ -194,7 +194,11 @@ class EpisodeRunner:
                     continue
                 self.counters.add("failed")
                 log.warning("episode of sample %d of task %d failed: %s", sample_index, task.task_id, exc)
-                return self._failed(task, sample_index, stream)
+                failed = self._failed(task, sample_index, stream)
+                self.counters.add("failed_tokens", len(failed.completion_ids))
+                return failed
+            self.counters.add("model_tokens", stream.model_tokens)  # sent episodes only: the
+            self.counters.add("env_tokens", len(stream.ids) - stream.model_tokens)  # trained/masked split
             return Rollout(
                 task_id=task.task_id,
                 sample_index=sample_index,
@@ -226,7 +230,6 @@ class EpisodeRunner:
                 )
                 stream.add_model(out)
                 self.counters.add("turns")
-                self.counters.add("model_tokens", len(out.ids))
                 stop = self.stop_texts.get(out.ids[-1], "") if out.ids and out.finish_reason == "stop" else ""
                 action = Action(
                     ids=out.ids,
@@ -241,9 +244,7 @@ class EpisodeRunner:
                     self.counters.add(f"info_{name}", value)
                 if result.done:
                     return "stop" if out.finish_reason == "stop" else "length"
-                obs_ids = self._render(result.observation)
-                stream.add_env(obs_ids, self.backend.version)
-                self.counters.add("env_tokens", len(obs_ids))
+                stream.add_env(self._render(result.observation), self.backend.version)
             return self._ended("turns", stream)
         finally:
             await self.host.close_episode(handle)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.environments.runner import Budgets, EnvCounters, EpisodeRunner, TurnOutput, TurnRequest
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from asyncrl.environments.host import EnvHost
     from asyncrl.generators.base import GeneratorContext, Rollout
     from asyncrl.generators.feed import SampleFeed
+    from asyncrl.messages import PromptTask
 
 
 def stop_token_ids(tokenizer: Any, texts: list[str]) -> dict[int, str]:
@@ -56,19 +57,44 @@ def open_host(ctx: GeneratorContext) -> EnvHost:
     return InProcessHost(factory, env_ctx, timeout_s=env.step_timeout_s)
 
 
-def make_runner(
-    ctx: GeneratorContext, backend: Any, tokenizer: Any, *, max_context: int = 0
-) -> EpisodeRunner:
-    """The episode runner of a generator whose `ctx.env.kind` is set."""
-    stops = stop_token_ids(tokenizer, list(ctx.env.stop_tokens))
-    return EpisodeRunner(
-        backend,
-        open_host(ctx),
-        tokenizer,
-        Budgets.from_config(ctx.env, max_context=max_context),
-        stop_texts=stops,
-        counters=EnvCounters(),
-    )
+class Episodes:
+    """A generator's agentic side (`env.kind` set): its runner, and the stream of episodes."""
+
+    def __init__(self, ctx: GeneratorContext, backend: Any, tokenizer: Any, *, max_context: int = 0) -> None:
+        self.runner = EpisodeRunner(
+            backend,
+            open_host(ctx),
+            tokenizer,
+            Budgets.from_config(ctx.env, max_context=max_context),
+            stop_texts=stop_token_ids(tokenizer, list(ctx.env.stop_tokens)),
+            counters=EnvCounters(),
+        )
+        self.max_episodes = ctx.env.max_episodes
+        self.run_seed = ctx.run_seed
+
+    def seed_of(self, draw: Any) -> int:
+        from asyncrl.models.sampling import sample_seed
+
+        return sample_seed(self.run_seed, draw.task.group_id, draw.sample_index, draw.task.attempt)
+
+    def stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
+        return episode_stream(feed, self.runner, max_episodes=self.max_episodes, seed_of=self.seed_of)
+
+    async def generate(
+        self, tasks: Sequence[PromptTask], stream: Callable[[SampleFeed], Any]
+    ) -> list[Rollout]:
+        """Every sample of `tasks` as an episode, through `stream` (the generator's own)."""
+        from asyncrl.generators.feed import SampleFeed
+
+        feed = SampleFeed()
+        feed.put(tasks)
+        return [r async for batch in stream(feed) for r in batch]
+
+    def counters(self) -> dict[str, float]:
+        return self.runner.counters.values()
+
+    async def aclose(self) -> None:
+        await self.runner.host.aclose()
 
 
 async def episode_stream(

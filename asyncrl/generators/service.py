@@ -207,6 +207,8 @@ class GeneratorService:
                 if rollouts:
                     await self.take(rollouts)
             await pumping  # raises what the generator raised
+            if getattr(self.gen, "env_counters", None):  # episode counters complete at every idle point
+                await self.send_metrics()
             # The generator is idle: whatever it was handed has come back (else its task would
             # never be done and the run would stall without a word).
             held = self.weights.canary.gate.held_samples()  # waiting for a canary verdict

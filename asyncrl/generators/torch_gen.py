@@ -147,14 +147,16 @@ class TorchGenerator:
     def _setup_episodes(self, ctx: GeneratorContext) -> None:
         """Agentic episodes (`env.kind`): turns decode on a TorchTurnServer, episodes run on the
         event loop (`generators/episodes.py`)."""
-        from asyncrl.generators.episodes import TorchTurnServer, make_runner, stop_token_ids
+        from asyncrl.generators.episodes import Episodes, TorchTurnServer, stop_token_ids
 
         if self._teacher is not None:
-            raise ValueError("env.kind with opd.enabled is not supported yet: episodes carry no teacher scores")
+            raise ValueError(
+                "env.kind with opd.enabled is not supported yet: episodes carry no teacher scores"
+            )
         stops = list(stop_token_ids(self._tokenizer, list(ctx.env.stop_tokens)))
         self._turns = TorchTurnServer(self, stop_ids=stops, capacity=ctx.env.max_episodes)
         max_context = int(getattr(self._model.config, "max_position_embeddings", 0) or 0)
-        self._episodes = make_runner(ctx, self._turns, self._tokenizer, max_context=max_context)
+        self._episodes = Episodes(ctx, self._turns, self._tokenizer, max_context=max_context)
 
     def turn_sampler(self, params, stop_ids):
         """The Sampler of episode turns: a turn also ends at any of `stop_ids`."""
@@ -177,46 +179,16 @@ class TorchGenerator:
     @property
     def env_counters(self) -> dict[str, float]:
         """The episode counters (`env/...` metrics); empty without an environment."""
-        return {} if self._episodes is None else self._episodes.counters.values()
+        return {} if self._episodes is None else self._episodes.counters()
 
     async def _episode_stream(self, feed: SampleFeed) -> AsyncIterator[list[Rollout]]:
-        from asyncrl.generators.episodes import episode_stream
-        from asyncrl.models.sampling import sample_seed
-
-        assert self._ctx is not None and self._turns is not None
+        assert self._episodes is not None and self._turns is not None
         self._turns.start()
         try:
-            async for rollouts in episode_stream(
-                feed,
-                self._episodes,
-                max_episodes=self._ctx.env.max_episodes,
-                seed_of=lambda d: sample_seed(self._run_seed, d.task.group_id, d.sample_index, d.task.attempt),
-            ):
+            async for rollouts in self._episodes.stream(feed):
                 yield rollouts
         finally:
             await asyncio.to_thread(self._turns.stop)
-
-    def _make_teacher(self, ctx: GeneratorContext, device) -> Teacher:
-        from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
-
-        opd, pad = ctx.opd, self._tokenizer.pad_token_id
-        if opd.teacher == "self":
-            return SelfTeacher(
-                self._model,
-                weights=opd.self_weights,
-                lag=opd.self_lag,
-                ewma_decay=opd.self_ewma_decay,
-                pad_token_id=pad,
-            )
-        if opd.placement == "service":
-            if ctx.teacher is None:
-                raise ValueError(
-                    "opd.placement = 'service': this generator was given no shared teacher "
-                    "(GeneratorContext.teacher); `asyncrl launch` starts one and connects every generator"
-                )
-            return ctx.teacher
-        model = load_teacher(opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype)
-        return ModelTeacher(model, pad_token_id=pad)
 
     @property
     def version(self) -> int:
@@ -447,11 +419,7 @@ class TorchGenerator:
 
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
         if self._episodes is not None:  # whole groups of episodes, through the same stream
-            from asyncrl.generators.feed import SampleFeed
-
-            feed = SampleFeed()
-            feed.put(tasks)
-            return [r async for batch in self._episode_stream(feed) for r in batch]
+            return await self._episodes.generate(tasks, self._episode_stream)
         if len({t.sampling for t in tasks}) > 1:
             # One batched call samples with one set of parameters; split mixed batches.
             out: list[Rollout] = []
@@ -541,6 +509,6 @@ class TorchGenerator:
 
     async def close(self) -> None:
         if self._episodes is not None:
-            await self._episodes.host.aclose()
+            await self._episodes.aclose()
             self._episodes = None
         self._model = None

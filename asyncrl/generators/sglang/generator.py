@@ -88,11 +88,12 @@ from asyncrl.generators.sglang.options import (
     parse_options,
     resolve_api_key,
 )
-from asyncrl.messages import BroadcastPublished, CanaryScores, PromptTask
+from asyncrl.messages import BroadcastPublished, CanaryScores, PromptTask, SamplingParams
 from asyncrl.transport import security
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.environments.runner import TurnOutput, TurnRequest
     from asyncrl.generators.feed import SampleFeed
 
 log = logging.getLogger(__name__)
@@ -130,11 +131,18 @@ class SGLangGenerator:
         self._closed = False
         self.num_reissues = 0
         self.num_aborted_segments = 0
+        self._episodes = None  # env.kind set: generators/episodes.py, turns through `turn`
+        self._stop_ids: list[int] = []
+        self._turns_issued = 0
 
     @staticmethod
     def check_config(config: Config) -> None:
         """`asyncrl launch` calls this before any process starts: options and their conflicts."""
         check_config(config)
+        if config.env.kind:
+            from asyncrl.environments.base import resolve_environment
+
+            resolve_environment(config.env.kind)
 
     def setup(self, ctx: GeneratorContext) -> None:
         from transformers import AutoTokenizer
@@ -161,7 +169,13 @@ class SGLangGenerator:
             self.fleet.on_readmit = self._bring_up_to_date
             self._adapters = AdapterBook(ctx.generator_id)
             self._unloader = Unloader(self.fleet.call, self.fleet.servers, self._adapters)
-            self._rollouts = RolloutBuilder.for_task(ctx.task, AutoTokenizer.from_pretrained(ctx.model_path))
+            tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)
+            self._rollouts = RolloutBuilder.for_task(ctx.task, tokenizer)
+            if ctx.env is not None and ctx.env.kind:
+                from asyncrl.generators.episodes import Episodes, stop_token_ids
+
+                self._stop_ids = list(stop_token_ids(tokenizer, list(ctx.env.stop_tokens)))
+                self._episodes = Episodes(ctx, self, tokenizer)
         except BaseException:
             if self._launched:  # nobody will call close() on a generator whose setup failed
                 from asyncrl.generators.sglang.launch import stop_servers
@@ -233,8 +247,7 @@ class SGLangGenerator:
             "(launch servers with --weight-version 0, or leave the default)"
         )
 
-    def _sampling_params(self, task: PromptTask, budget: int, seed: int) -> dict[str, Any]:
-        s = task.sampling
+    def _sampling_params(self, s: SamplingParams, budget: int, seed: int) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": budget,
             "temperature": float(s.temperature),
@@ -284,25 +297,74 @@ class SGLangGenerator:
         return decode_generate(data)
 
     async def _sample(self, task: PromptTask, k: int) -> Rollout:
-        """Sample `k` of `task` on a server slot: one request per segment, re-issued on another
-        server when one fails, resumed after an abort (an in-flight weight update) with the
-        tokens so far, or restarted under `weights.inflight = "abort"`."""
+        """Sample `k` of `task` on a server slot (`_decode`), scored and built into a Rollout."""
         from asyncrl.models.sampling import sample_seed
 
-        assert self._ctx is not None and self._slots is not None
-        max_new = task.sampling.max_new_tokens
+        assert self._ctx is not None
         base_seed = sample_seed(self._ctx.run_seed, task.group_id, k, task.attempt)
+        ids, logps, versions, finish = await self._decode(
+            list(task.prompt_ids),
+            task.sampling,
+            task.sampling.max_new_tokens,
+            base_seed,
+            label=f"t{task.task_id}-s{k}",
+        )
+        return self._rollouts.build(
+            task,
+            k,
+            completion_ids=ids,
+            behavior_logprobs=logps,
+            token_versions=versions,
+            finish_reason=finish,
+        )
+
+    async def turn(self, request: TurnRequest) -> TurnOutput:
+        """One model turn of an agentic episode (`environments/runner.py`): the episode's ids in,
+        the turn's ids, behavior log-probs and versions out; it ends at eos, a stop token
+        (`env.stop_tokens`, sent as `stop_token_ids`) or its budget. Holds a slot only while it decodes."""
+        from asyncrl.environments.runner import TurnOutput
+
+        self._turns_issued += 1
+        out = await self._decode(
+            request.ids,
+            request.sampling,
+            request.max_new_tokens,
+            request.seed,
+            label=f"turn{self._turns_issued}",
+            stop_ids=self._stop_ids,
+        )
+        return TurnOutput(*out)
+
+    async def _decode(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        max_new: int,
+        base_seed: int,
+        *,
+        label: str,
+        stop_ids: Sequence[int] = (),
+    ) -> tuple[list[int], list[float], list[int], str]:
+        """(ids, behavior log-probs, versions, finish_reason) of up to `max_new` tokens after
+        `prompt_ids`, on a server slot: one request per segment, re-issued on another server when
+        one fails, resumed after an abort (an in-flight weight update) with the tokens so far, or
+        restarted under `weights.inflight = "abort"`."""
+        assert self._ctx is not None and self._slots is not None
         ids: list[int] = []
         logps: list[float] = []
         versions: list[int] = []
         failures = aborts = attempt = 0
-        use_mask = task.sampling.top_p < 1.0 and task.sampling.temperature > 0
+        use_mask = sampling.top_p < 1.0 and sampling.temperature > 0
         async with self._slots:
             while True:
-                rid = f"{self._ctx.generator_id}-t{task.task_id}-s{k}-a{attempt}"
+                rid = f"{self._ctx.generator_id}-{label}-a{attempt}"
                 attempt += 1
                 adapter = self._adapters.acquire() if self._adapters is not None else None
-                body = self._request_body(task, ids, base_seed, rid=rid, adapter=adapter, use_mask=use_mask)
+                body = self._request_body(
+                    prompt_ids, sampling, max_new, ids, base_seed, rid=rid, adapter=adapter, use_mask=use_mask
+                )
+                if stop_ids:
+                    body.sampling_params["stop_token_ids"] = list(stop_ids)
                 try:
                     server = await self.fleet.acquire()
                 except BaseException:
@@ -312,7 +374,7 @@ class SGLangGenerator:
                     resp = await self._request(server, body)
                 except ServerUnavailable as exc:
                     failures += 1
-                    self._reissue(task, k, server, rid, exc, failures)
+                    self._reissue(label, server, rid, exc, failures)
                     continue
                 finally:
                     self.fleet.release(server)
@@ -325,9 +387,7 @@ class SGLangGenerator:
                     aborts += 1
                     self.num_aborted_segments += 1
                     if aborts > MAX_ABORTS_PER_SAMPLE:
-                        raise ServerUnavailable(
-                            f"sample {k} of task {task.task_id} was aborted {aborts} times"
-                        )
+                        raise ServerUnavailable(f"{label} was aborted {aborts} times")
                     if self._ctx.inflight == "abort":
                         ids, logps, versions = [], [], []
                         continue
@@ -341,24 +401,26 @@ class SGLangGenerator:
                         f"SGLang server {server.url} answered finish_reason {finish!r} for {rid}"
                     )
                 break
-        return self._rollouts.build(
-            task,
-            k,
-            completion_ids=ids,
-            behavior_logprobs=logps,
-            token_versions=versions,
-            finish_reason="stop" if finish == "stop" else "length",
-        )
+        return ids, logps, versions, "stop" if finish == "stop" else "length"
 
     def _request_body(
-        self, task: PromptTask, ids: list[int], base_seed: int, *, rid: str, adapter, use_mask: bool
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        max_new: int,
+        ids: list[int],
+        base_seed: int,
+        *,
+        rid: str,
+        adapter,
+        use_mask: bool,
     ) -> GenerateRequest:
         """The request of one segment: the prompt and the tokens so far, the rest of the budget,
         the segment's seed (from the tokens so far, so a resumed sample draws as an unbroken one)."""
         return GenerateRequest(
-            input_ids=list(task.prompt_ids) + ids,
+            input_ids=prompt_ids + ids,
             sampling_params=self._sampling_params(
-                task, task.sampling.max_new_tokens - len(ids), segment_seed(base_seed, len(ids))
+                sampling, max_new - len(ids), segment_seed(base_seed, len(ids))
             ),
             rid=rid,
             return_logprob=True,
@@ -367,20 +429,18 @@ class SGLangGenerator:
             lora_path=adapter[1] if adapter else None,
         )
 
-    def _reissue(
-        self, task: PromptTask, k: int, server, rid: str, exc: ServerUnavailable, failures: int
-    ) -> None:
+    def _reissue(self, label: str, server, rid: str, exc: ServerUnavailable, failures: int) -> None:
         """A server failed a segment: quarantine it, abort the request there, and let the caller
         re-issue it, unless the sample has failed more than `max_retries` times (raised)."""
         self.fleet.quarantine(server, str(exc))
         asyncio.get_running_loop().create_task(self._abort_quietly(server, rid))
         if failures > self.opts["max_retries"]:
             raise ServerUnavailable(
-                f"sample {k} of task {task.task_id} failed {failures} times "
+                f"{label} failed {failures} times "
                 f"(generators.options.max_retries = {self.opts['max_retries']}); last: {exc}"
             ) from None
         self.num_reissues += 1
-        log.warning("re-issuing sample %d of task %d after: %s", k, task.task_id, exc)
+        log.warning("re-issuing %s after: %s", label, exc)
 
     def _release_adapter(self, adapter: tuple[int, str] | None) -> None:
         if adapter is not None and self._adapters is not None and self._unloader is not None:
@@ -393,10 +453,17 @@ class SGLangGenerator:
         except ServerUnavailable:
             pass
 
+    @property
+    def env_counters(self) -> dict[str, float]:
+        """The episode counters (`env/...` metrics); empty without an environment."""
+        return {} if self._episodes is None else self._episodes.counters()
+
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
         await self._servers_ready()
         if self._slots is None:
             self._slots = asyncio.Semaphore(int(self.opts["max_concurrency"]))
+        if self._episodes is not None:
+            return await self._episodes.generate(tasks, self._episodes.stream)
         jobs = [self._sample(task, k) for task in tasks for k in range(task.num_samples)]
         return list(await asyncio.gather(*jobs))
 
@@ -408,6 +475,10 @@ class SGLangGenerator:
         await self._servers_ready()
         if self._slots is None:
             self._slots = asyncio.Semaphore(int(self.opts["max_concurrency"]))
+        if self._episodes is not None:  # every sample an episode; a turn holds a slot while it decodes
+            async for rollouts in self._episodes.stream(feed):
+                yield rollouts
+            return
         limit = int(self.opts["max_concurrency"])
         running: set[asyncio.Task[Rollout]] = set()
         try:
@@ -601,6 +672,8 @@ class SGLangGenerator:
             return
         self._closed = True
         try:
+            if self._episodes is not None:
+                await self._episodes.aclose()
             if self._group is not None:
                 await self._group.leave()
             if self._unloader is not None:

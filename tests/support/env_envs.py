@@ -1,0 +1,86 @@
+"""Environments for the environment tests (plugins by `tests.support.env_envs:NAME` path).
+
+`digits`: three model turns; after each, the environment answers with digits (text), so with the
+BPE model of `env_models.py` a re-tokenised episode merges model and environment tokens.
+`hostile`: what a hostile or broken environment does, chosen per problem (`HOSTILE_KINDS`, by
+the prompt's first operand modulo their number); the others behave (`digits`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from asyncrl.environments.base import Action, EnvironmentContext, EpisodeStart, Observation, StepResult
+
+
+class DigitsEnv:
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+
+    async def reset(self, start: EpisodeStart) -> Observation:
+        self.start = start
+        return Observation()
+
+    async def step(self, action: Action) -> StepResult:
+        if action.turn + 1 >= self.turns:
+            return StepResult(reward=float("1" in action.text), done=True)
+        return StepResult(observation=Observation(text=str(2 + action.turn) * 2), reward=0.0)
+
+
+def digits(ctx: EnvironmentContext) -> DigitsEnv:
+    return DigitsEnv(**ctx.options)
+
+
+HOSTILE_KINDS = ("raise", "hang", "allocate", "write_outside", "network", "malformed", "behave")
+
+
+def hostile_kind(prompt: str) -> str:
+    digits_ = "".join(c if c.isdigit() else " " for c in prompt).split()
+    return HOSTILE_KINDS[int(digits_[0]) % len(HOSTILE_KINDS)] if digits_ else "behave"
+
+
+class HostileEnv(DigitsEnv):
+    """Misbehaves at its first step as its problem says; `probe` (options) is a directory and a
+    port the test watches: a write outside the jail lands in the directory, a connection reaches
+    the port."""
+
+    def __init__(self, ctx: EnvironmentContext) -> None:
+        super().__init__(turns=2)
+        self.opts = ctx.options
+
+    async def step(self, action: Action) -> StepResult:
+        kind = hostile_kind(self.start.prompt)
+        if action.turn == 0 and kind != "behave":
+            return await getattr(self, f"_{kind}")()
+        return await super().step(action)
+
+    async def _raise(self) -> StepResult:
+        raise RuntimeError("hostile environment: raised")
+
+    async def _hang(self) -> StepResult:
+        time.sleep(3600)  # blocks the worker's loop: only killing the worker ends it
+        raise AssertionError("unreachable")
+
+    async def _allocate(self) -> StepResult:
+        hog = bytearray(8 << 30)  # 8 GiB: past the worker's address-space limit
+        return StepResult(observation=Observation(text=str(len(hog))))
+
+    async def _write_outside(self) -> StepResult:
+        target = Path(self.opts["probe_dir"]) / f"escaped-{os.getpid()}"
+        target.write_text("written outside the jail")
+        return StepResult(observation=Observation(text="1"))
+
+    async def _network(self) -> StepResult:
+        with socket.create_connection(("127.0.0.1", int(self.opts["probe_port"])), timeout=5):
+            pass
+        return StepResult(observation=Observation(text="1"))
+
+    async def _malformed(self) -> StepResult:
+        return {"observation": "not a StepResult"}  # type: ignore[return-value]
+
+
+def hostile(ctx: EnvironmentContext) -> HostileEnv:
+    return HostileEnv(ctx)
