@@ -221,7 +221,7 @@ class EpisodeRunner:
             stream.add_env(self._render(first), self.backend.version)
             for turn in range(b.max_turns):
                 try:
-                    budget = self._turn_budget(task, stream, began)
+                    budget, bound = self._turn_budget(task, stream, began)
                 except _BudgetEnd as end:
                     return self._ended(end.reason, stream)
                 history = list(task.prompt_ids) + stream.ids
@@ -230,6 +230,8 @@ class EpisodeRunner:
                 )
                 stream.add_model(out)
                 self.counters.add("turns")
+                if bound and out.finish_reason == "length" and len(out.ids) >= budget:
+                    return self._ended(bound, stream)  # cut by the episode's budget, not the turn's
                 stop = self.stop_texts.get(out.ids[-1], "") if out.ids and out.finish_reason == "stop" else ""
                 action = Action(
                     ids=out.ids,
@@ -262,19 +264,22 @@ class EpisodeRunner:
         except BadObservation as exc:
             raise EnvFailure("bad_observation", str(exc)) from None
 
-    def _turn_budget(self, task: PromptTask, stream: _Stream, began: float) -> int:
-        """Model tokens the next turn may take; _BudgetEnd when the episode has none left."""
+    def _turn_budget(self, task: PromptTask, stream: _Stream, began: float) -> tuple[int, str]:
+        """Model tokens the next turn may take, and which episode budget bounds it ("" when the
+        turn's own `max_new_tokens` does); _BudgetEnd when the episode has none left."""
         b = self.budgets
         if time.monotonic() - began > b.max_episode_s:
             raise _BudgetEnd("wall")
-        budget = min(task.sampling.max_new_tokens, b.max_tokens - stream.model_tokens)
-        if budget <= 0:
-            raise _BudgetEnd("tokens")
-        if b.max_context:
-            budget = min(budget, b.max_context - len(task.prompt_ids) - len(stream.ids))
-            if budget <= 0:
-                raise _BudgetEnd("context")
-        return budget
+        budget, bound = task.sampling.max_new_tokens, ""
+        for reason, left in (
+            ("tokens", b.max_tokens - stream.model_tokens),
+            ("context", b.max_context - len(task.prompt_ids) - len(stream.ids) if b.max_context else budget),
+        ):
+            if left <= 0:
+                raise _BudgetEnd(reason)
+            if left < budget:
+                budget, bound = left, reason
+        return budget, bound
 
     def _ended(self, reason: str, stream: _Stream) -> str:
         self.counters.add(f"budget_{reason}")

@@ -154,6 +154,8 @@ class TorchTurnServer:
         return self.gen.version
 
     def start(self) -> None:
+        """Start the decoding thread (once per stream; `stop` ends it)."""
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="torch-turns", daemon=True)
         self._thread.start()
 

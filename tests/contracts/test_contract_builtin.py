@@ -1,6 +1,6 @@
 """The generator contract suite (`asyncrl.testing.contract`) on every generator we ship: the
 built-in `torch` generator, the `sglang` generator against an in-process stand-in server, and the
-calculator agent of `examples/calculator_agent` (a plugin outside the package)."""
+calculator environment of `examples/calculator_agent` on the torch generator."""
 
 from __future__ import annotations
 
@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.config_sections import EnvConfig
 from asyncrl.testing.contract import GeneratorContractTests, make_context
 
 pytest.importorskip("transformers")
+
+CALCULATOR = EnvConfig(
+    kind="examples.calculator_agent.environment:calculator",
+    stop_tokens=["="],
+    workers=0,
+    options={"max_answers": 3},
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,25 +55,28 @@ class TestSGLangGenerator(GeneratorContractTests):
         return make_context(tiny_model_dir, options={"urls": server.url, "health_interval_s": 0.05})
 
 
-class TestCalculatorAgent(GeneratorContractTests):
+class TestCalculatorEnvironmentOnTorch(GeneratorContractTests):
+    """The torch generator running the calculator environment of examples/calculator_agent (every
+    sample an episode) passes the same contract."""
+
     @pytest.fixture
     def generator_factory(self, monkeypatch):
         from asyncrl.generators.base import resolve_generator
 
         monkeypatch.syspath_prepend(str(REPO))
-        return resolve_generator("examples.calculator_agent.agent:CalculatorAgent")
+        return resolve_generator("torch")
 
     @pytest.fixture
     def generator_context(self, tiny_model_dir):
-        return make_context(tiny_model_dir, options={"max_turns": 3})
+        return make_context(tiny_model_dir, env=CALCULATOR)
 
-    def test_environment_tokens_are_masked_and_scored_zero(self, generator_factory):
+    def test_environment_tokens_are_masked(self, generator_factory):
         """On the shipped model (which answers, often wrongly, then ends its turn): environment
         tokens carry log-prob 0.0 and loss_mask False, model tokens are trained."""
         from asyncrl.models.default import DEFAULT_MODEL_DIR
         from asyncrl.testing.contract import check_generator
 
-        report = check_generator(generator_factory, make_context(DEFAULT_MODEL_DIR))
+        report = check_generator(generator_factory, make_context(DEFAULT_MODEL_DIR, env=CALCULATOR))
         for r in report.rollouts:
             assert r.loss_mask is not None and r.loss_mask[0]
             for lp, trained in zip(r.behavior_logprobs, r.loss_mask, strict=True):

@@ -85,7 +85,9 @@ def check_fidelity(model_dir, task_list, rollouts) -> None:
         assert mask is not None and any(mask) and not all(mask), "model and environment tokens both"
         assert all(lp == 0.0 for lp, m in zip(r.behavior_logprobs, mask, strict=True) if not m)
         err = fidelity_error(model, prompt, r.completion_ids, r.behavior_logprobs, mask)
-        assert err < FIDELITY_TOL, f"model token log-probs differ by {err} (task {r.task_id} sample {r.sample_index})"
+        assert err < FIDELITY_TOL, (
+            f"model token log-probs differ by {err} (task {r.task_id} sample {r.sample_index})"
+        )
         retokenised = tok(tok.decode(r.completion_ids), add_special_tokens=False)["input_ids"]
         if retokenised != r.completion_ids:
             merged += 1
@@ -140,7 +142,9 @@ def test_episode_samples_are_reproducible_and_distinct(bpe_model_dir):
 
     def episodes():
         gen = set_up_generator(TorchGenerator, bpe_model_dir, env=ENV)
-        return sorted((r.task_id, r.sample_index, tuple(r.completion_ids)) for r in run(gen, tasks(bpe_model_dir)))
+        return sorted(
+            (r.task_id, r.sample_index, tuple(r.completion_ids)) for r in run(gen, tasks(bpe_model_dir))
+        )
 
     first, second = episodes(), episodes()
     assert first == second

@@ -91,7 +91,7 @@ def test_pip_installed_generator_is_used_by_launch(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_the_example_agent_installs_as_a_plugin(tmp_path):
-    """`pip install examples/calculator_agent` registers it as `calculator` (a copy is built, so
+    """`pip install examples/calculator_agent` registers it as environment `calculator` (a copy is built, so
     the repository gets no build artefacts)."""
     import shutil
     from pathlib import Path
@@ -104,12 +104,12 @@ def test_the_example_agent_installs_as_a_plugin(tmp_path):
     out = subprocess.run([*pip, "--target", str(site), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     code = (
-        "from asyncrl.generators.base import resolve_generator; "
-        "cls = resolve_generator('calculator'); print(cls.__module__, cls.__qualname__)"
+        "from asyncrl.environments.base import resolve_environment; "
+        "obj = resolve_environment('calculator'); print(obj.__module__, obj.__qualname__)"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
     got = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert got.returncode == 0, got.stderr
-    assert got.stdout.split() == ["calculator_agent.agent", "CalculatorAgent"]
+    assert got.stdout.split() == ["calculator_agent.environment", "calculator"]
