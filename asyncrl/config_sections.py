@@ -630,6 +630,13 @@ class MonitorConfig(Section, frozen=True, kw_only=True):
     # A child silent for this long (no heartbeat, no message) is hung: a generator is killed and
     # restarted (generators.max_restarts), a hung learner ends the run with an error.
     heartbeat_timeout_s: PosFloat = 60.0
+    # Failure detection on the launcher's connections (scheduler/liveness.py): ZeroMQ's heartbeats
+    # and TCP keepalive close a connection silent for connection_timeout_s (a dead host, a cut
+    # network); a generator whose connection closed (or that a send could not reach) and that is not
+    # back on a new one within reconnect_grace_s is lost: its tasks are re-queued and its slot
+    # restarted or left waiting for a worker, without waiting for heartbeat_timeout_s.
+    connection_timeout_s: Annotated[float, Meta(ge=1.0)] = 3.0
+    reconnect_grace_s: PosFloat = 1.5
     # No silent stalls: when the learner's next step has received nothing (no trajectory, no
     # finished group, no step) for this long, the run stops with a resumable checkpoint and one
     # line naming what it waits for. 0 = never.
@@ -640,6 +647,13 @@ class MonitorConfig(Section, frozen=True, kw_only=True):
     sinks: list[Literal["tensorboard", "wandb"]] = []  # extra sinks (wandb runs offline)
     snapshot_s: PosFloat = 0.5  # at most this often, a `launcher` record (admission, in-flight)
     refresh_per_second: PosFloat = 4.0  # dashboard redraws; records are folded in as they come
+
+    def __post_init__(self) -> None:
+        if self.reconnect_grace_s <= self.heartbeat_s:
+            raise ValueError(
+                f"monitor.reconnect_grace_s = {self.reconnect_grace_s:g} must be above monitor.heartbeat_s = "
+                f"{self.heartbeat_s:g}: a generator that reconnects is known to be back by its next heartbeat"
+            )
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

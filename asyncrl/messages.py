@@ -584,6 +584,7 @@ class LauncherSnapshot(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     credits_free: int
     restarts: int
     failure: str | None
+    waiting_workers: int = 0  # workers on other hosts waiting for a remote generator slot to free
     final: bool = False  # the last snapshot of the run (omitted from the record otherwise)
     status: str = ""  # final only: "completed", "failed" or "interrupted"
 

@@ -33,6 +33,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -60,7 +61,8 @@ HEARTBEAT_TIMEOUT_MS = 5000
 # After the launcher's connection is lost, how long it may take to come back before the
 # generators are stopped (a launcher that is gone never tells them to).
 LAUNCHER_GONE_S = 15.0
-# A launcher whose slots are all served is asked again this often (until --timeout).
+# A launcher whose slots are all served is asked again this often while the worker waits for one
+# (the launcher forgets a waiting worker it has not heard from for `remote.WAITING_STALE_S`).
 JOIN_RETRY_S = 2.0
 # How often the worker looks at its generators' exit status (an exit code, not a message).
 POLL_S = 0.2
@@ -134,24 +136,52 @@ class Worker:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED
         )
         ep.connect(self.address)
+        try:
+            return ep, await self.wait_for_slots(
+                ep, Join(role="generator", count=self.count, host=host, pid=os.getpid()), timeout_s
+            )
+        except JoinFailed:
+            ep.close()
+            raise
+
+    async def wait_for_slots(self, ep: Endpoint, join: Join, timeout_s: float) -> Welcome:
+        """Ask for slots until a Welcome comes. `timeout_s` bounds the wait for the launcher's first
+        answer; a launcher whose slots are all served keeps this worker waiting (asked again every
+        JOIN_RETRY_S, which tells it the worker still waits) and sends the Welcome the moment one
+        frees, for as long as the run lasts: until the launcher says the run has ended, or its
+        connection has been gone for LAUNCHER_GONE_S."""
         deadline = time.monotonic() + timeout_s
+        waiting = False
         while True:
-            await ep.send(Join(role="generator", count=self.count, host=host, pid=os.getpid()))
-            try:
-                _, reply, _ = await asyncio.wait_for(ep.recv(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                ep.close()
+            await ep.send(join)
+            ask_again = time.monotonic() + JOIN_RETRY_S
+            while (remaining := ask_again - time.monotonic()) > 0:
+                try:
+                    _, reply, _ = await asyncio.wait_for(ep.recv(), remaining)
+                except TimeoutError:
+                    break
+                if isinstance(reply, Welcome):
+                    return reply
+                if not reply.full or self.stopping:
+                    raise JoinFailed(f"the launcher refused: {reply.reason}")
+                if not waiting:
+                    waiting = True
+                    self.say(
+                        f"{reply.reason}; waiting for the first slot that frees (as long as the run lasts)"
+                    )
+            self.watch_launcher()
+            lost = self.launcher_lost_at
+            if self.stopping:
+                raise JoinFailed("stopped while waiting for a slot")
+            if not waiting and time.monotonic() > deadline:
                 raise JoinFailed(
                     f"no answer from {self.address} within {timeout_s:g} s: is the launcher running there, "
                     "and do this host's keys (--keys) belong to its run?"
-                ) from None
-            if isinstance(reply, Welcome):
-                return ep, reply
-            if not reply.full or time.monotonic() + JOIN_RETRY_S > deadline or self.stopping:
-                ep.close()
-                raise JoinFailed(f"the launcher refused: {reply.reason}")
-            self.say(f"{reply.reason}; asking again in {JOIN_RETRY_S:g} s")
-            await asyncio.sleep(JOIN_RETRY_S)  # a timer: a slot frees when the launcher gives up on a worker
+                )
+            if waiting and lost is not None and time.monotonic() - lost > LAUNCHER_GONE_S:
+                raise JoinFailed(
+                    f"the launcher has been unreachable for {LAUNCHER_GONE_S:g} s while waiting for a slot"
+                )
 
     async def prepare(self, zctx: zmq.Context, welcome: Welcome) -> Path:
         """The scratch run directory: config.json, and the model fetched over the network."""
@@ -178,6 +208,20 @@ class Worker:
             f"{time.perf_counter() - t0:.1f} s into {run_dir / 'model'}"
         )
         return run_dir / "model"
+
+    async def while_launcher_lives(self, work: Awaitable[Path]) -> Path | None:
+        """`work`'s result, or None (said why) when the launcher's connection has been gone for
+        LAUNCHER_GONE_S first: a run that ended while this worker fetched the model tells nobody."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            await asyncio.wait({task}, timeout=POLL_S)  # the connection's events are polled
+            self.watch_launcher()
+            lost = self.launcher_lost_at
+            if not task.done() and lost is not None and time.monotonic() - lost > LAUNCHER_GONE_S:
+                task.cancel()
+                self.say(f"the launcher has been unreachable for {LAUNCHER_GONE_S:g} s; giving up the slots")
+                return None
+        return task.result()
 
     def start_generators(self, welcome: Welcome, model: Path) -> None:
         assert self.scratch is not None
@@ -245,9 +289,9 @@ class Worker:
             ep, welcome = await self.join(zctx, join_timeout_s)
             slots = ", ".join(a.peer_id for a in welcome.assignments)
             self.say(f"pid {os.getpid()} joined run {welcome.run_name!r} at {self.address}: serving {slots}")
-            model = await self.prepare(zctx, welcome)
-            if self.stopping:
-                return 130
+            model = await self.while_launcher_lives(self.prepare(zctx, welcome))
+            if model is None or self.stopping:
+                return 130 if self.stopping else 1
             self.start_generators(welcome, model)
             code = await self.supervise()
             self.say(f"done (exit code {code})")

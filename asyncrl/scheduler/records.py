@@ -55,6 +55,7 @@ class RunState:
     # summary read its typed fields.
     learner_metrics: LearnerMetrics | None = None
     generator_restarts: int = 0
+    waiting_workers: int = 0  # workers on other hosts waiting for a remote slot to free (remote.py)
     steps_skipped_nonfinite: int = 0  # updates the learner skipped (non-finite loss or gradient)
     tasks_requeued: int = 0
     stale_messages: int = 0  # from a generator process already replaced (dropped)
@@ -204,6 +205,7 @@ def launcher_snapshot(
         credits_total=(bound + 1) * groups_per_step,
         credits_free=free,
         restarts=state.generator_restarts,
+        waiting_workers=state.waiting_workers,
         failure=failure,
         final=final,
         status=status,

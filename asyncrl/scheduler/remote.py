@@ -56,6 +56,19 @@ log = logging.getLogger(__name__)
 
 # The command a user runs on another host to serve remote slots (events, failure messages).
 WORKER_COMMAND = "asyncrl worker --join {address} --count {count}"
+# A waiting worker asks again every `asyncrl.worker.JOIN_RETRY_S`; one not heard from for this
+# long is forgotten (it gave up, or died while it waited).
+WAITING_STALE_S = 10.0
+
+
+class WaitingWorker(msgspec.Struct, kw_only=True):
+    """A worker that asked for slots while none was free: it waits, and the first slots that free
+    are offered to it (`JoinDesk.offers`), oldest waiter first."""
+
+    identity: str  # its DEALER's identity on the control socket
+    join: Join
+    since: float
+    last_seen: float
 
 
 class JoinStats(msgspec.Struct, frozen=True, kw_only=True, rename=lambda name: f"launcher/{name}"):
@@ -145,6 +158,8 @@ class RemoteSpawner:
 class JoinDesk:
     """The launcher's side of joining: answers Join, serves files, says what is awaited."""
 
+    FULL = "no generator slot is waiting for a worker (every remote slot is served)"
+
     def __init__(
         self,
         config: Config,
@@ -173,6 +188,8 @@ class JoinDesk:
         self._ep: Endpoint | None = None
         self.num_joins = 0
         self.num_refused = 0
+        self.waiting_workers: dict[str, WaitingWorker] = {}  # identity -> worker, in arrival order
+        self.welcomed: set[str] = set()  # identities that got slots (a late Join of theirs is stale)
 
     def start(
         self, zctx: zmq.Context, ctrl_address: str, shutdown: Callable[[str], Awaitable[object]]
@@ -195,13 +212,38 @@ class JoinDesk:
     def command(self, count: int) -> str:
         return WORKER_COMMAND.format(address=self.ctrl_address, count=count)
 
-    async def on_join(self, msg: Join, children: Mapping[str, Child]) -> Welcome | JoinRefused:
-        """The answer to a worker's Join (recorded as a `join` record and an event)."""
+    async def on_join(
+        self, msg: Join, children: Mapping[str, Child], identity: str
+    ) -> Welcome | JoinRefused | None:
+        """The answer to a worker's Join (recorded as a `join` record and an event); None for a
+        worker that already has its slots (a Join it sent again while its Welcome was on the way).
+        A worker refused because every slot is served waits (`waiting_workers`); it asks again
+        now and then, which tells the launcher it still waits."""
+        if identity in self.welcomed:
+            return None
+        now = time.monotonic()
+        if (waiting := self.waiting_workers.get(identity)) is not None:
+            waiting.last_seen = now
+            if not self.spawner.waiting:
+                return JoinRefused(reason=self.FULL, full=True)  # still waiting: no record, no event
         reply, handles = await self.answer(msg)
+        if isinstance(reply, JoinRefused) and reply.full:
+            self.waiting_workers[identity] = waiting or WaitingWorker(
+                identity=identity, join=msg, since=now, last_seen=now
+            )
+            self._record(msg, [], f"{reply.reason}; it waits for the first slot that frees")
+            return reply
+        self.waiting_workers.pop(identity, None)
+        self._welcomed(msg, identity, handles, children)
+        return reply
+
+    def _welcomed(self, msg: Join, identity: str, handles: list[RemoteHandle], children) -> None:
+        self.welcomed.add(identity)
         for h in handles:  # its Hello is due within the start-up timeout from now
             children[h.peer_id].spawned = time.monotonic()
-        slots = [h.peer_id for h in handles]
-        refused = getattr(reply, "reason", "")
+        self._record(msg, [h.peer_id for h in handles], "")
+
+    def _record(self, msg: Join, slots: list[str], refused: str) -> None:
         record = {"host": msg.host, "pid": msg.pid, "count": msg.count, "slots": slots, "refused": refused}
         self.records.write("join", record)
         self.records.event(
@@ -209,7 +251,35 @@ class JoinDesk:
             if refused
             else f"worker on {msg.host} (pid {msg.pid}) joined to serve {', '.join(slots)}"
         )
-        return reply
+
+    async def offers(self, children: Mapping[str, Child]) -> list[tuple[str, Welcome, list[RemoteHandle]]]:
+        """Slots waiting for a worker, given to the workers that wait for one, oldest first:
+        (identity, Welcome, handles) to send; `undelivered` puts back those that did not arrive."""
+        out = []
+        for identity, waiting in list(self.waiting_workers.items()):
+            if not self.spawner.waiting:
+                break
+            reply, handles = await self.answer(waiting.join)
+            if not handles:
+                break
+            del self.waiting_workers[identity]
+            self._welcomed(waiting.join, identity, handles, children)
+            assert isinstance(reply, Welcome)
+            out.append((identity, reply, handles))
+        return out
+
+    def undelivered(self, identity: str, handles: list[RemoteHandle]) -> None:
+        """A Welcome that could not be sent (its worker is gone): its slots wait again, first."""
+        self.welcomed.discard(identity)
+        for h in handles:
+            h.worker = ""
+        self.spawner.waiting[:0] = handles
+        self.num_joins -= 1
+
+    def ended(self) -> list[str]:
+        """The run is over: the identities of the workers still waiting (to be told), forgotten."""
+        waiting, self.waiting_workers = list(self.waiting_workers), {}
+        return waiting
 
     def drops(self, child: Child, reason: str, *, num_requeued: int) -> bool:
         """Whether the lost remote generator `child`'s slot is given up (generators.remote_lost =
@@ -238,9 +308,7 @@ class JoinDesk:
         model_files = await self._model_files if self._model_files is not None else []
         handles = self.spawner.take(msg.count)
         if not handles:
-            return self._refuse(
-                "no generator slot is waiting for a worker (every remote slot is served)", full=True
-            )
+            return self._refuse(self.FULL, full=True)
         worker = f"{msg.host} (pid {msg.pid})"
         assignments = []
         for h in handles:
@@ -267,6 +335,10 @@ class JoinDesk:
     def tick(self) -> str | None:
         """Each supervision tick: why the run must stop because a remote slot waited too long for
         a worker, or None."""
+        now = time.monotonic()
+        for identity, waiting in list(self.waiting_workers.items()):
+            if now - waiting.last_seen > WAITING_STALE_S:
+                del self.waiting_workers[identity]
         timeout_s = self.cfg.generators.remote_join_timeout_s
         h = self.spawner.overdue(timeout_s)
         if h is None:

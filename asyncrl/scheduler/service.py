@@ -52,6 +52,7 @@ from asyncrl.messages import (
     Heartbeat,
     Hello,
     Join,
+    JoinRefused,
     LauncherSnapshot,
     LearnerMetrics,
     Metrics,
@@ -69,6 +70,7 @@ from asyncrl.models.hf import prompt_room
 from asyncrl.scheduler.canary import canary_for_run
 from asyncrl.scheduler.checkpoint import checkpoint_due, read_launcher_checkpoint, save_launcher_checkpoint
 from asyncrl.scheduler.children import Child, health
+from asyncrl.scheduler.connections import ConnectionWatch
 from asyncrl.scheduler.dispatch import Dispatcher
 from asyncrl.scheduler.evals import BackgroundEvals
 from asyncrl.scheduler.inbox import Inbox
@@ -191,6 +193,11 @@ class Launcher:
         self.workers = Workers(self.make_spawner(spawner), role_modules, self.records)
         self.children = self.workers.children  # peer id -> a live worker
         self.evals = self.background_evals() if config.eval.every else None
+        # Failure detection on the control socket's connections (connections.py, liveness.py).
+        self.connections = ConnectionWatch(
+            connection_timeout_s=config.monitor.connection_timeout_s,
+            reconnect_grace_s=config.monitor.reconnect_grace_s,
+        )
 
     def make_spawner(self, spawner: Spawner | None) -> Spawner:
         """The caller's spawner, or the run's: forked or fresh processes; the learner's ranks
@@ -250,6 +257,7 @@ class Launcher:
             if self.remote is not None and (overdue := self.remote.tick()):
                 self.fail(overdue)
                 return
+            await self.retire_lost(ctrl)
             for child in list(self.children.values()):
                 if child.stopping or self.finished.is_set() or not getattr(child.handle, "joined", True):
                     continue  # (a remote slot waiting for a worker: bounded by remote.overdue above)
@@ -269,6 +277,25 @@ class Launcher:
             self.check_stalled()
             await asyncio.sleep(POLL_S)  # polling worker exit status; no message to wait for
 
+    async def retire_lost(self, ctrl: Endpoint) -> None:
+        """Generators whose connection is gone past monitor.reconnect_grace_s (liveness.py): their
+        process or host died, or the network between: retired now, not after the heartbeat timeout."""
+        self.connections.poll()
+        for peer, gone_s in self.connections.lost():
+            child = self.children.get(peer)
+            if child is None or child.role != "generator" or child.stopping or not child.ready:
+                self.connections.forget(peer)
+                continue
+            timeout_s = self.cfg.monitor.connection_timeout_s
+            await self.restart_generator(
+                ctrl,
+                child,
+                f"lost its connection {gone_s:.1f} s ago: its process or host died or the network to it "
+                f"is gone (declared lost {self.cfg.monitor.reconnect_grace_s:g} s after its connection closed; "
+                f"a silent connection closes after monitor.connection_timeout_s = {timeout_s:g})",
+                lost_after_s=gone_s,
+            )
+
     def report_rejected(self, ctrl: Endpoint) -> None:
         """A `rejected` record whenever the control socket's rejection count has changed."""
         if ctrl.num_rejected != self.state.rejected_frames:
@@ -280,7 +307,9 @@ class Launcher:
             self.state.auth_failures = refused
             self.records.write("refused", {"num_refused": refused, "by_reason": zap.auth_failures()})
 
-    async def restart_generator(self, ctrl: Endpoint, child: Child, reason: str) -> None:
+    async def restart_generator(
+        self, ctrl: Endpoint, child: Child, reason: str, *, lost_after_s: float | None = None
+    ) -> None:
         """Kill `child` (that worker only), re-queue its in-flight tasks once, start its replacement.
 
         The bookkeeping happens before the first await, so no dispatch can pick the dead worker.
@@ -288,6 +317,7 @@ class Launcher:
         self.pool.died(child.peer_id)
         requeued = self.dispatcher.generator_failed(child.peer_id)
         self.state.tasks_requeued += len(requeued)
+        self.connections.forget(child.peer_id)
         await self.workers.retire(child)
         if self.remote is not None and self.remote.drops(child, reason, num_requeued=len(requeued)):
             if not self.pool.live():
@@ -314,6 +344,7 @@ class Launcher:
                 "reason": headline,
                 "requeued": requeued,
                 "generator_restarts": self.pool.num_restarts,
+                **({} if lost_after_s is None else {"lost_after_s": round(lost_after_s, 3)}),
             },
         )
         self.records.event(
@@ -321,7 +352,17 @@ class Launcher:
             f"(restart {inc.restart} of {self.pool.max_restarts}), {len(requeued)} tasks re-queued"
         )
         self.spawn_generator(inc)
+        await self.offer_slots(ctrl)  # a remote slot: to a worker that waits for one, at once
         await self.dispatch(ctrl)  # the re-queued tasks can go to generators still serving
+
+    async def offer_slots(self, ctrl: Endpoint) -> None:
+        """Remote slots waiting for a worker go to the workers waiting for a slot (remote.py)."""
+        if self.remote is None:
+            return
+        for identity, welcome, handles in await self.remote.offers(self.children):
+            if not await self.send_to(ctrl, identity, welcome):
+                self.remote.undelivered(identity, handles)
+        self.state.waiting_workers = len(self.remote.waiting_workers)
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -330,6 +371,11 @@ class Launcher:
 
     async def stop_workers(self, ctrl: Endpoint) -> None:
         shutdown = Shutdown(reason="run finished" if self.failure is None else "run failed")
+        if self.remote is not None:  # workers still waiting for a slot: there will be none
+            for identity in self.remote.ended():
+                await self.send_to(
+                    ctrl, identity, JoinRefused(reason=f"the run has ended ({shutdown.reason})")
+                )
         await self.workers.stop(lambda child: self.send_to(ctrl, child.peer_id, shutdown))
 
     # ------------------------------------------------------------------ tasks
@@ -341,6 +387,9 @@ class Launcher:
             return True
         except zmq.ZMQError as exc:
             log.warning("could not deliver %s to %s: %s", type(msg).__name__, peer_id, exc)
+            child = self.children.get(peer_id)
+            if exc.errno == zmq.EHOSTUNREACH and child is not None and child.ready:
+                self.connections.unreachable(peer_id)  # evidence: no connection for it now
             return False
 
     async def dispatch(self, ctrl: Endpoint) -> None:
@@ -383,7 +432,10 @@ class Launcher:
         child = self.children.get(peer)
         if child is None:
             if isinstance(msg, Join) and self.remote is not None:  # a worker on another host
-                await self.send_to(ctrl, peer, await self.remote.on_join(msg, self.children))
+                reply = await self.remote.on_join(msg, self.children, peer)
+                if reply is not None:
+                    await self.send_to(ctrl, peer, reply)
+                self.state.waiting_workers = len(self.remote.waiting_workers)
             elif self.pool.is_retired(peer):
                 # Sent by a generator before it died and was replaced: its tasks are re-queued.
                 self.state.stale_messages += 1
@@ -645,7 +697,9 @@ class Launcher:
         if security.current() == security.SocketPolicy():  # unless the caller installed one
             security.install_from_config(self.cfg.cluster, role="launcher")
         ctrl = Endpoint(zctx, zmq.ROUTER, name="launcher.ctrl", accept=CONTROL_ACCEPT)
+        self.connections.prepare(ctrl)
         self.ctrl_address = ctrl.bind()
+        self.connections.attach(ctrl)
         if self.remote is not None:  # its file socket; a remote generator given up on gets Shutdown
             self.remote.start(
                 zctx, self.ctrl_address, lambda p: self.send_to(ctrl, p, Shutdown(reason="replaced"))
@@ -661,6 +715,7 @@ class Launcher:
         if self.canary_ids:
             self.records.write("canary_summary", msgspec.to_builtins(self.canary.summary()))
         self.records.close()  # the final snapshot; the monitor's stream closes
+        self.connections.close()
         ctrl.close()
         # destroy, not term: a socket some code path left open must not block the exit.
         zctx.destroy(linger=0)

@@ -68,6 +68,12 @@ def _count(reason: str, detail: str) -> None:
         log.warning("refused a connection (%s: %s); %d refused so far", reason, detail, total)
 
 
+def handshake_failed(detail: str) -> None:
+    """Count a failed handshake seen by a socket monitor other than the guard's (a socket has one
+    monitor; the launcher's control socket watches its connections itself, scheduler/connections.py)."""
+    _count("handshake failed", detail)
+
+
 def ensure_guard(ctx: zmq.Context, clients: Mapping[bytes, str]) -> _Guard:
     """The running guard of `ctx`, started on first use with the known client keys."""
     with _lock:

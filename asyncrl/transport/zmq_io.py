@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -97,6 +98,9 @@ class Endpoint:
         self._waiting_sends = 0
         self._streak = 0
         self.waited_sends = 0  # sends that found the queue full (tests, diagnostics)
+        # A ROUTER's owner may watch which connection each peer speaks on (the launcher's failure
+        # detection, scheduler/liveness.py): called with (sender, file descriptor) per message.
+        self.on_sender: Callable[[bytes, int], None] | None = None
 
     def bind(self) -> str:
         """Bind a free port on the policy's bind host (loopback by default); returns the address
@@ -192,6 +196,8 @@ class Endpoint:
                     self.reject("missing identity frame")
                     continue
                 sender, frames = frames[0].bytes, frames[1:]
+                if self.on_sender is not None:
+                    self.on_sender(sender, _source_fd(frames[0]))
             try:
                 msg, tensors = decode(frames)
             except MalformedFrame as exc:
@@ -235,6 +241,14 @@ class Endpoint:
         self._recv_waiters.clear()
         self._send_waiters.clear()
         self.sock.close()
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The file descriptor of the connection a frame arrived on (-1 if libzmq does not say)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
 
 
 def _role_of(frame: zmq.Frame) -> str:

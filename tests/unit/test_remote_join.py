@@ -46,7 +46,7 @@ def _desk(tmp_path, *sets: str) -> tuple[JoinDesk, LocalStarts, Config]:
 
 
 def _join(count: int, **kw) -> Join:
-    return Join(role="generator", count=count, host="node-b", pid=42, **kw)
+    return Join(role="generator", count=count, host="node-b", **{"pid": 42, **kw})
 
 
 def test_the_last_slots_wait_for_workers_and_the_first_are_started_here(tmp_path):
@@ -118,3 +118,51 @@ def test_remote_generators_config_is_checked():
         load_config(None, ["generators.remote=2"])
     with pytest.raises(ValueError, match="broadcast"):
         load_config(None, ["generators.remote=1", "weights.transport=broadcast"])
+
+
+class _Child:
+    spawned = 0.0
+
+
+def test_a_worker_refused_because_every_slot_is_served_waits_and_gets_the_first_that_frees(tmp_path):
+    """Issue #36: a replacement started before the loss was noticed was refused thirty times and
+    gave up, so nobody took the slot when it freed. Now it waits and is offered the slot at once."""
+    desk, _, _ = _desk(tmp_path)
+    children = {p: _Child() for p in ("gen-1", "gen-2", "gen-1-r1")}
+    for p in ("gen-1", "gen-2"):
+        desk.spawner.start(p, "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=int(p[-1])))
+    assert isinstance(asyncio.run(desk.on_join(_join(2), children, "w1")), Welcome)
+    assert asyncio.run(desk.on_join(_join(2), children, "w1")) is None  # asked again meanwhile: stale
+    early = asyncio.run(desk.on_join(_join(1, pid=7), children, "w2"))
+    assert isinstance(early, JoinRefused) and early.full
+    later = asyncio.run(desk.on_join(_join(1, pid=8), children, "w3"))
+    assert list(desk.waiting_workers) == ["w2", "w3"]
+    asyncio.run(desk.on_join(_join(1, pid=7), children, "w2"))  # asking again keeps its place
+    assert list(desk.waiting_workers) == ["w2", "w3"] and later.full
+    assert asyncio.run(desk.offers(children)) == []  # nothing free yet
+    # gen-1 is lost; its replacement's slot waits for a worker: the oldest waiter gets it, unasked.
+    desk.spawner.start("gen-1-r1", "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=1))
+    ((identity, welcome, handles),) = asyncio.run(desk.offers(children))
+    assert identity == "w2" and [a.peer_id for a in welcome.assignments] == ["gen-1-r1"]
+    assert list(desk.waiting_workers) == ["w3"] and not desk.spawner.waiting
+    # The Welcome could not be delivered (w2 died while it waited): the slot goes to the next one.
+    desk.undelivered(identity, handles)
+    ((identity, welcome, _),) = asyncio.run(desk.offers(children))
+    assert identity == "w3" and [a.peer_id for a in welcome.assignments] == ["gen-1-r1"]
+    assert desk.num_joins == 2  # w1 and w3
+    joined = [r for kind, r in desk.records.records if kind == "join" and r["slots"]]
+    assert [(r["pid"], r["slots"]) for r in joined] == [
+        (42, ["gen-1", "gen-2"]),
+        (7, ["gen-1-r1"]),
+        (8, ["gen-1-r1"]),
+    ]
+
+
+def test_a_waiting_worker_not_heard_from_is_forgotten_and_the_rest_are_told_the_run_ended(tmp_path):
+    desk, _, _ = _desk(tmp_path)
+    asyncio.run(desk.on_join(_join(1), {}, "w1"))
+    asyncio.run(desk.on_join(_join(1), {}, "w2"))
+    desk.waiting_workers["w1"].last_seen -= 60
+    desk.tick()
+    assert list(desk.waiting_workers) == ["w2"]
+    assert desk.ended() == ["w2"] and not desk.waiting_workers
