@@ -69,11 +69,11 @@ class Config(Section, frozen=True, kw_only=True):
                 f"one is the median pivot); got {lrn.samples_per_group}"
             )
 
-        if lrn.world_size > 1 and lrn.kl_coef > 0 and lrn.kl_placement == "loss":
+        if lrn.world_size > 1 and lrn.kl_coef > 0 and lrn.lora.rank:
             raise ValueError(
-                "learner.kl_coef > 0 with kl_placement = 'loss' keeps an unsharded reference model per "
-                "rank, which several learner ranks do not support yet; use learner.world_size = 1 or "
-                "kl_placement = 'reward'"
+                "learner.kl_coef > 0 with learner.lora on several learner ranks: the reference model is a "
+                "sharded copy built from the model's config, which a LoRA model has no constructor for; "
+                "use learner.world_size = 1, or learner.kl_coef = 0"
             )
         if lrn.lora.rank and lrn.lora.publish == "adapter":
             if self.generators.kind == "torch":

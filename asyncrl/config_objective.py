@@ -48,12 +48,6 @@ def check_staleness_policy(section: StalenessConfig):
     return policy
 
 
-def needs_one_rank(policy, *, world_size: int, distills: bool) -> bool:
-    """A batch-global correction (the policy says so) on several data-parallel ranks: each rank
-    would see only its share of the batch. Distillation applies no staleness correction."""
-    return world_size > 1 and not distills and bool(policy.batch_global)
-
-
 def check_policy_fit(config: Config, policy) -> None:
     """Raise `ConfigError` for a staleness policy that the buffer or the learner ranks cannot serve."""
     if config.buffer.action == "downweight" and "old_train" in policy.needs:
@@ -62,15 +56,11 @@ def check_policy_fit(config: Config, policy) -> None:
             "max_staleness + 1 versions, and 'downweight' trains groups older than that; use withhold or drop"
         )
     kept = sorted({"ewma", "old_train"} & set(policy.needs))
-    if config.learner.world_size > 1 and kept and not config.opd.enabled:
+    if config.learner.world_size > 1 and kept and config.learner.lora.rank and not config.opd.enabled:
         raise ConfigError(
             f"config error at learner.world_size: staleness policy {policy.name!r} keeps {' and '.join(kept)} "
-            "copies of the weights, which several learner ranks do not shard yet; use learner.world_size = 1"
-        )
-    if needs_one_rank(policy, world_size=config.learner.world_size, distills=config.opd.enabled):
-        raise ConfigError(
-            f"config error at learner.world_size: staleness policy {policy.name!r} takes statistics "
-            "of the whole batch, which needs every trajectory on one rank; use learner.world_size = 1"
+            "copies of the weights, sharded like the model and built from its config, which a LoRA model has "
+            "no constructor for; use learner.world_size = 1 with LoRA, or another staleness.policy"
         )
 
 

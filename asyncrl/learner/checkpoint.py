@@ -43,6 +43,7 @@ FORMAT = 2
 KEEP = 2  # learner checkpoints kept on disk (each holds the model and the optimizer state)
 _NAME_RE = re.compile(r"^learner-(\d{8,})$")
 EXTRAS = "extras.pt"
+COPIES = "copies-rank{rank}.pt"  # lockstep ranks' shards of the staleness policy's weight copies
 # What DCP warns at every save and load without a process group; one learner rank means exactly
 # that, and the warning would be what the launcher shows as the learner's last lines.
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
@@ -110,7 +111,9 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable
     # DCP's writer creates the folder on every rank before its first collective: the other ranks
     # wait until rank 0 has cleared a stale one, or rank 0 would remove what they just made.
     _after_rank0(trainer)
-    _dcp(dcp.save, _model_and_optim(trainer), tmp)
+    if trainer.lockstep and trainer.copies.active:  # copies sharded like the model: each rank its own
+        torch.save(trainer.copies.state_dict(), tmp / COPIES.format(rank=trainer.rank))
+    _dcp(dcp.save, _model_and_optim(trainer), tmp)  # (its collectives: every rank's file is in)
     if not rank0:
         return path
     extras = {
@@ -119,7 +122,7 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable
         "world_size": trainer.world_size,
         "torch_rng": torch.get_rng_state(),
         "python_rng": list(random.getstate()[1]),
-        **trainer.copies.state_dict(),  # "ewma" and "snapshots"
+        **({} if trainer.lockstep else trainer.copies.state_dict()),  # "ewma" and "snapshots"
         "nonfinite_total": trainer.updater.nonfinite_total,
         "held": [_held_state(*entry) for entry in held],
     }
@@ -161,7 +164,27 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: boo
     )
     torch.set_rng_state(state["torch_rng"])
     random.setstate((3, tuple(state["python_rng"]), None))
-    trainer.copies.load_state_dict(state)
+    trainer.copies.load_state_dict(_copies_state(path, state, trainer))
     trainer.updater.restore(nonfinite_total=int(state.get("nonfinite_total", 0)))
     held = [(int(h["step"]), TrainSample(**h["sample"]), h.get("extra", {})) for h in state.get("held", [])]
     return held if extras else [(step, sample) for step, sample, _ in held]
+
+
+def _copies_state(path: Path, extras: dict, trainer) -> dict:
+    """The weight copies' state for this rank: rank 0's extras (one plain rank), or this rank's
+    own shards (lockstep ranks), which load only on as many ranks as wrote them."""
+    files = sorted(path.glob(COPIES.format(rank="*")))
+    if not files and trainer.lockstep and trainer.copies.active:
+        raise ValueError(
+            f"learner checkpoint {path} was written by one plain learner rank, and the staleness policy's "
+            "weight copies are not resharded: resume it with learner.world_size = 1"
+        )
+    if not files:
+        return extras
+    if not trainer.lockstep or len(files) != trainer.world_size:
+        raise ValueError(
+            f"learner checkpoint {path} holds the staleness policy's weight copies sharded over "
+            f"{len(files)} learner ranks: resume it with learner.world_size = {len(files)} and "
+            "learner.sharding = 'fsdp' (the copies are not resharded)"
+        )
+    return torch.load(path / COPIES.format(rank=trainer.rank), weights_only=True)

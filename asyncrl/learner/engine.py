@@ -109,6 +109,54 @@ class Engine:
         self, batch: PackedBatch, logp_now_BL: torch.Tensor, adv_B: torch.Tensor, step: int
     ) -> Correction:
         """The staleness policy's correction of a packed batch at `step` (log-probs detached)."""
+        extra = self.copies.inputs(batch, step, self.dtype, self.logp)
+        return self._correct(batch, logp_now_BL, adv_B, step, extra)
+
+    def correct_rows(
+        self,
+        whole: PackedBatch,
+        rows: Sequence[int],
+        batch: PackedBatch,
+        logp_now_BL: torch.Tensor,
+        adv_whole_B: torch.Tensor,
+        step: int,
+    ) -> Correction:
+        """The correction of this rank's rows `rows` of a whole step's batch `whole` (`batch`:
+        those rows packed, `logp_now_BL` their step-start log-probs, `adv_whole_B` every row's
+        advantage). A batch-global policy on lockstep ranks (M2PO's mask, VCPO's ESS, self-
+        normalised weights) sees the whole batch, exactly as one rank does: the ranks sum their
+        rows' detached log-probs (and the weight copies' log-probs) into the whole batch's layout,
+        every rank corrects the whole batch (same masks, thresholds, ties) and keeps its rows.
+        Elsewhere the rows' own correction is the same thing, without the exchange."""
+        sl = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        extra = {}
+        if rows:
+            extra = self.copies.inputs(batch, step, self.dtype, self.logp)
+        elif self.copies.active:
+            self.copies.join(step, self.dtype, self.logp)
+        if not (self.lockstep and self.policy.batch_global):
+            return self._correct(batch, logp_now_BL, adv_whole_B[sl.cpu()], step, extra) if rows else None
+        whole = whole.to(self.device)
+        width = batch.input_ids_BL.shape[1] if rows else 0
+        mine = {"logp_now": logp_now_BL, **extra}
+        gathered = {}
+        for name in ["logp_now", *self.copies.names]:
+            full = torch.zeros(whole.input_ids_BL.shape, dtype=self.dtype, device=self.device)
+            if rows:
+                full[sl, :width] = mine[name].to(self.dtype)
+            dist.all_reduce(full)  # each row is one rank's, the others add zeros: exact
+            gathered[name] = full
+        corr = self._correct(whole, gathered.pop("logp_now"), adv_whole_B.to(self.device), step, gathered)
+        return _rows_of(corr, sl, width) if rows else None
+
+    def _correct(
+        self,
+        batch: PackedBatch,
+        logp_now_BL: torch.Tensor,
+        adv_B: torch.Tensor,
+        step: int,
+        extra: dict[str, torch.Tensor],
+    ) -> Correction:
         mask = batch.completion_mask_BL
         token_batch = with_current_as_prox(
             TokenBatch(
@@ -118,7 +166,7 @@ class Engine:
                 versions_BT=batch.versions_BL,
                 adv_BT=torch.where(mask, adv_B.to(self.dtype)[:, None], 0.0),
                 policy_version=step,
-                **self.copies.inputs(batch, step, self.dtype, self.logp),
+                **extra,
             )
         )
         corr = self.policy.correct(token_batch)
@@ -147,15 +195,21 @@ class Engine:
             parts = parts + [None] * (int(count) - len(parts))
         return parts
 
-    def dummy_backward(self) -> None:
+    def dummy_backward(self, join_step: int | None = None) -> None:
         """A forward and backward that changes no gradient: a lockstep rank with nothing to train
-        in this micro-batch still takes part in its collectives."""
+        in this micro-batch still takes part in its collectives (with `join_step`, also in the
+        weight copies' forwards that the other ranks' corrections run between the two)."""
         ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
-        (self.logp(self.actor, ids) * 0.0).sum().backward()
+        logp = self.logp(self.actor, ids)
+        if join_step is not None and self.copies.active:  # a unit's correction, between its two
+            self.copies.join(join_step, self.dtype, self.logp)
+        (logp * 0.0).sum().backward()
 
-    def dummy_forward(self) -> None:
-        """A no-grad forward's part in the collectives, for a lockstep rank with no rows."""
-        self.logp(self.actor, torch.full((1, 2), self.pad_token_id, dtype=torch.long))
+    def dummy_forward(self, model: torch.nn.Module | None = None) -> None:
+        """A no-grad forward's part in the collectives of `model` (default the policy), for a
+        lockstep rank with no rows."""
+        with torch.no_grad():
+            self.logp(model or self.actor, torch.full((1, 2), self.pad_token_id, dtype=torch.long))
 
     def share(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
         """This rank's part of `samples` (every rank sees all of them, in the same order)."""
@@ -240,3 +294,12 @@ class Engine:
     def _piece_grads(self, loss_of, piece):
         loss, account = loss_of(piece)
         return torch.autograd.grad(loss, self.params, allow_unused=True), account
+
+
+def _rows_of(corr: Correction, sl: torch.Tensor, width: int) -> Correction:
+    """The rows `sl` of a whole batch's correction, cut at `width` columns (their packed width)."""
+    return corr._replace(
+        logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
+        weight_BT=corr.weight_BT[sl, :width],
+        mask_BT=corr.mask_BT[sl, :width],
+    )

@@ -106,7 +106,7 @@ def parallelize(
     Needs the default process group (every rank calls this, in the same order). Parameters are
     float32 on `device` (or in host memory with `cpu_offload`)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     if dist.get_world_size() != world_size:
         raise RuntimeError(
@@ -126,6 +126,14 @@ def parallelize(
         "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy(),
     }
+    _shard_units(policy, kwargs)
+    policy.fsdp_kwargs = kwargs  # what `sharded_copy` shards a copy of the weights with
+    return policy
+
+
+def _shard_units(policy: torch.nn.Module, kwargs: dict) -> None:
+    from torch.distributed.fsdp import fully_shard
+
     units = [*transformer_blocks(policy.lm), policy]
     for unit in units:
         fully_shard(unit, **kwargs)
@@ -133,7 +141,47 @@ def parallelize(
         # The trainer divides by the step's global unit count Z itself: reduce by summing.
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
-    return policy
+
+
+def sharded_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of a `parallelize`d `PolicyLM`, sharded like it (the same mesh, units and
+    precision), holding the same weights: each rank copies its own shards, nothing is gathered.
+    What the weight copies (EWMA, version snapshots, the KL reference) run their forwards on; FSDP2
+    modules cannot be deep-copied. The copy is built on the meta device, so no full model ever
+    exists on a rank. Hugging Face models only (built again from their config): a LoRA (peft)
+    model has no such constructor, and the config refuses copies with LoRA on several ranks."""
+    from transformers import AutoModelForCausalLM
+
+    src = policy.lm
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(src.config, torch_dtype=torch.float32)
+    copy = type(policy)(lm, chunk_size=policy.chunk_size, share_prefixes=policy.share_prefixes)
+    _shard_units(copy, policy.fsdp_kwargs)
+    device = next(policy.parameters()).device
+    copy.to_empty(device=device)
+    with torch.no_grad():
+        buffers = dict(src.named_buffers())  # not in the state dict (rotary frequencies): as they are
+        for name, buf in lm.named_buffers():
+            buf.copy_(buffers[name])
+        load_local(copy.lm, src.state_dict())
+    return copy.eval().requires_grad_(False)
+
+
+def load_local(lm: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (tensors sharded like `lm`'s, e.g. another sharded model's state dict, an
+    EWMA or a snapshot of one) into `lm`'s parameters, shard by shard: no collective."""
+    own = lm.state_dict(keep_vars=True)
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise KeyError(f"state lacks {missing[:3]}")
+    with torch.no_grad():
+        for name, t in own.items():
+            local(t).copy_(local(state[name]))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly sharded) tensor, as a plain tensor (a view)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

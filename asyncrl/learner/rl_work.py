@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.learner.advantages import group_rewards
 from asyncrl.learner.distill_work import OpdArrays, distill_term, opd_arrays
 from asyncrl.learner.engine import Engine
 from asyncrl.learner.objective import CombinedObjective, DistillStats, RLObjective
 from asyncrl.learner.opob import baseline_scale, folded_loss, step_lr_scale
+from asyncrl.learner.parallel import sharded_copy
 from asyncrl.learner.plans import CloseGroups, StreamOne, TrainGroups, Unit
 from asyncrl.learner.state import StepState
 from asyncrl.learner.step import TrainSample, pack
@@ -57,8 +59,12 @@ class RLWork:
         self.streams = streams
         self.max_open_groups = max_open_groups
         self.reference = None  # the initial model, for a KL term
-        if objective.uses_reference:
-            self.reference = copy.deepcopy(engine.actor).eval().requires_grad_(False)
+        if objective.uses_reference:  # sharded like the policy on lockstep ranks
+            self.reference = (
+                sharded_copy(engine.actor)
+                if engine.lockstep
+                else copy.deepcopy(engine.actor).eval().requires_grad_(False)
+            )
         # The distillation part of a combined objective (opd.reward), None for RL alone.
         self.distill: CombinedObjective | None = (
             objective if isinstance(objective, CombinedObjective) else None
@@ -208,7 +214,7 @@ class RLWork:
         e = self.engine
         for part in e.microbatches(samples):
             if part is None:
-                e.dummy_backward()
+                e.dummy_backward(state.step)
                 continue
             e.backward_pieces(
                 [samples[i] for i in part], functools.partial(self._chunk_loss, state, adv_of, keep_of)
@@ -248,21 +254,21 @@ class RLWork:
     # ------------------------------------------------------------------ whole batch
     def whole(self, state: StepState, samples: Sequence[TrainSample]) -> None:
         """The whole step at once, `samples` in trajectory-id order: advantages from the whole
-        batch, corrections over this rank's rows (lockstep ranks each train their share)."""
+        batch, corrections of this rank's rows (of the whole batch where the policy is batch-
+        global: `Engine.correct_rows`); lockstep ranks each train their share."""
         e = self.engine
         whole = pack(samples, pad_token_id=e.pad_token_id)
         rows = list(range(e.rank, len(samples), e.world_size))
         mine = [samples[i] for i in rows]
         parts = e.microbatches(mine)
-        if not mine:  # more ranks than rows: this rank only takes part in the collectives
-            self._no_rows(state, parts)
-            return
-        batch = pack(mine, pad_token_id=e.pad_token_id, require_complete=False)
-        ids = batch.input_ids_BL.to(e.device)
+        batch = ids = None
+        if mine:
+            batch = pack(mine, pad_token_id=e.pad_token_id, require_complete=False)
+            ids = batch.input_ids_BL.to(e.device)
         # (With data-parallel threads the rows train in pieces: an anchor forward, then each piece.)
         single = len(parts) == 1 and parts[0] is not None and len(parts[0]) == len(mine)
         single = single and self.reference is None and not e.lockstep and e.threads == 1
-        opd = self._opd_for(mine, ids.shape[1])
+        opd = self._opd_for(mine, ids.shape[1]) if mine else None
         logp_ref_BL = self._reference_logp(ids, parts)
         logp_BL = logp_BLN = None
         if single:
@@ -270,16 +276,19 @@ class RLWork:
             logp_now_BL = logp_BL.detach()
         else:
             logp_now_BL = self._anchor_logp(ids, parts, opd)
-        adv_GN, keep_GN = self._batch_advantages(whole, logp_now_BL, logp_ref_BL, batch)
+        adv_GN, keep_GN = self._batch_advantages(whole, rows, logp_now_BL, logp_ref_BL, batch)
+        adv_all_B = adv_GN[whole.group_B, whole.slot_B].to(e.dtype)
+        if any(s.weight != 1.0 for s in samples):
+            adv_all_B = adv_all_B * torch.tensor([s.weight for s in samples], dtype=e.dtype)
+        batch = batch.to(e.device) if mine else None
+        corr = e.correct_rows(whole, rows, batch, logp_now_BL, adv_all_B, state.step)
+        if not mine:  # more ranks than rows: this rank only takes part in the collectives
+            self._no_rows(state, parts)
+            return
         rows_t = torch.tensor(rows, dtype=torch.long)
         g_B, n_B = whole.group_B[rows_t], whole.slot_B[rows_t]
-        adv_B = adv_GN[g_B, n_B].to(e.dtype)
-        if any(s.weight != 1.0 for s in mine):
-            adv_B = adv_B * torch.tensor([s.weight for s in mine], dtype=e.dtype)
-        batch = batch.to(e.device)
-        adv_B = adv_B.to(e.device)
+        adv_B = adv_all_B[rows_t].to(e.device)
         mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(e.device)[:, None]
-        corr = e.correct(batch, logp_now_BL, adv_B, state.step)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
         plan = WholeRows(
             ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL, batch.lengths_B
@@ -298,11 +307,8 @@ class RLWork:
         state.account(batch, mine, stats, tokens=float(mask.sum()), clipped=sums.clipped)
 
     def _no_rows(self, state: StepState, parts: list) -> None:
-        """A lockstep rank with no rows of the batch still runs its part of every collective:
-        the reference's and the anchor's forwards, then the backward (and later epochs')."""
-        for _ in range(2 if self.reference is not None else 1):
-            for _ in parts:
-                self.engine.dummy_forward()
+        """A lockstep rank with no rows of the batch still runs its part of the backward (and of
+        later epochs'); the forwards before it ran in `whole`, with no rows."""
         plan = WholeRows(None, None, None, None, None, parts, None, None, None)
         if self.objective.epochs > 1:
             state.add_rerun(functools.partial(self._rows_backward, plan))
@@ -313,7 +319,9 @@ class RLWork:
         if self.reference is None:
             return None
         with torch.no_grad():
-            return _by_parts(lambda sl: self.engine.logp(self.reference, ids[sl]), ids, parts, self.engine)
+            return _by_parts(
+                lambda sl: self.engine.logp(self.reference, ids[sl]), ids, parts, self.engine, self.reference
+            )
 
     def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
         """The current policy's log-probs of the rows (no grad), micro-batch by micro-batch."""
@@ -325,14 +333,23 @@ class RLWork:
                 self.engine,
             )
 
-    def _batch_advantages(self, whole, logp_now_BL, logp_ref_BL, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(adv_GN, keep_GN) of the whole batch, rewards with the KL penalty where it is placed."""
+    def _batch_advantages(
+        self, whole, rows, logp_now_BL, logp_ref_BL, batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(adv_GN, keep_GN) of the whole batch, rewards with the KL penalty where it is placed
+        (each rank's rows' penalties, summed over the lockstep ranks into the whole batch's)."""
         rewards_B = whole.reward_B.double()
-        if logp_ref_BL is not None:
-            penalty_B = self.objective.kl_reward_penalty(
-                logp_now_BL, logp_ref_BL, batch.completion_mask_BL.to(self.engine.device)
-            )
-            rewards_B = rewards_B + penalty_B.cpu()
+        if self.reference is not None and self.objective.kl_placement == "reward":
+            penalty_B = torch.zeros_like(rewards_B)
+            if rows:
+                penalty_B[torch.tensor(rows)] = self.objective.kl_reward_penalty(
+                    logp_now_BL, logp_ref_BL, batch.completion_mask_BL.to(self.engine.device)
+                ).cpu()
+            if self.engine.lockstep:
+                penalty_B = penalty_B.to(self.engine.device)
+                dist.all_reduce(penalty_B)  # each row is one rank's: the others add zeros
+                penalty_B = penalty_B.cpu()
+            rewards_B = rewards_B + penalty_B
         rewards_GN = group_rewards(
             rewards_B, whole.group_B, whole.slot_B, num_groups=whole.num_groups, group_size=whole.group_size
         )
@@ -486,13 +503,14 @@ def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
     return sl, width
 
 
-def _by_parts(fn, ids_BL: torch.Tensor, parts: list, engine: Engine) -> torch.Tensor | None:
-    """`fn(rows)` (a no-grad forward of those rows of `ids_BL`) over micro-batches, reassembled
-    in row order and padded to the batch's width; `None` parts are a lockstep rank's empty turns."""
+def _by_parts(fn, ids_BL: torch.Tensor, parts: list, engine: Engine, model=None) -> torch.Tensor | None:
+    """`fn(rows)` (a no-grad forward of those rows of `ids_BL` under `model`, default the policy)
+    over micro-batches, reassembled in row order and padded to the batch's width; `None` parts
+    are a lockstep rank's empty turns (on the same model: its collectives)."""
     out = None
     for part in parts:
         if part is None:
-            engine.dummy_forward()
+            engine.dummy_forward(model)
             continue
         sl = torch.tensor(part, dtype=torch.long, device=ids_BL.device)
         values = fn(sl)

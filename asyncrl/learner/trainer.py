@@ -33,7 +33,7 @@ from asyncrl.learner.rl_work import OpobWork, RLWork
 from asyncrl.learner.state import StepState, StepTotals
 from asyncrl.learner.step import StepResult, TrainSample
 from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
-from asyncrl.learner.update import StepSums, Updater, reduce_sums
+from asyncrl.learner.update import StepSums, Updater, reduce_stats, reduce_sums
 from asyncrl.models.policy import PolicyLM
 from asyncrl.staleness.base import StalenessPolicy
 
@@ -252,7 +252,10 @@ class Trainer:
 
     def _stats(self, t: StepTotals, sums: StepSums, scale: float) -> dict[str, float]:
         """The policy's token-weighted diagnostics, and a distilling objective's loss parts."""
-        stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
+        if self.engine.lockstep:
+            stats = reduce_stats(t, device=self.engine.device)
+        else:
+            stats = {k: v / max(t.stats_tokens, 1e-12) for k, v in t.stats.items()}
         if self.objective.distills:  # the step's loss, split into its two parts (they add up to it)
             stats |= t.distill.report() if t.distill is not None else {}
             stats["opd_distill_loss"] = sums.distill_loss * scale

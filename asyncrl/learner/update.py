@@ -69,6 +69,27 @@ def reduce_sums(totals: StepTotals, units_local: float, *, lockstep: bool, devic
     return StepSums(*summed.tolist())
 
 
+def reduce_stats(totals: StepTotals, *, device: torch.device) -> dict[str, float]:
+    """The step's token-weighted policy statistics summed over the lockstep ranks (each rank's
+    rows weighted by its tokens), divided by the ranks' tokens: the token-weighted mean one rank
+    reports over the whole batch. A statistic of the whole batch (`Engine.correct_rows`) is the
+    same on every rank, so its mean is itself. Keys: every statistic any rank has (the policy's
+    own, plus the KL estimate), in one fixed order on every rank; any other key stays this
+    rank's own mean."""
+    from asyncrl.staleness.base import CorrectionStats
+
+    names = sorted({*CorrectionStats._fields, "kl"})
+    local = torch.tensor(
+        [[totals.stats.get(n, 0.0), float(n in totals.stats)] for n in names] + [[totals.stats_tokens, 1.0]],
+        dtype=torch.float64,
+    ).to(device)
+    dist.all_reduce(local)
+    local = local.cpu()
+    tokens = max(float(local[-1, 0]), 1e-12)
+    own = {k: v / max(totals.stats_tokens, 1e-12) for k, v in totals.stats.items() if k not in names}
+    return own | {n: float(local[i, 0]) / tokens for i, n in enumerate(names) if local[i, 1] > 0}
+
+
 class Updater:
     def __init__(
         self,

@@ -522,15 +522,12 @@ class _FakeLocal(_FakeBatchGlobal):
 
 
 def test_a_new_batch_global_policy_trains_whole_batches_without_any_list_edit(tiny_model_dir):
-    from asyncrl.config_objective import needs_one_rank
     from asyncrl.staleness import StalenessPolicy
 
     policy = _FakeBatchGlobal()
     assert isinstance(policy, StalenessPolicy)
     cfg = load_config(overrides=["learner.samples_per_group=4", "staleness.max_staleness=2"])
     assert "batch-global" in Objective.from_config(cfg).fallback_reason(policy)
-    assert needs_one_rank(policy, world_size=2, distills=False)
-    assert not needs_one_rank(policy, world_size=1, distills=False)
     # The same correction without the declaration streams: the declaration alone decides.
     assert Objective.from_config(cfg).fallback_reason(_FakeLocal()) is None
 
