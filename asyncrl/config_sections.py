@@ -117,6 +117,9 @@ class ScoringConfig(Section, frozen=True, kw_only=True):
 
     workers: PosInt = 2  # reward worker processes per generator
     timeout_s: PosFloat = 30.0  # one reward call longer than this is a failure (its worker is killed)
+    # While calls hang (run past 1 s, or half timeout_s), more workers start, up to this many, so
+    # a hung call holds up no other sample: it costs its timeout once, overlapped (rewards/pool.py).
+    max_workers: PosInt = 16
     # A reward that raises or times out: "zero" scores that reward 0; "regenerate" samples the
     # completion again (up to max_regenerations times, then zero). Each is counted either way.
     on_failure: Literal["zero", "regenerate"] = "zero"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 from asyncrl.rewards.base import RewardInput
 
@@ -83,3 +84,26 @@ def number_factory(n: int) -> int:
 
 def failing_factory(**options: object):
     raise RuntimeError(f"cannot build with {options}")
+
+
+def slow(sample: RewardInput) -> float:
+    """Sleeps the seconds its completion names ("slow:1.5"), then len(completion); else at once."""
+    if sample.completion.startswith("slow:"):
+        time.sleep(float(sample.completion.split(":")[1]))
+    return float(len(sample.completion))
+
+
+def hang_fraction(fraction: float = 0.1):
+    """A reward that never returns for `fraction` of the prompts (by a hash of the prompt: every
+    sample of such a group hangs) and scores the others 1 when their last boxed number is the
+    answer (the word-problems reward), else 0."""
+    import re
+    import zlib
+
+    def reward(sample: RewardInput) -> float:
+        if zlib.crc32(sample.prompt.encode()) % 1000 < fraction * 1000:
+            threading.Event().wait()  # never set: a hung verifier
+        boxed = re.findall(r"\\boxed\{([^}]*)\}", sample.completion)
+        return float(bool(boxed) and boxed[-1].strip() == sample.answer.strip())
+
+    return reward

@@ -35,7 +35,7 @@ import zmq
 
 from asyncrl.generators.base import GeneratorContext, Rollout, resolve_generator, streams
 from asyncrl.generators.feed import SampleFeed, batch_stream
-from asyncrl.generators.scoring import SampleScorer
+from asyncrl.generators.scoring import SampleScorer, Verdict
 from asyncrl.generators.teacher_client import open_teacher
 from asyncrl.generators.weights import WeightUpdates
 from asyncrl.messages import (
@@ -191,6 +191,9 @@ class GeneratorService:
                 arrived.put_nowait(None)
 
         pumping = asyncio.create_task(pump(), name="gen-stream")
+        # Each arrival is scored and sent by a task of its own: a hung reward holds only the groups
+        # of its sample, never the arrivals after it (issue #36).
+        taking: set[asyncio.Task] = set()
         try:
             ended = False
             while not ended:
@@ -204,8 +207,13 @@ class GeneratorService:
                     if arrived.empty():
                         break
                     item = arrived.get_nowait()
+                for t in [t for t in taking if t.done()]:
+                    taking.discard(t)
+                    t.result()  # raises what scoring or sending raised
                 if rollouts:
-                    await self.take(rollouts)
+                    taking.add(asyncio.create_task(self.take(rollouts), name="gen-take"))
+            if taking:
+                await asyncio.gather(*taking)
             await pumping  # raises what the generator raised
             if getattr(self.gen, "env_counters", None):  # episode counters complete at every idle point
                 await self.send_metrics()
@@ -219,8 +227,9 @@ class GeneratorService:
                     "come back as one Rollout"
                 )
         finally:
-            if not pumping.done():
-                pumping.cancel()
+            for t in (pumping, *taking):
+                if not t.done():
+                    t.cancel()
             self.busy_s += time.perf_counter() - start
 
     async def take(self, rollouts: list[Rollout]) -> None:
@@ -237,18 +246,23 @@ class GeneratorService:
                 )
             gate.hold(rollouts)
             return
-        async with self.sending:
-            await self.take_now(rollouts)
+        await self.take_now(rollouts)
 
     async def send_released(self) -> None:
         """Send what the canary's gate released (an accepted verdict, a version that failed to load)."""
-        async with self.sending:
-            for rollouts in self.weights.canary.gate.releasable():
-                await self.take_now(rollouts)
+        for rollouts in self.weights.canary.gate.releasable():
+            await self.take_now(rollouts)
 
     async def take_now(self, rollouts: list[Rollout]) -> None:
-        """Score `rollouts`, send the final ones, ask for redraws, report complete groups."""
+        """Score `rollouts` (concurrently with other arrivals), then send them in the order their
+        scores came in: a group's TaskDone always follows its samples, since the scoring that
+        completes a group takes the send lock after every scoring that finished before it."""
         verdict = await self.scorer.take(rollouts)
+        async with self.sending:  # no await between the scores and the lock: order kept
+            await self.send_verdict(verdict)
+
+    async def send_verdict(self, verdict: Verdict) -> None:
+        """Send the final rollouts, ask for redraws, report complete groups."""
         if verdict.redraw:
             self.feed.redraw(verdict.redraw)
         now = time.perf_counter()

@@ -13,7 +13,12 @@ pipe to idle workers (worker.py) -> one result frame per sample back -> `list[fl
 - A reward that raises is a `raised` failure, one that returns a non-finite or non-number value
   `invalid`; the worker carries on.
 - Pipes are non-blocking and read by `loop.add_reader`, so nothing blocks the event loop.
-- At most `workers` processes; they start at `start()` or on the first `run()`, and once in use
+- A hung call costs its timeout once, overlapped with everything else: a call running past
+  `slow_s` is presumed stuck; the samples queued behind it in its chunk go back to the front of
+  the queue for other workers, and the pool starts workers beyond `workers` (up to `max_workers`)
+  so that `workers` are free of stuck calls while work waits. Such a worker is retired once its
+  call ends (it would go on with the samples taken from it); extra workers retire when idle.
+- `workers` processes; they start at `start()` or on the first `run()`, and once in use
   a killed one is replaced at once. Workers start from the thread that runs the event loop:
   PR_SET_PDEATHSIG fires when the *thread* that started a worker ends.
 """
@@ -39,6 +44,10 @@ from asyncrl.rewards.worker import BOOT_CODE, PATH_ENV, READ_BYTES, Chunk, Init,
 
 _MAX_CHUNK = 64  # samples per frame: large enough to amortise a frame, small enough to balance
 _CHUNKS_PER_WORKER = 4  # a batch is cut into about this many chunks per worker (load balance)
+# A call running this long (or half the timeout, if less) is presumed stuck: its chunk's other
+# samples go to other workers, and another worker may start. Reward calls are meant to take
+# milliseconds; a slow one that was only slow costs a worker restart, nothing else.
+_SLOW_CALL_S = 1.0
 
 
 @dataclass(eq=False)
@@ -58,6 +67,7 @@ class _Task:
     job: _Job
     reward_index: int
     positions: list[int]
+    suspect: bool = False  # queued behind a stuck call in its chunk: perhaps a hang too
 
 
 @dataclass(eq=False)
@@ -72,6 +82,9 @@ class _Worker:
     task: _Task | None = None
     num_done: int = 0  # results received for `task`
     timer: asyncio.TimerHandle | None = None
+    slow_timer: asyncio.TimerHandle | None = None
+    stuck: bool = False  # its current call has run past `slow_s`
+    robbed: bool = False  # samples of its chunk went to others: retire it when its call ends
 
 
 class RewardPool:
@@ -84,14 +97,22 @@ class RewardPool:
         workers: int,
         timeout_s: float,
         startup_timeout_s: float = 120.0,
+        max_workers: int | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"task.scoring.workers = {workers}: the reward pool needs at least 1 worker")
+        if max_workers is not None and max_workers < workers:
+            raise ValueError(
+                f"task.scoring.max_workers = {max_workers} is below task.scoring.workers = {workers}"
+            )
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"task.scoring.timeout_s = {timeout_s} must be a positive number of seconds")
         self.specs = list(specs)
         self.num_workers = workers
+        self.max_workers = workers if max_workers is None else max_workers
         self.timeout_s = timeout_s
+        self.slow_s = min(_SLOW_CALL_S, timeout_s / 2)
+        self.num_stuck = 0  # calls presumed stuck (past slow_s) so far
         self.startup_timeout_s = startup_timeout_s
         self.num_timeouts = 0  # workers killed for a call past timeout_s
         self.num_worker_exits = 0  # workers that died on their own
@@ -180,9 +201,10 @@ class RewardPool:
             if old is not None and not old.is_closed():
                 old.remove_reader(w.from_fd)
                 old.remove_writer(w.to_fd)
-            if w.timer is not None:
-                w.timer.cancel()
-                w.timer = None
+            for timer in (w.timer, w.slow_timer):
+                if timer is not None:
+                    timer.cancel()
+            w.timer = w.slow_timer = None
             self._watch(w)
 
     def _watch(self, w: _Worker) -> None:
@@ -193,6 +215,8 @@ class RewardPool:
         if not w.ready:
             w.call_started = self._loop.time()
         self._arm(w)
+        if w.task is not None:
+            self._arm_slow(w)
 
     def _spawn(self) -> None:
         to_read, to_write = os.pipe()
@@ -228,8 +252,9 @@ class RewardPool:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(w.from_fd)
             self._loop.remove_writer(w.to_fd)
-        if w.timer is not None:
-            w.timer.cancel()
+        for timer in (w.timer, w.slow_timer):
+            if timer is not None:
+                timer.cancel()
         os.close(w.to_fd)
         os.close(w.from_fd)
         if w.proc.poll() is None:
@@ -250,9 +275,17 @@ class RewardPool:
                 while self._queue and self._queue[0].job.future.done():
                     self._queue.popleft()
         # Once in use, the pool keeps `num_workers` running, so a killed worker's replacement
-        # starts (and imports) before the next batch needs it.
-        while len(self._workers) < self.num_workers and self._start_failures < self.num_workers:
+        # starts (and imports) before the next batch needs it; and while work waits, as many
+        # more as are stuck on a call (up to max_workers), so a hung call holds up nothing else.
+        while self._start_failures < self.num_workers and (
+            len(self._workers) < self.num_workers
+            or (len(self._workers) < self.max_workers and self._free_capacity() < self._wanted_capacity())
+        ):
             self._spawn()
+        if not self._queue:  # extra workers retire when idle
+            idle = [w for w in self._workers if w.ready and w.task is None]
+            for w in idle[: max(0, len(self._workers) - self.num_workers)]:
+                self._retire(w)
         if self._queue and not self._workers:  # nothing can serve them: fail rather than wait
             failure = RewardFailure("raised", f"WorkerStartFailed: {self._start_error}")
             while self._queue:
@@ -261,6 +294,18 @@ class RewardPool:
                     self._deliver(task.job, pos, failure)
         self._reap()
 
+    def _free_capacity(self) -> int:
+        """Workers not stuck on a call."""
+        return sum(1 for w in self._workers if not w.stuck)
+
+    def _wanted_capacity(self) -> int:
+        """Workers free of stuck calls that the queue wants: `num_workers` for the ordinary work,
+        and one more per sample taken from a stuck worker's chunk (it may hang too, and is found
+        out by its own worker, in parallel). Nothing queued: no more than there are."""
+        if not self._queue:
+            return 0
+        return self.num_workers + sum(1 for t in self._queue if t.suspect)
+
     def _send(self, w: _Worker, task: _Task) -> None:
         assert self._loop is not None
         w.task, w.num_done = task, 0
@@ -268,6 +313,37 @@ class RewardPool:
         self._write(w, frame(self._encoder.encode(Chunk(task.reward_index, samples))))
         w.call_started = self._loop.time()
         self._arm(w)
+        self._arm_slow(w)
+
+    def _arm_slow(self, w: _Worker) -> None:
+        """Watch `w`'s current call (it began at `w.call_started`) for running past `slow_s`."""
+        if w.slow_timer is not None:
+            w.slow_timer.cancel()
+        w.stuck = False
+        assert self._loop is not None
+        w.slow_timer = self._loop.call_at(w.call_started + self.slow_s, self._on_slow, w)
+
+    def _on_slow(self, w: _Worker) -> None:
+        """`w`'s call has run past `slow_s`: the rest of its chunk goes to others, and the pool
+        may grow while work waits (`_pump`)."""
+        w.slow_timer = None
+        if w not in self._workers or w.task is None or not self._read(w) or w.task is None:
+            return  # gone, or the results already in the pipe finished its chunk
+        if self._loop is not None and self._loop.time() < w.call_started + self.slow_s:
+            self._arm_slow(w)  # a result came in the pipe: a new call began
+            return
+        w.stuck = True
+        self.num_stuck += 1
+        task = w.task
+        rest = task.positions[w.num_done + 1 :]
+        if rest:
+            del task.positions[w.num_done + 1 :]
+            w.robbed = True
+            # One sample each: another hang among them is found by its own worker, in parallel.
+            self._queue.extendleft(
+                _Task(task.job, task.reward_index, [p], suspect=True) for p in reversed(rest)
+            )
+        self._pump()
 
     def _write(self, w: _Worker, data: bytes) -> None:
         if not w.outbuf:
@@ -339,9 +415,17 @@ class RewardPool:
         self._deliver(task.job, task.positions[w.num_done], value)
         w.num_done += 1
         w.call_started = self._loop.time() if self._loop is not None else 0.0
-        if w.num_done == len(task.positions):
-            w.task = None
-            self._pump()
+        if w.num_done < len(task.positions):
+            self._arm_slow(w)
+            return
+        w.task = None
+        w.stuck = False
+        if w.slow_timer is not None:
+            w.slow_timer.cancel()
+            w.slow_timer = None
+        if w.robbed:  # it would go on with the samples given to others
+            self._retire(w)
+        self._pump()
 
     @staticmethod
     def _deliver(job: _Job, pos: int, value: float | RewardFailure) -> None:

@@ -90,7 +90,12 @@ class Scorer:
                 self._routes.append(_Route("process", reward, pool_index=len(pool_specs)))
                 pool_specs.append(cfg)
         self.pool = (
-            RewardPool(pool_specs, workers=self.scoring.workers, timeout_s=self.scoring.timeout_s)
+            RewardPool(
+                pool_specs,
+                workers=self.scoring.workers,
+                max_workers=max(self.scoring.workers, self.scoring.max_workers),
+                timeout_s=self.scoring.timeout_s,
+            )
             if pool_specs
             else None
         )

@@ -10,6 +10,7 @@ launcher's decision. Everything here talks to the `WorkerHandle`, never to a pro
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,6 +47,17 @@ class Child:
             return ""
 
 
+def exit_phrase(code: int) -> str:
+    """How a process ended, in words: its signal's name when a signal ended it (code -N)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
 def health(child: Child, *, heartbeat_timeout_s: float, startup_timeout_s: float) -> str | None:
     """Why `child` is dead or hung (a phrase that follows its name), or None while it is fine.
 
@@ -58,7 +70,7 @@ def health(child: Child, *, heartbeat_timeout_s: float, startup_timeout_s: float
     pid = child.handle.pid
     code = child.handle.exit_code()
     if code is not None:
-        return f"exited with code {code} (pid {pid}).\nLast lines of {child.log_path}:\n{child.tail()}"
+        return f"{exit_phrase(code)} (pid {pid}).\nLast lines of {child.log_path}:\n{child.tail()}"
     if child.ready:
         silent_s = time.monotonic() - child.last_seen
         if silent_s > heartbeat_timeout_s:

@@ -270,7 +270,7 @@ class Launcher:
                 if reason is None:
                     continue
                 if child.role != "generator":
-                    self.fail(f"{child.role} {child.peer_id} {reason}")
+                    self.fail(f"{child.role} {child.peer_id} {reason}{self.resume_hint()}")
                     return
                 await self.restart_generator(ctrl, child, reason)
             self.report_rejected(ctrl)
@@ -295,6 +295,10 @@ class Launcher:
                 f"a silent connection closes after monitor.connection_timeout_s = {timeout_s:g})",
                 lost_after_s=gone_s,
             )
+
+    def resume_hint(self) -> str:
+        """The line a failure ends with: how to go on from the last checkpoint."""
+        return f"\nTo go on from its last checkpoint: asyncrl launch --resume {self.run_dir}"
 
     def report_rejected(self, ctrl: Endpoint) -> None:
         """A `rejected` record whenever the control socket's rejection count has changed."""

@@ -325,7 +325,7 @@ def test_a_teacher_killed_mid_run_stops_the_run_naming_it(tiny_model_dir, teache
             proc.kill()
             proc.wait()
     assert proc.returncode == 1, out
-    assert "teacher opd-teacher exited with code -9" in out
+    assert "teacher opd-teacher was killed by SIGKILL (exit code -9)" in out
     assert not pid_alive(pid)
     for record in read_records(run_dir, "spawn"):
         assert not pid_alive(record["pid"]), f"{record['peer_id']} outlived the run"

@@ -199,3 +199,49 @@ def test_scorer_runs_non_cheap_sync_rewards_in_the_pool():
     assert scores[1].reward == 0.5 and scores[1].failures == {"m": "timeout"}
     assert scores[2].failures == {"m": "raised: ValueError: bad sample"} and scores[2].reward == 0.0
     assert len(pool_pids) == 1
+
+
+def test_hung_calls_cost_their_timeout_once_overlapped_not_one_after_another():
+    """Issue #36: each hung call held its worker for the full timeout, one after another, and the
+    samples queued behind it in its chunk waited too. Now the pool grows while calls hang (up to
+    max_workers) and takes the rest of a stuck worker's chunk elsewhere."""
+    pool = RewardPool([MISBEHAVE], workers=2, max_workers=16, timeout_s=3.0)
+    batch = ["hang" if i % 5 == 0 else "x" * (1 + i % 7) for i in range(60)]  # 12 hangs
+
+    async def main():
+        try:
+            await pool.run(0, [sample("warm")])
+            started = time.monotonic()
+            results = await pool.run(0, [sample(c) for c in batch])
+            wall_s = time.monotonic() - started
+            return results, wall_s, len(pool.pids)
+        finally:
+            await pool.aclose()
+
+    results, wall_s, num_after = asyncio.run(main())
+    for c, r in zip(batch, results, strict=True):
+        if c == "hang":
+            assert isinstance(r, RewardFailure) and r.kind == "timeout"
+        else:
+            assert r == float(len(c))
+    assert pool.num_timeouts == 12
+    # One after another on 2 workers: 6 timeouts (18 s). Overlapped: about one, plus start-ups.
+    assert wall_s < 10.0, wall_s
+    assert num_after == 2  # the extra workers retired once idle
+
+
+def test_a_call_that_is_only_slow_keeps_its_value_and_the_rest_of_its_chunk_moves_on():
+    pool = RewardPool(
+        [RewardConfig(kind="tests.reward_fixtures:slow")], workers=1, max_workers=4, timeout_s=10.0
+    )
+    batch = ["slow:2.5", "a", "bb", "ccc"]
+
+    async def main():
+        try:
+            await pool.run(0, [sample("warm")])
+            return await pool.run(0, [sample(c) for c in batch])
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(main()) == [float(len(c)) for c in batch]
+    assert pool.num_stuck == 1 and pool.num_timeouts == 0

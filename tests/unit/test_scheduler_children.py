@@ -74,3 +74,12 @@ def test_stop_all_escalates_only_for_workers_still_running(tmp_path):
     children = [Child(f"w{w.pid}", "generator", w) for w in (gone, polite, stubborn)]
     asyncio.run(stop_all(children, grace_s=0.0, term_grace_s=0.0))
     assert gone.calls == [] and polite.calls == ["terminate"] and stubborn.calls == ["terminate", "kill"]
+
+
+def test_a_process_ended_by_a_signal_is_named_by_its_signal():
+    """Issue #36: "learner learner exited with code -9" did not say it was killed, nor how to go on."""
+    from asyncrl.scheduler.children import exit_phrase
+
+    assert exit_phrase(-9) == "was killed by SIGKILL (exit code -9)"
+    assert exit_phrase(-15) == "was killed by SIGTERM (exit code -15)"
+    assert exit_phrase(3) == "exited with code 3"
