@@ -230,6 +230,7 @@ def _rank_step(args: dict) -> dict:
             activation_checkpointing=False,
             device=torch.device("cpu"),
         )
+    copies = _weight_copies(policy, args) if args.get("copies") else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4, betas=(0.9, 0.99))
     # The global batch, the same on every rank; this rank trains rows rank, rank + world, ...
     gen = torch.Generator().manual_seed(args["seed"] + 1)
@@ -246,6 +247,9 @@ def _rank_step(args: dict) -> dict:
     del out
     rss_backward, peak_backward = _rss_bytes(), _max_rss_bytes()
     optimizer.step()
+    if copies is not None:  # the copies move with the update, then score the rows (no grad)
+        copies.after_update(policy.lm, 1)
+        copies.logp_of(copies.ewma.params, ids_BL[rank::world], lambda m, ids: m(ids).logp)
     step_s = time.perf_counter() - start
     peak = _max_rss_bytes()
     # The gradient's global norm (after the step: AdamW leaves .grad as it was): the same
@@ -273,6 +277,18 @@ def _rank_step(args: dict) -> dict:
         "loss": float(totals[0]),
         "grad_norm": float(totals[1].sqrt()),
     }
+
+
+def _weight_copies(policy, args: dict):
+    """The copies a staleness policy keeps (`learner.copies.WeightCopies`): an EWMA of the weights
+    and snapshots of the last max_staleness + 1 = 2 versions, plus the scratch model that scores
+    with them; sharded like the model on several ranks, whole on one."""
+    from types import SimpleNamespace
+
+    from asyncrl.learner.copies import WeightCopies
+
+    needs = SimpleNamespace(name="ewma+exact", needs=("ewma", "old_train"), ewma_decay=0.5)
+    return WeightCopies(policy, needs, max_staleness=1, micro_batch_size=args["seqs"])
 
 
 def _run_ranks(world: int, args: dict, timeout_s: float) -> list[dict]:
@@ -323,6 +339,8 @@ def rank_memory(
     args = {"model": model, "seqs": seqs, "seq_len": seq_len, "chunk_size": chunk_size, "seed": seed}
     one = _run_ranks(1, {**args, "threads": max(1, cores)}, timeout_s)
     two = _run_ranks(2, {**args, "threads": max(1, cores // 2)}, timeout_s)
+    one_copies = _run_ranks(1, {**args, "threads": max(1, cores), "copies": True}, timeout_s)
+    two_copies = _run_ranks(2, {**args, "threads": max(1, cores // 2), "copies": True}, timeout_s)
     peak_one = one[0]["peak_rss_bytes"]
     peak_two = max(r["peak_rss_bytes"] for r in two)
     base_one = one[0]["rss_after_imports_bytes"]
@@ -336,6 +354,11 @@ def rank_memory(
         "peak_rss_bytes_2rank": [r["peak_rss_bytes"] for r in two],
         "fsdp_per_rank_ratio": peak_two / peak_one,
         "fsdp_per_rank_ratio_net_of_imports": (peak_two - base_two) / max(1, peak_one - base_one),
+        # With the weight copies of `ewma` and `exact` (an EWMA, 2 snapshots, a scratch model).
+        "copies_peak_rss_bytes_1rank": one_copies[0]["peak_rss_bytes"],
+        "copies_peak_rss_bytes_2rank": [r["peak_rss_bytes"] for r in two_copies],
+        "copies_extra_bytes_1rank": one_copies[0]["peak_rss_bytes"] - peak_one,
+        "copies_extra_bytes_2rank": max(r["peak_rss_bytes"] for r in two_copies) - peak_two,
         "loss_1rank": one[0]["loss"],
         "loss_2rank": two[0]["loss"],
         "grad_norm_1rank": one[0]["grad_norm"],
@@ -406,6 +429,12 @@ def _print(result: dict) -> None:
             f"  per-rank ratio {rk['fsdp_per_rank_ratio']:.2f} (net of imports "
             f"{rk['fsdp_per_rank_ratio_net_of_imports']:.2f}); loss {rk['loss_1rank']:.6g} vs "
             f"{rk['loss_2rank']:.6g}, gradient norm {rk['grad_norm_1rank']:.6g} vs {rk['grad_norm_2rank']:.6g}"
+        )
+        two_c = ", ".join(f"{b / _MB:.0f}" for b in rk["copies_peak_rss_bytes_2rank"])
+        typer.echo(
+            "  with the weight copies of ewma + exact (an EWMA, 2 snapshots, a scratch model): "
+            f"1 rank {rk['copies_peak_rss_bytes_1rank'] / _MB:.0f} MiB (+{rk['copies_extra_bytes_1rank'] / _MB:.0f}), "
+            f"2 ranks FSDP2 {two_c} MiB (+{rk['copies_extra_bytes_2rank'] / _MB:.0f} per rank)"
         )
     typer.echo(f"{result['seconds']:.0f} s; load average (1 min) {result['load_average_1min']:.2f}")
 

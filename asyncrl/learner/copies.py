@@ -86,11 +86,11 @@ class WeightCopies:
         extra = {}
         ids_BL = batch.input_ids_BL
         if self.ewma is not None:
-            extra["logp_ewma_BT"] = self._scratch_logp(self._ewma_state(dtype), ids_BL, logp)
+            extra["logp_ewma_BT"] = self.logp_of(self._ewma_state(dtype), ids_BL, logp)
         if self.needs_snapshots:
             mask = batch.completion_mask_BL
             by_version = {
-                v: self._scratch_logp(self.snapshots[v], ids_BL, logp)
+                v: self.logp_of(self.snapshots[v], ids_BL, logp)
                 for v in self._versions(versions_needed(batch.versions_BL, mask), step)
             }
             extra["logp_old_train_BT"] = assemble_old_train_logp(
@@ -101,10 +101,10 @@ class WeightCopies:
     def join(self, step: int, dtype: torch.dtype, logp) -> None:
         """A lockstep rank with no rows: its part in the scratch forwards of `inputs`."""
         if self.ewma is not None:
-            self._scratch_logp(self._ewma_state(dtype), None, logp)
+            self.logp_of(self._ewma_state(dtype), None, logp)
         if self.needs_snapshots:
             for v in self._versions([], step):
-                self._scratch_logp(self.snapshots[v], None, logp)
+                self.logp_of(self.snapshots[v], None, logp)
 
     def _ewma_state(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.ewma.params.items()}
@@ -133,7 +133,9 @@ class WeightCopies:
                 )
         return mine
 
-    def _scratch_logp(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor | None, logp):
+    def logp_of(self, state: dict[str, torch.Tensor], ids_BL: torch.Tensor | None, logp):
+        """The scratch model's `logp(model, ids)` of `ids_BL` under the weights `state` (None: a
+        lockstep rank's empty part in the forwards)."""
         mb = self.micro_batch_size
         starts = [] if ids_BL is None else list(range(0, ids_BL.shape[0], mb))
         with self._scratch_lock, torch.no_grad():
