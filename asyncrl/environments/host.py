@@ -35,10 +35,11 @@ FAILURE_KINDS = ("error", "timeout", "worker_lost", "bad_observation")
 class EnvFailure(Exception):
     """An environment failed one call; `kind` is one of FAILURE_KINDS."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, exc_type: str = "") -> None:
         assert kind in FAILURE_KINDS, kind
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.exc_type = exc_type  # the environment's exception class, for `error`
 
 
 class EnvHost(Protocol):
@@ -90,7 +91,9 @@ class InProcessHost:
         except EnvFailure:
             raise
         except Exception as exc:  # the environment's own error: counted by the runner, never fatal
-            raise EnvFailure("error", f"{what} raised {type(exc).__name__}: {exc}") from exc
+            raise EnvFailure(
+                "error", f"{what} raised {type(exc).__name__}: {exc}", type(exc).__name__
+            ) from exc
         return check_result(result, what)
 
     async def open(self, start: EpisodeStart) -> tuple[int, Observation]:

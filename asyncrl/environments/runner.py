@@ -185,6 +185,8 @@ class EpisodeRunner:
                 finish = await self._episode(task, start, stream, seed=base_seed, retry=retry)
             except EnvFailure as exc:
                 self.counters.add(f"failures_{exc.kind}")
+                if exc.exc_type:
+                    self.counters.add(f"errors_{exc.exc_type}")
                 if self.budgets.on_failure == "retry" and retry < self.budgets.max_retries:
                     retry += 1
                     self.counters.add("retried")

@@ -91,7 +91,10 @@ class Episodes:
         return [r async for batch in stream(feed) for r in batch]
 
     def counters(self) -> dict[str, float]:
-        return self.runner.counters.values()
+        host_counts = getattr(
+            self.runner.host, "counter_values", dict
+        )()  # a pool's workers started, killed, ...
+        return {**self.runner.counters.values(), **host_counts}
 
     async def aclose(self) -> None:
         await self.runner.host.aclose()

@@ -2,8 +2,9 @@
 
 `digits`: three model turns; after each, the environment answers with digits (text), so with the
 BPE model of `env_models.py` a re-tokenised episode merges model and environment tokens.
-`hostile`: what a hostile or broken environment does, chosen per problem (`HOSTILE_KINDS`, by
-the prompt's first operand modulo their number); the others behave (`digits`).
+`hostile`: what a hostile or broken environment does, chosen per episode (`HOSTILE_KINDS`, by
+task_id x 4 + sample_index modulo their number, or of those named by the `kinds` option);
+"behave" ones are `digits` episodes.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def digits(ctx: EnvironmentContext) -> DigitsEnv:
     return DigitsEnv(**ctx.options)
 
 
-HOSTILE_KINDS = ("raise", "hang", "allocate", "write_outside", "network", "malformed", "behave")
+HOSTILE_KINDS = ("raise", "hang", "allocate", "write_outside", "network", "malformed", "runaway", "behave")
 
 
-def hostile_kind(prompt: str) -> str:
-    digits_ = "".join(c if c.isdigit() else " " for c in prompt).split()
-    return HOSTILE_KINDS[int(digits_[0]) % len(HOSTILE_KINDS)] if digits_ else "behave"
+def hostile_kind(start: EpisodeStart, kinds: str = "") -> str:
+    """The episode's kind, from `kinds` (comma-separated; "" = all of HOSTILE_KINDS)."""
+    chosen = kinds.split(",") if kinds else HOSTILE_KINDS
+    return chosen[(start.task_id * 4 + start.sample_index) % len(chosen)]
 
 
 class HostileEnv(DigitsEnv):
@@ -52,7 +54,9 @@ class HostileEnv(DigitsEnv):
         self.opts = ctx.options
 
     async def step(self, action: Action) -> StepResult:
-        kind = hostile_kind(self.start.prompt)
+        kind = hostile_kind(self.start, self.opts.get("kinds", ""))
+        if kind == "runaway":  # never done: only a budget ends it
+            return StepResult(observation=Observation(text="1"))
         if action.turn == 0 and kind != "behave":
             return await getattr(self, f"_{kind}")()
         return await super().step(action)

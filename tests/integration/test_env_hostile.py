@@ -1,0 +1,79 @@
+"""Hostile environments in real launches (issue #35, acceptance 4).
+
+`tests.support.env_envs:hostile` misbehaves per episode: a step that raises, one that allocates
+past its worker's memory limit, one that writes outside its directory, one that opens a network
+connection, one that answers malformed, one that never ends (a runaway only a budget stops), one
+that hangs, and well-behaved ones. In jailed worker processes (env.workers = 2) every one is
+counted and contained: the run completes with 0 lost and 0 duplicated, nothing reached the probe
+directory or the probe port, the turn budget ended the runaways, and hung workers were killed and
+replaced. The hang gets its own launch: a blocking step takes its worker's other episodes down
+with it (`worker_lost`), which would make the other kinds' counts depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.integration.test_env_calculator import env_counters
+
+EPISODES = 3 * 2 * 4  # steps x groups x samples of the short job
+
+
+def launch(run_short_job, tmp_path, kinds: str, name: str, *extra: str):
+    probe_dir = tmp_path / f"probe-{name}"
+    probe_dir.mkdir()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    _, run_dir = run_short_job(
+        'env.kind="tests.support.env_envs:hostile"',
+        "env.workers=2",
+        "env.step_timeout_s=2",
+        'env.on_failure="fail"',
+        "env.max_turns=3",
+        f'env.options.kinds="{kinds}"',
+        f'env.options.probe_dir="{probe_dir}"',
+        f"env.options.probe_port={listener.getsockname()[1]}",
+        "env.sandbox.memory_mb=1024",
+        *extra,
+        timeout=240,
+        name=name,
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["policy_versions"] == 3
+    assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["trajectories_generated"] == summary["trajectories_trained"] == EPISODES
+    assert list(probe_dir.iterdir()) == []  # nothing escaped the jail
+    with pytest.raises(BlockingIOError):  # no connection came out
+        listener.accept()
+    listener.close()
+    assert list((run_dir / "logs").glob("env-gen-0-*.log"))
+    c = env_counters(run_dir)
+    assert c["env/episodes"] == EPISODES and c["env/jail_landlock_abi"] >= 1
+    return c
+
+
+@pytest.mark.slow
+def test_hostile_environments_are_counted_and_contained(run_short_job, tmp_path):
+    kinds = "raise,allocate,write_outside,network,malformed,runaway,behave"
+    c = launch(run_short_job, tmp_path, kinds, "hostile")
+    assert c["env/errors_RuntimeError"] >= 3  # raised
+    assert c["env/errors_MemoryError"] >= 3  # allocated past env.sandbox.memory_mb
+    assert c["env/errors_PermissionError"] >= 6  # wrote outside its directory; connected
+    assert c["env/failures_bad_observation"] >= 3  # malformed
+    assert c["env/budget_turns"] >= 3  # the runaways
+    assert c["env/failed"] >= 15  # the five failing kinds, three times each at least
+    assert c.get("env/worker_deaths", 0) == 0 and c.get("env/workers_killed", 0) == 0
+
+
+@pytest.mark.slow
+def test_hung_environments_are_killed_and_replaced(run_short_job, tmp_path):
+    # One step's groups at a time: later episodes open after the kills, on replacement workers.
+    c = launch(run_short_job, tmp_path, "hang,behave", "hang", "staleness.max_staleness=0")
+    assert c["env/failures_timeout"] >= 1 and c["env/workers_killed"] >= 1
+    assert c["env/workers_started"] > 2  # replacements took the killed workers' place
+    assert c["env/failed"] >= EPISODES // 2  # each hang, and what shared its worker
