@@ -377,6 +377,7 @@ def run_learner_bench(
     seqs: int | None = None,
     seq_len: int | None = None,
     ranks: bool = True,
+    packing: bool = True,
     timeout_s: float = 600.0,
 ) -> dict:
     """Both figures (module docstring); `quick` shrinks every size. Returns a JSON-able dict."""
@@ -397,6 +398,10 @@ def run_learner_bench(
             chunk_size=chunk_size or (64 if quick else 256),
             timeout_s=timeout_s,
         )
+    if packing:
+        from asyncrl.benchmarks.learner_packing import packing_throughput
+
+        result["packing"] = packing_throughput(quick=quick)
     result["seconds"] = time.perf_counter() - start
     result["load_average_1min"] = os.getloadavg()[0]
     return result
@@ -436,6 +441,10 @@ def _print(result: dict) -> None:
             f"1 rank {rk['copies_peak_rss_bytes_1rank'] / _MB:.0f} MiB (+{rk['copies_extra_bytes_1rank'] / _MB:.0f}), "
             f"2 ranks FSDP2 {two_c} MiB (+{rk['copies_extra_bytes_2rank'] / _MB:.0f} per rank)"
         )
+    if "packing" in result:
+        from asyncrl.benchmarks.learner_packing import print_packing
+
+        print_packing(result["packing"], typer.echo)
     typer.echo(f"{result['seconds']:.0f} s; load average (1 min) {result['load_average_1min']:.2f}")
 
 
@@ -451,9 +460,11 @@ def command(
         int | None, typer.Option(help="rank memory: tokens per sequence (default 256)")
     ] = None,
     ranks: Annotated[bool, typer.Option(help="run the 1-rank vs 2-rank memory figure")] = True,
+    packing: Annotated[bool, typer.Option(help="run the packed vs padded tokens/s figure")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the full result as JSON")] = False,
 ) -> None:
-    """Learner memory: chunked log-probs vs full logits at 150k vocab; 1 rank vs 2 ranks FSDP2."""
+    """Learner memory: chunked log-probs vs full logits at 150k vocab; 1 rank vs 2 ranks FSDP2 (with
+    and without weight copies); packed vs padded training tokens/s on long-tailed lengths."""
     for name, value in (("--tokens", tokens), ("--chunk-size", chunk_size), ("--seqs", seqs)):
         if value is not None and value < 1:
             raise typer.BadParameter(f"{name} must be >= 1, got {value}")
@@ -467,6 +478,7 @@ def command(
         seqs=seqs,
         seq_len=seq_len,
         ranks=ranks,
+        packing=packing,
     )
     if as_json:
         typer.echo(json.dumps(result, indent=2))

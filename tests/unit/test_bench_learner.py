@@ -28,8 +28,9 @@ def test_logprob_path_report_at_small_sizes():
 
 @pytest.mark.slow
 def test_quick_run_reports_both_figures_from_the_command_line():
-    """`python -m asyncrl.benchmarks.learner --quick --json`: three rank processes (1, then 2
-    with FSDP2 on gloo) and the log-prob figure; about 30 s on 2 busy cores."""
+    """`python -m asyncrl.benchmarks.learner --quick --json`: rank processes (1, then 2 with FSDP2
+    on gloo; each without and with weight copies), the log-prob figure and packed vs padded
+    tokens/s; about a minute on 2 busy cores."""
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl.benchmarks.learner", "--quick", "--json"],
         capture_output=True,
@@ -59,3 +60,15 @@ def test_quick_run_reports_both_figures_from_the_command_line():
     assert ranks["grad_norm_1rank"] == pytest.approx(ranks["grad_norm_2rank"], rel=1e-5)
     for rank in ranks["ranks"]["2"]:
         assert rank["world_size"] == 2 and rank["peak_rss_bytes"] >= rank["rss_after_setup_bytes"]
+    # With the weight copies of ewma + exact: each layout's peak, per rank.
+    assert ranks["copies_peak_rss_bytes_1rank"] > 0 and len(ranks["copies_peak_rss_bytes_2rank"]) == 2
+    assert (
+        ranks["copies_extra_bytes_1rank"]
+        == ranks["copies_peak_rss_bytes_1rank"] - ranks["peak_rss_bytes_1rank"]
+    )
+    # Packed vs padded: both workloads, the layout used, fewer real tokens than padded slots.
+    for name in ("distinct_prompts", "groups_of_8"):
+        packing = result["packing"][name]
+        assert packing["packed_tokens_per_s"] > 0 and packing["padded_tokens_per_s"] > 0
+        assert packing["real_tokens"] < packing["padded_tokens"]
+        assert packing["microbatches_packed"].split("/")[0] != "0"
