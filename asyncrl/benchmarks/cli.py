@@ -67,6 +67,7 @@ SCRIPT_BENCHMARKS = (
     ("batching", "batching", "Continuous vs batch-at-a-time generation in whole runs."),
     ("logprobs", "logprobs", "Peak memory and time of per-token log-probs: full, chunked, fused."),
     ("policies", "policies", "Staleness policies side by side under a high staleness bound."),
+    ("env", "env", "Agentic episodes with heavy-tailed environment steps: env-level async vs lockstep."),
     (
         "sglang-client",
         "sglang_client",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -151,6 +152,7 @@ class TorchTurnServer:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._decoding: dict[int, tuple] = {}  # id(future) -> key, of the turns in the Sampler
+        self.idle_s = 0.0  # time the thread had no turn to decode (benchmarks: generator idle fraction)
 
     @property
     def version(self) -> int:
@@ -209,7 +211,9 @@ class TorchTurnServer:
                     running = 0 if sampler is None else sampler.num_running
                     with self._cond:
                         while not self._stopped and not self._queue and running == 0:
+                            began = time.perf_counter()
                             self._cond.wait()
+                            self.idle_s += time.perf_counter() - began
                             self.gen.apply_pending()  # idle: a safe point for offered weights
                         if self._stopped:
                             break

@@ -3,11 +3,11 @@
 `tests.support.env_envs:hostile` misbehaves per episode: a step that raises, one that allocates
 past its worker's memory limit, one that writes outside its directory, one that opens a network
 connection, one that answers malformed, one that never ends (a runaway only a budget stops), one
-that hangs, and well-behaved ones. In jailed worker processes (env.workers = 2) every one is
+that hangs, one that kills its worker, and well-behaved ones. In jailed worker processes (env.workers = 2) every one is
 counted and contained: the run completes with 0 lost and 0 duplicated, nothing reached the probe
 directory or the probe port, the turn budget ended the runaways, and hung workers were killed and
-replaced. The hang gets its own launch: a blocking step takes its worker's other episodes down
-with it (`worker_lost`), which would make the other kinds' counts depend on scheduling.
+replaced. Hangs and deaths get their own launch: they take their worker's other episodes down
+with them (`worker_lost`), which would make the other kinds' counts depend on scheduling.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def launch(run_short_job, tmp_path, kinds: str, name: str, *extra: str):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["policy_versions"] == 3
     assert summary["trajectories_lost"] == 0 and summary["trajectories_duplicated"] == 0
+    assert summary["generator_restarts"] == 0, summary  # an environment's failure is not the generator's
     assert summary["trajectories_generated"] == summary["trajectories_trained"] == EPISODES
     assert list(probe_dir.iterdir()) == []  # nothing escaped the jail
     with pytest.raises(BlockingIOError):  # no connection came out
@@ -71,9 +72,10 @@ def test_hostile_environments_are_counted_and_contained(run_short_job, tmp_path)
 
 
 @pytest.mark.slow
-def test_hung_environments_are_killed_and_replaced(run_short_job, tmp_path):
+def test_hung_and_dying_environments_are_killed_and_replaced(run_short_job, tmp_path):
     # One step's groups at a time: later episodes open after the kills, on replacement workers.
-    c = launch(run_short_job, tmp_path, "hang,behave", "hang", "staleness.max_staleness=0")
+    c = launch(run_short_job, tmp_path, "hang,die,behave", "hang", "staleness.max_staleness=0")
     assert c["env/failures_timeout"] >= 1 and c["env/workers_killed"] >= 1
+    assert c["env/worker_deaths"] >= 1 and c["env/failures_worker_lost"] >= 1
     assert c["env/workers_started"] > 2  # replacements took the killed workers' place
     assert c["env/failed"] >= EPISODES // 2  # each hang, and what shared its worker

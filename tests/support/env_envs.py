@@ -35,7 +35,17 @@ def digits(ctx: EnvironmentContext) -> DigitsEnv:
     return DigitsEnv(**ctx.options)
 
 
-HOSTILE_KINDS = ("raise", "hang", "allocate", "write_outside", "network", "malformed", "runaway", "behave")
+HOSTILE_KINDS = (
+    "raise",
+    "hang",
+    "die",
+    "allocate",
+    "write_outside",
+    "network",
+    "malformed",
+    "runaway",
+    "behave",
+)
 
 
 def hostile_kind(start: EpisodeStart, kinds: str = "") -> str:
@@ -67,6 +77,9 @@ class HostileEnv(DigitsEnv):
     async def _hang(self) -> StepResult:
         time.sleep(3600)  # blocks the worker's loop: only killing the worker ends it
         raise AssertionError("unreachable")
+
+    async def _die(self) -> StepResult:
+        os._exit(3)  # the worker process is gone, mid-step
 
     async def _allocate(self) -> StepResult:
         hog = bytearray(8 << 30)  # 8 GiB: past the worker's address-space limit

@@ -196,3 +196,22 @@ def test_messages_need_a_chat_template(tok):
     with pytest.raises(BadObservation, match="one of"):
         renderer.render(Observation(text="1", ids=[1]))
     assert renderer.render(Observation(ids=[5, 6])) == [5, 6] and renderer.render(Observation()) == []
+
+
+def test_messages_render_as_the_templates_continuation(tok):
+    """A tool message after a model turn that ended with its eos: the template's text after
+    that eos, up to the next assistant turn's start (the model's own eos is not repeated)."""
+    from asyncrl.environments.render import ObservationRenderer
+
+    chat = tok.__class__.from_pretrained(tok.name_or_path)
+    chat.chat_template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    renderer = ObservationRenderer(chat)
+    text = renderer.continuation_text([{"role": "tool", "content": "46"}])
+    assert text == "\n[tool]46<eos>\n[assistant]"
+    assert (
+        renderer.render(Observation(messages=[{"role": "tool", "content": "46"}]))
+        == chat(text, add_special_tokens=False)["input_ids"]
+    )
