@@ -48,6 +48,10 @@ class RunConfig(Section, frozen=True, kw_only=True):
     # stopped early; `asyncrl launch --resume RUN_DIR` continues from the newest one. 0 = only
     # on the last step and when stopped early.
     checkpoint_every: NonNegInt = 10
+    # A learner that dies (exits, is killed, hangs or fails) is recovered inside the run up to this
+    # many times: every process stops and the run goes on from the newest complete checkpoint, as
+    # `asyncrl launch --resume` would, without a user (asyncrl/job.py). 0 = the run fails.
+    recover_learner: NonNegInt = 0
     # How the launcher starts its workers: "fork" forks them from a fork server that imported
     # torch, transformers and the worker modules while the launcher checked the config and task
     # (faster start-up; scheduler/spawner.py); "exec" runs each as a fresh `python -m` process.
@@ -119,7 +123,7 @@ class ScoringConfig(Section, frozen=True, kw_only=True):
     timeout_s: PosFloat = 30.0  # one reward call longer than this is a failure (its worker is killed)
     # While calls hang (run past 1 s, or half timeout_s), more workers start, up to this many, so
     # a hung call holds up no other sample: it costs its timeout once, overlapped (rewards/pool.py).
-    max_workers: PosInt = 16
+    max_workers: PosInt = 64
     # A reward that raises or times out: "zero" scores that reward 0; "regenerate" samples the
     # completion again (up to max_regenerations times, then zero). Each is counted either way.
     on_failure: Literal["zero", "regenerate"] = "zero"
@@ -180,6 +184,11 @@ class GeneratorConfig(Section, frozen=True, kw_only=True):
     # Restarts allowed per generator (a process that exits, raises or hangs is killed, restarted
     # and its in-flight tasks re-queued); one more failure past this ends the run.
     max_restarts: NonNegInt = 3
+    # Hedged stragglers (scheduler/hedge.py): a task outstanding more than hedge_factor times the
+    # median time of recent tasks (and at least hedge_min_s) is sent to a second generator; the first
+    # copy done wins, the other is dropped and counted. 0 = off.
+    hedge_factor: Annotated[float, Meta(ge=0)] = 0.0
+    hedge_min_s: Annotated[float, Meta(ge=0)] = 1.0
     # CPUs each generator process (and the processes it starts) may run on, e.g. [1] or [2, 3];
     # [] = wherever the OS schedules it. On a shared CPU host this gives each stage its own cores,
     # as GPUs do on a GPU host (learner.cpus for the learner).

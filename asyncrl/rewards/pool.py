@@ -67,7 +67,6 @@ class _Task:
     job: _Job
     reward_index: int
     positions: list[int]
-    suspect: bool = False  # queued behind a stuck call in its chunk: perhaps a hang too
 
 
 @dataclass(eq=False)
@@ -299,12 +298,15 @@ class RewardPool:
         return sum(1 for w in self._workers if not w.stuck)
 
     def _wanted_capacity(self) -> int:
-        """Workers free of stuck calls that the queue wants: `num_workers` for the ordinary work,
-        and one more per sample taken from a stuck worker's chunk (it may hang too, and is found
-        out by its own worker, in parallel). Nothing queued: no more than there are."""
+        """Workers free of stuck calls that the queue wants: `num_workers` for the ordinary work;
+        while any call is stuck, one per queued sample besides (up to max_workers): a hang among
+        them is found out by its own worker, at once and in parallel, not one after another by
+        `num_workers` of them. Nothing queued: no more than there are."""
         if not self._queue:
             return 0
-        return self.num_workers + sum(1 for t in self._queue if t.suspect)
+        if len(self._workers) == self._free_capacity():  # nothing stuck
+            return self.num_workers
+        return self.num_workers + sum(len(t.positions) for t in self._queue)
 
     def _send(self, w: _Worker, task: _Task) -> None:
         assert self._loop is not None
@@ -339,10 +341,10 @@ class RewardPool:
         if rest:
             del task.positions[w.num_done + 1 :]
             w.robbed = True
-            # One sample each: another hang among them is found by its own worker, in parallel.
-            self._queue.extendleft(
-                _Task(task.job, task.reward_index, [p], suspect=True) for p in reversed(rest)
-            )
+            self._queue.appendleft(_Task(task.job, task.reward_index, rest))
+        # While a call is stuck, every queued sample goes alone, to a worker of its own (the pool
+        # grows, `_wanted_capacity`): another hang among them is found at once, in parallel.
+        self._queue = deque(_Task(t.job, t.reward_index, [p]) for t in self._queue for p in t.positions)
         self._pump()
 
     def _write(self, w: _Worker, data: bytes) -> None:
