@@ -94,6 +94,11 @@ class Config(Section, frozen=True, kw_only=True):
                 "small, so use learner.sharding = 'none' (replicated ranks) with LoRA"
             )
         self._check_remote()
+        if self.env.kind and self.opd.enabled:
+            raise ValueError(
+                "env.kind with opd.enabled is not supported yet: episodes carry no teacher scores; "
+                "drop one of them"
+            )
         if self.env.kind and self.task.rewards:
             raise ValueError(
                 "env.kind is set and so is task.rewards: an environment's episodes carry their own "

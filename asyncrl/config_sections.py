@@ -216,7 +216,9 @@ class GeneratorConfig(Section, frozen=True, kw_only=True):
 class EnvSandboxConfig(Section, frozen=True, kw_only=True):
     """Limits of every environment worker process and of the code it runs (docs/environments.md)."""
 
-    cpu_s: PosInt = 60  # CPU seconds per worker process (RLIMIT_CPU; code-tool runs get their own)
+    # CPU seconds per worker process over its life (RLIMIT_CPU: one that spends them dies and is
+    # replaced, its episodes with it); code the sandbox runs has limits of its own.
+    cpu_s: PosInt = 600
     memory_mb: PosInt = 2048  # address space per worker process (RLIMIT_AS)
     file_mb: PosInt = 16  # largest file a worker may write (RLIMIT_FSIZE)
     # Workers run with no network (their own network namespace where the kernel allows, and
