@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.environments.runner import Budgets, EnvCounters, EpisodeRunner, TurnOutput, TurnRequest
+from asyncrl.generators.feed import concurrent_stream
 
 if TYPE_CHECKING:
     from asyncrl.environments.host import EnvHost
@@ -101,35 +102,15 @@ class Episodes:
         await self.runner.host.aclose()
 
 
-async def episode_stream(
+def episode_stream(
     feed: SampleFeed, runner: EpisodeRunner, *, max_episodes: int, seed_of: Callable[[Any], int]
 ) -> AsyncIterator[list[Rollout]]:
     """Up to `max_episodes` episodes of `feed`'s samples in flight; each Rollout yielded as its
-    episode ends (those that ended together in one list). Ends when none is in flight and the
-    feed gives nothing; an episode that raises (a backend failure) ends the stream with its error."""
-    running: set[asyncio.Task] = set()
-    try:
-        while True:
-            feed.changed.clear()  # before taking: work put after this wakes the wait below
-            for draw in feed.take(max_episodes - len(running)):
-                running.add(
-                    asyncio.create_task(
-                        runner.run(draw.task, draw.sample_index, seed_of(draw)),
-                        name=f"episode-t{draw.task.task_id}-s{draw.sample_index}",
-                    )
-                )
-            if not running:
-                return
-            changed = asyncio.create_task(feed.changed.wait())
-            done, _ = await asyncio.wait({*running, changed}, return_when=asyncio.FIRST_COMPLETED)
-            changed.cancel()
-            finished = [t for t in running if t in done]
-            running.difference_update(finished)
-            if finished:
-                yield [t.result() for t in finished]
-    finally:
-        for t in running:
-            t.cancel()
+    episode ends (`feed.concurrent_stream`). An episode that raises (a backend failure, never
+    its environment's) ends the stream with its error."""
+    return concurrent_stream(
+        feed, max_episodes, lambda d: runner.run(d.task, d.sample_index, seed_of(d)), label="episode"
+    )
 
 
 class TorchTurnServer:

@@ -12,6 +12,8 @@ Every sample is handed out once (a redraw is a new draw the service asked for). 
 handing out until `release()` (a weights load that waits for the backend to be idle); `close()`
 stops it for good (shutdown).
 
+`concurrent_stream` is the stream of a backend whose samples are coroutines (SGLang requests,
+agentic episodes): up to `limit` in flight, each rollout yielded as soon as its own is done.
 `batch_stream` serves a backend that only has `generate(tasks)` through the same interface:
 batches of up to `max_groups` whole groups, each batch's rollouts yielded when it returns.
 """
@@ -23,8 +25,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncrl.messages import PromptTask, SamplingParams
 
@@ -158,3 +160,35 @@ async def batch_stream(
                         f"expected 0..{task.num_samples - 1} exactly once"
                     )
             yield [r for r in rollouts if (r.task_id, call[r.task_id].attempt, r.sample_index) in wanted]
+
+
+async def concurrent_stream(
+    feed: SampleFeed,
+    limit: int,
+    run: Callable[[Draw], Coroutine[Any, Any, Rollout]],
+    *,
+    label: str = "sample",
+) -> AsyncIterator[list[Rollout]]:
+    """Up to `limit` of `feed`'s draws in flight as tasks running `run(draw)`; each Rollout
+    yielded as soon as it is done (those done together in one list). Ends when nothing is in
+    flight and the feed gives nothing; one that raises ends the stream with its error, and the
+    others in flight are cancelled."""
+    running: set[asyncio.Task[Rollout]] = set()
+    try:
+        while True:
+            feed.changed.clear()  # before taking: work put after this wakes the wait below
+            for draw in feed.take(limit - len(running)):
+                name = f"{label}-t{draw.task.task_id}-s{draw.sample_index}"
+                running.add(asyncio.create_task(run(draw), name=name))
+            if not running:
+                return
+            changed = asyncio.create_task(feed.changed.wait())
+            done, _ = await asyncio.wait({*running, changed}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            finished = [t for t in running if t in done]
+            running.difference_update(finished)
+            if finished:
+                yield [t.result() for t in finished]
+    finally:
+        for t in running:
+            t.cancel()

@@ -160,21 +160,7 @@ class TorchGenerator:
 
     def turn_sampler(self, params, stop_ids):
         """The Sampler of episode turns: a turn also ends at any of `stop_ids`."""
-        from asyncrl.models.sampling import Sampler
-
-        tok = self._tokenizer
-        return Sampler(
-            self._model,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            current_version=lambda: self._version,
-            poll_update=self.apply_pending,
-            inflight=self._inflight,
-            stop_token_ids=stop_ids,
-        )
+        return self._sampler(params, stop_ids)
 
     @property
     def env_counters(self) -> dict[str, float]:
@@ -298,7 +284,7 @@ class TorchGenerator:
             self._refill_key = key
             self._refill = RefillPolicy(max_new_tokens=params.max_new_tokens, capacity=capacity)
 
-    def _sampler(self, params):
+    def _sampler(self, params, stop_ids=()):
         from asyncrl.models.sampling import Sampler
 
         tok = self._tokenizer
@@ -314,6 +300,7 @@ class TorchGenerator:
             inflight=self._inflight,
             num_extra_samples=max(0, self._opd_samples - 1),
             ignore_eos=params.ignore_eos,
+            stop_token_ids=stop_ids,
         )
 
     def _finished_rollouts(self, finished, texts: dict[int, str]) -> list[Rollout]:

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.generators.base import GeneratorContext, Rollout
+from asyncrl.generators.feed import concurrent_stream
 from asyncrl.generators.rollouts import RolloutBuilder
 from asyncrl.generators.sglang.adapters import (
     AdapterBook,
@@ -247,7 +248,9 @@ class SGLangGenerator:
             "(launch servers with --weight-version 0, or leave the default)"
         )
 
-    def _sampling_params(self, s: SamplingParams, budget: int, seed: int) -> dict[str, Any]:
+    def _sampling_params(self, of: SamplingParams | PromptTask, budget: int, seed: int) -> dict[str, Any]:
+        """The request's `sampling_params` for sampling params `of` (or a task's)."""
+        s = of.sampling if isinstance(of, PromptTask) else of
         params: dict[str, Any] = {
             "max_new_tokens": budget,
             "temperature": float(s.temperature),
@@ -479,30 +482,10 @@ class SGLangGenerator:
             async for rollouts in self._episodes.stream(feed):
                 yield rollouts
             return
-        limit = int(self.opts["max_concurrency"])
-        running: set[asyncio.Task[Rollout]] = set()
-        try:
-            while True:
-                feed.changed.clear()  # before taking: work put after this wakes the wait below
-                for draw in feed.take(limit - len(running)):
-                    running.add(
-                        asyncio.create_task(
-                            self._sample(draw.task, draw.sample_index),
-                            name=f"sample-t{draw.task.task_id}-s{draw.sample_index}",
-                        )
-                    )
-                if not running:
-                    return
-                changed = asyncio.create_task(feed.changed.wait())
-                done, _ = await asyncio.wait({*running, changed}, return_when=asyncio.FIRST_COMPLETED)
-                changed.cancel()
-                finished = [t for t in running if t in done]
-                running.difference_update(finished)
-                if finished:
-                    yield [t.result() for t in finished]
-        finally:
-            for t in running:
-                t.cancel()
+        async for rollouts in concurrent_stream(
+            feed, int(self.opts["max_concurrency"]), lambda d: self._sample(d.task, d.sample_index)
+        ):
+            yield rollouts
 
     # ------------------------------------------------------------------ weights
     async def _control(self, server: Server, path: str, body: dict[str, Any]) -> None:
