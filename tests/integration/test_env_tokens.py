@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
@@ -149,3 +150,27 @@ def test_episode_samples_are_reproducible_and_distinct(bpe_model_dir):
     first, second = episodes(), episodes()
     assert first == second
     assert len({ids for _, _, ids in first}) > len(first) // 2
+
+
+def test_weights_offered_between_turns_version_the_later_tokens(bpe_model_dir):
+    """weights.inflight = keep: a version offered while episodes wait on their environments is
+    applied by the turn server before the next turn decodes; every model token carries the
+    version that produced it, environment tokens the version of the model token before them."""
+    from asyncrl.generators.torch_gen import TorchGenerator
+    from tests.support.env_envs import OFFERS
+
+    env = msgspec.structs.replace(ENV, kind="tests.support.env_envs:offering")
+    gen = set_up_generator(TorchGenerator, bpe_model_dir, env=env)
+    state = {k: v.detach().clone() for k, v in gen.model.state_dict().items()}
+    OFFERS.append(lambda: gen.offer_weights(1, state))
+    rollouts = run(gen, tasks(bpe_model_dir))
+    assert gen.version == 1 and not OFFERS
+    seen = set()
+    for r in rollouts:
+        assert r.token_versions == sorted(r.token_versions)
+        seen.update(r.token_versions)
+        for i, trained in enumerate(r.loss_mask):
+            if not trained and i:
+                assert r.token_versions[i] == r.token_versions[i - 1]
+    assert seen == {0, 1}
+    assert any(r.token_versions[0] == 0 and r.token_versions[-1] == 1 for r in rollouts)  # across turns

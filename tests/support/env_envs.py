@@ -35,6 +35,22 @@ def digits(ctx: EnvironmentContext) -> DigitsEnv:
     return DigitsEnv(**ctx.options)
 
 
+OFFERS: list = []  # a test's hooks, each called once by the first `offering` step that finds it
+
+
+class OfferingEnv(DigitsEnv):
+    """`digits`, whose first step to get there runs the hooks in OFFERS (e.g. offers new weights)."""
+
+    async def step(self, action: Action) -> StepResult:
+        while OFFERS:
+            OFFERS.pop()()
+        return await super().step(action)
+
+
+def offering(ctx: EnvironmentContext) -> OfferingEnv:
+    return OfferingEnv()
+
+
 HOSTILE_KINDS = (
     "raise",
     "hang",
