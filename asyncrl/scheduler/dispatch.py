@@ -167,12 +167,28 @@ class Dispatcher:
             by_peer.setdefault(peer, []).append(task)
         return by_peer
 
-    def done(self, task_id: int, peer: str) -> PromptTask:
-        """TaskDone from `peer`; ValueError (nothing changed) if the task is not in flight there."""
-        task = self.book.done(task_id, peer)
-        self.outstanding[peer] -= 1
+    def done(self, task_id: int, peer: str, *, hedge: bool = False) -> PromptTask:
+        """TaskDone from `peer`; ValueError (nothing changed) if the task is not in flight there.
+        `hedge`: from the second copy's generator (scheduler/hedge.py)."""
+        task = self.book.done(task_id, peer, hedge=hedge)
+        self.release(peer)
         self.admitted_bound.pop(task_id, None)
         return task
+
+    def hedge(self, task_id: int, peer: str) -> PromptTask:
+        """The open task `task_id`, sent again to `peer` (a second copy; the ledger keeps the first)."""
+        self.outstanding[peer] = self.outstanding.get(peer, 0) + 1
+        return self.book.open[task_id]
+
+    def release(self, peer: str) -> None:
+        """One task fewer outstanding on `peer` (a TaskDone; a hedged copy that lost counts too)."""
+        if peer in self.outstanding:
+            self.outstanding[peer] -= 1
+
+    def pass_to(self, passed: dict[int, str]) -> None:
+        """Re-queued tasks whose hedge runs them already: in flight on the hedge's generator."""
+        for task_id, peer in passed.items():
+            self.book.pass_to(task_id, peer)
 
     def generator_failed(self, peer: str) -> list[int]:
         """Re-queue every task in flight on `peer` (once); returns their ids, sorted."""

@@ -30,6 +30,7 @@ SIGKILL after a grace period; only workers this launcher started are signalled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -73,6 +74,7 @@ from asyncrl.scheduler.children import Child, health
 from asyncrl.scheduler.connections import ConnectionWatch
 from asyncrl.scheduler.dispatch import Dispatcher
 from asyncrl.scheduler.evals import BackgroundEvals
+from asyncrl.scheduler.hedge import HedgeBook
 from asyncrl.scheduler.inbox import Inbox
 from asyncrl.scheduler.modes import make_mode
 from asyncrl.scheduler.records import (
@@ -181,6 +183,7 @@ class Launcher:
         self.evaluations: dict[str, tuple[float, dict[str, float]]] = {}
         self.finished = asyncio.Event()
         self.failure: str | None = None
+        self.learner_lost = False  # the failure is the learner's death (run.recover_learner may act)
         self.interrupted = False
         self.records = Records(
             run_dir / "metrics.jsonl",
@@ -193,6 +196,8 @@ class Launcher:
         self.workers = Workers(self.make_spawner(spawner), role_modules, self.records)
         self.children = self.workers.children  # peer id -> a live worker
         self.evals = self.background_evals() if config.eval.every else None
+        # Stragglers' tasks sent to a second generator (hedge.py; generators.hedge_factor).
+        self.hedging = HedgeBook(factor=config.generators.hedge_factor, min_s=config.generators.hedge_min_s)
         # Failure detection on the control socket's connections (connections.py, liveness.py).
         self.connections = ConnectionWatch(
             connection_timeout_s=config.monitor.connection_timeout_s,
@@ -258,6 +263,7 @@ class Launcher:
                 self.fail(overdue)
                 return
             await self.retire_lost(ctrl)
+            await self.hedge_stragglers(ctrl)
             for child in list(self.children.values()):
                 if child.stopping or self.finished.is_set() or not getattr(child.handle, "joined", True):
                     continue  # (a remote slot waiting for a worker: bounded by remote.overdue above)
@@ -270,6 +276,7 @@ class Launcher:
                 if reason is None:
                     continue
                 if child.role != "generator":
+                    self.learner_lost = child.role == "learner"
                     self.fail(f"{child.role} {child.peer_id} {reason}{self.resume_hint()}")
                     return
                 await self.restart_generator(ctrl, child, reason)
@@ -296,6 +303,19 @@ class Launcher:
                 lost_after_s=gone_s,
             )
 
+    async def hedge_stragglers(self, ctrl: Endpoint) -> None:
+        """Tasks outstanding far beyond what their peers take go to a second generator (hedge.py)."""
+        if not self.hedging.enabled or self.state.phase != "training" or self.finished.is_set():
+            return
+        serving = {
+            inc.peer_id: self.dispatcher.outstanding.get(inc.peer_id, 0) for inc in self.pool.serving()
+        }
+        for task_id, peer, to in self.hedging.due(time.monotonic(), serving):
+            task = self.dispatcher.hedge(task_id, to)
+            self.records.write("hedge", {"task_id": task_id, "peer_id": peer, "hedge_peer_id": to})
+            self.records.event(f"task {task_id} outstanding on {peer} far beyond its peers: sent to {to} too")
+            await self.send_to(ctrl, to, PromptTasks(tasks=[task]))
+
     def resume_hint(self) -> str:
         """The line a failure ends with: how to go on from the last checkpoint."""
         return f"\nTo go on from its last checkpoint: asyncrl launch --resume {self.run_dir}"
@@ -320,6 +340,9 @@ class Launcher:
         """
         self.pool.died(child.peer_id)
         requeued = self.dispatcher.generator_failed(child.peer_id)
+        if passed := self.hedging.generator_failed(child.peer_id, requeued):
+            self.dispatcher.pass_to(passed)  # their hedges run them already
+            requeued = [t for t in requeued if t not in passed]
         self.state.tasks_requeued += len(requeued)
         self.connections.forget(child.peer_id)
         await self.workers.retire(child)
@@ -407,7 +430,10 @@ class Launcher:
             loaded_version=loaded, serving=[inc.peer_id for inc in self.pool.serving()]
         )
         self.count_admitted(plan.num_admitted)
+        now = time.monotonic()
         for peer, tasks in plan.by_peer.items():
+            for task in tasks:
+                self.hedging.dispatched(task.task_id, peer, now)
             await self.send_to(ctrl, peer, PromptTasks(tasks=tasks))
 
     def count_admitted(self, num_groups: int) -> None:
@@ -516,7 +542,11 @@ class Launcher:
             case Fatal():
                 # The traceback is in the worker's log; the user gets the reason and where to look.
                 if is_learner:
-                    self.fail(f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})")
+                    self.learner_lost = True
+                    self.fail(
+                        f"{child.role} {msg.peer_id} failed: {msg.error} (details: {child.log_path})"
+                        + self.resume_hint()
+                    )
                 else:
                     # Supervision kills it if it has not exited, and restarts it (or, past its
                     # budget, ends the run).
@@ -585,7 +615,17 @@ class Launcher:
             await self.dispatch(ctrl)
 
     def on_task_done(self, child: Child, msg: TaskDone) -> None:
-        self.dispatcher.done(msg.task_id, child.peer_id)
+        copy = self.hedging.copy_of(msg.task_id, child.peer_id)
+        if copy == "wasted":  # a hedged task's other copy finished first; its samples were dropped
+            self.dispatcher.release(child.peer_id)
+            self.hedging.wasted_done(msg.task_id, child.peer_id, msg.num_trajectories)
+            self.records.write("hedge_wasted", {"task_id": msg.task_id, "peer_id": child.peer_id})
+            return
+        self.dispatcher.done(msg.task_id, child.peer_id, hedge=copy == "hedge")
+        if (loser := self.hedging.done(msg.task_id, child.peer_id, time.monotonic())) is not None:
+            self.records.write(
+                "hedge_done", {"task_id": msg.task_id, "winner": child.peer_id, "loser": loser}
+            )
         self.state.task_done(msg, child.peer_id)
         self.records.write("task", msgspec.to_builtins(msg))
         scoring = self.cfg.task.scoring
@@ -718,6 +758,8 @@ class Launcher:
         self.rejected_by_reason = dict(ctrl.rejected)
         if self.canary_ids:
             self.records.write("canary_summary", msgspec.to_builtins(self.canary.summary()))
+        if self.hedging.enabled:
+            self.records.write("hedge_summary", dataclasses.asdict(self.hedging.counts))
         self.records.close()  # the final snapshot; the monitor's stream closes
         self.connections.close()
         ctrl.close()

@@ -56,20 +56,27 @@ class TaskBook:
     def dispatched(self, task_id: int, generator_id: str) -> None:
         self.ledger.dispatch(task_id, generator_id=generator_id)
 
+    def pass_to(self, task_id: int, generator_id: str) -> None:
+        """A re-queued task that `generator_id` runs already (its hedge): in flight there now."""
+        self.requeued.remove(task_id)
+        self.ledger.dispatch(task_id, generator_id=generator_id)
+
     def pop_requeued(self) -> PromptTask | None:
         """The oldest re-queued task (it will be dispatched now), or None."""
         return self.open[self.requeued.popleft()] if self.requeued else None
 
-    def done(self, task_id: int, generator_id: str) -> PromptTask:
-        """TaskDone from `generator_id`; raises ValueError if the task is not in flight there."""
+    def done(self, task_id: int, generator_id: str, *, hedge: bool = False) -> PromptTask:
+        """TaskDone from `generator_id`; raises ValueError if the task is not in flight there.
+        `hedge`: from the generator running its second copy (scheduler/hedge.py), which the
+        ledger does not know: it closes the task as the ledger's copy would have."""
         task = self.open.get(task_id)
         if task is None:
             raise ValueError(f"TaskDone for task {task_id}, which is not open (never admitted, or done)")
-        if not self.ledger.is_in_flight(task_id, generator_id):
+        if not hedge and not self.ledger.is_in_flight(task_id, generator_id):
             raise ValueError(f"TaskDone for task {task_id} from {generator_id}, which was not running it")
         for i in self.ledger.missing_samples(task_id):
             self.ledger.generated(self.traj_id(task.group_id, i), task_id=task_id, sample_index=i)
-        self.ledger.task_done(task_id, generator_id=generator_id)
+        self.ledger.task_done(task_id, generator_id=None if hedge else generator_id)
         del self.open[task_id]
         return task
 
