@@ -13,9 +13,10 @@ first step. Each error names the key and the fix.
   policy, so the several-rank limits that distillation alone escapes apply again, and the RL
   log-probs come from the distillation forward over the full vocabulary (sampling.top_p = 1).
 * `staleness.vcpo_baseline` = "opob"/"opob_released" (ALGORITHMS.md 2.2): the baseline needs each
-  trajectory's own gradient, so every trajectory takes its own backward on one plain float32
-  rank, its gradient must be linear in its advantage (no sign(A)-dependent clip), and it must be
-  the only gradient of the trajectory (no KL term, no distillation, one epoch).
+  trajectory's own gradient norm (from one batched backward, `learner/ghost.py`, or one backward
+  per trajectory where the model or a nucleus rules that out: one plain rank only), in float32,
+  its gradient must be linear in its advantage (no sign(A)-dependent clip), and it must be the
+  only gradient of the trajectory (no KL term, no distillation, one epoch).
 """
 
 from __future__ import annotations
@@ -103,11 +104,17 @@ def _check_opob(config: Config, policy) -> None:
         raise ConfigError(
             f"{where} is a baseline for the task reward alone; with opd.enabled use vcpo_baseline = 'group_mean'"
         )
-    if lrn.world_size > 1 or lrn.sharding != "none" or lrn.mixed_precision != "none":
+    if lrn.mixed_precision != "none":
         raise ConfigError(
-            f"{where} takes one backward per trajectory on one plain float32 learner rank (lockstep ranks "
-            "train complete groups together, with no per-trajectory gradient): use learner.world_size = 1, "
-            "learner.sharding = 'none' and learner.mixed_precision = 'none'"
+            f"{where} weighs each trajectory by its exact gradient norm, in float32: use "
+            "learner.mixed_precision = 'none'"
+        )
+    lockstep = lrn.world_size > 1 or lrn.sharding != "none"
+    if lockstep and config.sampling.top_p != 1.0:
+        raise ConfigError(
+            f"{where} on several learner ranks takes each trajectory's gradient norm from one batched "
+            "backward, whose LM-head part needs the full vocabulary: set sampling.top_p = 1, or "
+            "learner.world_size = 1 (one backward per trajectory)"
         )
     if lrn.epochs > 1:
         raise ConfigError(f"{where} needs learner.epochs = 1 (one update per per-trajectory gradient)")

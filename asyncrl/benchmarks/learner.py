@@ -254,12 +254,7 @@ def _rank_step(args: dict) -> dict:
     peak = _max_rss_bytes()
     # The gradient's global norm (after the step: AdamW leaves .grad as it was): the same
     # number from both layouts when they compute the same update.
-    grad_sq = torch.zeros((), dtype=torch.float64)
-    for p in policy.parameters():
-        if p.grad is not None:
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grad_sq += local.double().square().sum()
-    totals = torch.stack([loss.detach().double(), grad_sq])
+    totals = torch.stack([loss.detach().double(), _local_grad_sq(policy)])
     if world > 1:
         dist.all_reduce(totals)
         dist.destroy_process_group()
@@ -277,6 +272,18 @@ def _rank_step(args: dict) -> dict:
         "loss": float(totals[0]),
         "grad_norm": float(totals[1].sqrt()),
     }
+
+
+def _local_grad_sq(policy):
+    """This rank's part of the squared gradient norm (its shards of every gradient)."""
+    import torch
+
+    grad_sq = torch.zeros((), dtype=torch.float64)
+    for p in policy.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad_sq += local.double().square().sum()
+    return grad_sq
 
 
 def _weight_copies(policy, args: dict):

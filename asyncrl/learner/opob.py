@@ -21,7 +21,7 @@ import torch
 
 from asyncrl.learner.step import PackedBatch
 from asyncrl.learner.streaming import GroupFold, token_weight
-from asyncrl.staleness.vcpo import opob_released_scale, sequence_log_weights
+from asyncrl.staleness.vcpo import opob_baseline, opob_released_scale, sequence_log_weights
 
 if TYPE_CHECKING:
     from asyncrl.learner.engine import Engine
@@ -77,3 +77,39 @@ def step_lr_scale(engine: Engine, state: StepState) -> None:
     state.set_lr_scale(corr.lr_scale)
     if "ess_ratio" in state.totals.stats:  # the token-weighted mean of the per-trajectory ratios (1 each)
         state.set_stat("ess_ratio", float(corr.stats.ess_ratio) * state.totals.stats_tokens)
+
+
+def opob_advantages(
+    rewards_GN: torch.Tensor, weights_GN: torch.Tensor, *, advantage: str, eps: float, unbiased: bool = True
+) -> torch.Tensor:
+    """A_i = (R_i - b_g) / (sigma_g + eps) ("grpo") or R_i - b_g ("dr_grpo"), b_g = sum W R / sum W
+    (`opob_baseline`), sigma_g the group's reward std (the accumulator's `unbiased`); a group whose
+    rewards are all equal (or of one sample) gets 0, as the streamed fold gives it."""
+    rewards_GN, weights_GN = rewards_GN.double(), weights_GN.double()
+    base_G1 = opob_baseline(weights_GN, rewards_GN)[:, None]
+    adv_GN = rewards_GN - base_G1
+    if advantage == "grpo":
+        std_G1 = (
+            rewards_GN.std(dim=1, keepdim=True, unbiased=unbiased)
+            if rewards_GN.shape[1] > 1
+            else torch.zeros_like(base_G1)
+        )
+        adv_GN = adv_GN / (std_G1 + eps)
+    degenerate_G1 = (rewards_GN == rewards_GN[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(degenerate_G1, 0.0, adv_GN)
+
+
+def released_scales(objective: RLObjective, batch: PackedBatch, logp_BL: torch.Tensor) -> torch.Tensor:
+    """Per row, the factor on ||h_i||^2 in W_i (`baseline_scale` of each row) [B], float64."""
+    if objective.baseline != "opob_released":
+        return torch.ones(batch.input_ids_BL.shape[0], dtype=torch.float64)
+    mask = batch.completion_mask_BL
+    log_w = sequence_log_weights(logp_BL.detach(), batch.behavior_logp_BL.to(logp_BL.dtype), mask)
+    nums = mask.sum(dim=1).tolist()
+    return torch.tensor(
+        [
+            opob_released_scale(float(lw), n, token_weight=token_weight(objective.agg, n))
+            for lw, n in zip(log_w.tolist(), nums, strict=True)
+        ],
+        dtype=torch.float64,
+    )

@@ -21,6 +21,7 @@ G groups, P flattened parameters.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Sequence
@@ -30,11 +31,18 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from asyncrl.learner.advantages import group_rewards
+from asyncrl.learner.advantages import GRPO_EPS, group_rewards
 from asyncrl.learner.distill_work import OpdArrays, distill_term, opd_arrays
 from asyncrl.learner.engine import Engine
+from asyncrl.learner.ghost import GhostNorms
 from asyncrl.learner.objective import CombinedObjective, DistillStats, RLObjective
-from asyncrl.learner.opob import baseline_scale, folded_loss, step_lr_scale
+from asyncrl.learner.opob import (
+    baseline_scale,
+    folded_loss,
+    opob_advantages,
+    released_scales,
+    step_lr_scale,
+)
 from asyncrl.learner.parallel import sharded_copy
 from asyncrl.learner.plans import CloseGroups, StreamOne, TrainGroups, Unit
 from asyncrl.learner.state import StepState
@@ -276,7 +284,7 @@ class RLWork:
             logp_now_BL = logp_BL.detach()
         else:
             logp_now_BL = self._anchor_logp(ids, parts, opd)
-        adv_GN, keep_GN = self._batch_advantages(whole, rows, logp_now_BL, logp_ref_BL, batch)
+        adv_GN, keep_GN = self._batch_advantages(state, whole, rows, parts, logp_now_BL, logp_ref_BL, batch)
         adv_all_B = adv_GN[whole.group_B, whole.slot_B].to(e.dtype)
         if any(s.weight != 1.0 for s in samples):
             adv_all_B = adv_all_B * torch.tensor([s.weight for s in samples], dtype=e.dtype)
@@ -334,7 +342,7 @@ class RLWork:
             )
 
     def _batch_advantages(
-        self, whole, rows, logp_now_BL, logp_ref_BL, batch
+        self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(adv_GN, keep_GN) of the whole batch, rewards with the KL penalty where it is placed
         (each rank's rows' penalties, summed over the lockstep ranks into the whole batch's)."""
@@ -468,6 +476,82 @@ class OpobWork(RLWork):
 
     def end(self, state: StepState) -> None:
         step_lr_scale(self.engine, state)
+
+
+class OpobBatchWork(RLWork):
+    """RL with VCPO's off-policy optimal baseline from one batched backward (whole-batch steps,
+    one plain rank or lockstep ranks): each rank's rows take a forward and a backward at A = +1
+    that forms no parameter gradient but every row's ||h_i||^2 (`ghost.GhostNorms`); the ranks sum
+    the norms into the whole batch's, every rank folds each group with b_g = sum W R / sum W
+    (`opob.opob_advantages`), and the step trains as the group mean's does, with these advantages.
+    The correction (and VCPO's ESS lr scale) is the whole batch's, as for any whole-batch step."""
+
+    def _batch_advantages(
+        self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.engine
+        zeros = torch.zeros(len(whole.reward_B), dtype=e.dtype)
+        corr = e.correct_rows(
+            whole, rows, batch.to(e.device) if rows else None, logp_now_BL, zeros, state.step
+        )
+        norms_B = torch.zeros(len(whole.reward_B), dtype=torch.float64, device=e.device)
+        if rows:
+            mine_B = self._row_norms(batch.to(e.device), corr, parts)
+            norms_B[torch.tensor(rows, device=e.device)] = mine_B * released_scales(
+                self.objective, batch, logp_now_BL.cpu()
+            ).to(e.device)
+        else:
+            for _ in parts:
+                self._dummy_norms()
+        if e.lockstep:
+            dist.all_reduce(norms_B)  # each row is one rank's, the others add zeros
+        shape = {"num_groups": whole.num_groups, "group_size": whole.group_size}
+        rewards_GN = group_rewards(whole.reward_B.double(), whole.group_B, whole.slot_B, **shape)
+        weights_GN = group_rewards(norms_B.cpu(), whole.group_B, whole.slot_B, **shape)
+        _, keep_GN = self.objective.group_advantages(rewards_GN)
+        adv_GN = opob_advantages(rewards_GN, weights_GN, advantage=self.objective.advantage, eps=GRPO_EPS)
+        return adv_GN, keep_GN
+
+    def _row_norms(self, batch, corr: Correction, parts: list) -> torch.Tensor:
+        """||h_i||^2 of this rank's rows (float64), micro-batch by micro-batch, padded rows."""
+        e = self.engine
+        mask_BL = batch.completion_mask_BL
+        out = torch.zeros(mask_BL.shape[0], dtype=torch.float64, device=e.device)
+        for part in parts:
+            if part is None:
+                self._dummy_norms()
+                continue
+            sl, width = _rows(part, mask_BL)
+            part_corr = corr._replace(
+                logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
+                weight_BT=corr.weight_BT[sl, :width],
+                mask_BT=corr.mask_BT[sl, :width],
+            )
+            mask = mask_BL[sl, :width]
+            with self._ghost() as ghost:
+                logp = e.logp(e.actor, batch.input_ids_BL[sl, :width])
+                loss, _ = self.objective.policy_loss(logp, part_corr, mask.to(logp.dtype), mask)
+                (coeff,) = torch.autograd.grad(loss, [logp], retain_graph=True)
+                out[sl] = ghost.backward(logp, coeff)
+        return out
+
+    def _dummy_norms(self) -> None:
+        """A lockstep rank's empty turn in another rank's norm forward and backward."""
+        e = self.engine
+        with self._ghost() as ghost:
+            logp = e.logp(e.actor, torch.full((1, 2), e.pad_token_id, dtype=torch.long))
+            ghost.backward(logp, torch.zeros_like(logp))
+
+    @contextlib.contextmanager
+    def _ghost(self):
+        """Hooks on, and the forward on padded rows (a shared prefix would mix rows' gradients)."""
+        actor = self.engine.actor
+        shared, actor.share_prefixes = actor.share_prefixes, False
+        try:
+            with GhostNorms(actor.lm, temperature=self.engine.temperature) as ghost:
+                yield ghost
+        finally:
+            actor.share_prefixes = shared
 
 
 @dataclass

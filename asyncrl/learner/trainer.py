@@ -27,9 +27,10 @@ import torch
 from asyncrl.learner.copies import WeightCopies
 from asyncrl.learner.distill_work import DistillWork
 from asyncrl.learner.engine import Engine
+from asyncrl.learner.ghost import unsupported as ghost_unsupported
 from asyncrl.learner.objective import CombinedObjective, DistillationObjective, Objective
 from asyncrl.learner.plans import StepPlan, choose_plan
-from asyncrl.learner.rl_work import OpobWork, RLWork
+from asyncrl.learner.rl_work import OpobBatchWork, OpobWork, RLWork
 from asyncrl.learner.state import StepState, StepTotals
 from asyncrl.learner.step import StepResult, TrainSample
 from asyncrl.learner.streaming import StreamingAccumulator, flatten_grads, write_flat_grad
@@ -100,6 +101,7 @@ class Trainer:
         self.fallback = objective.fallback_reason(policy) or ""
         grouped = not isinstance(objective, DistillationObjective)
         opob = grouped and objective.opob
+        opob, opob_batched = self._opob_path(opob, top_p)
         self.plan: StepPlan = choose_plan(
             grouped=grouped,
             lockstep=self.engine.lockstep,
@@ -110,15 +112,36 @@ class Trainer:
         )
         # Per-trajectory streaming on one plain rank (bounded by max_open_groups).
         self.streams_per_trajectory = not self.fallback and not self.engine.lockstep
-        if not grouped:
-            self.runner = DistillWork(self.engine, objective)
-        elif opob:
-            self.runner = OpobWork(self.engine, objective, max_open_groups=max_open_groups)
-        else:
-            self.runner = RLWork(
-                self.engine, objective, streams=self.streams_per_trajectory, max_open_groups=max_open_groups
-            )
+        self.runner = self._runner(objective, grouped, opob, opob_batched, max_open_groups)
         self.state: StepState | None = None
+
+    def _opob_path(self, opob: bool, top_p: float) -> tuple[bool, bool]:
+        """(per-trajectory, batched) optimal baseline: its norms from one batched backward where
+        the model allows it (`ghost.unsupported`), else one backward per trajectory (one plain
+        rank only). The batched path trains whole batches (`self.fallback` says why)."""
+        why = ghost_unsupported(self.model, top_p=top_p) if opob else None
+        if opob and why is not None and self.engine.lockstep:
+            raise ValueError(
+                "staleness.vcpo_baseline = 'opob' on lockstep ranks takes the per-trajectory gradient norms "
+                f"from a batched backward, which this model does not allow: {why}"
+            )
+        if not opob or why is not None:
+            return opob, False
+        self.fallback = self.fallback or (
+            "the optimal baseline weighs each trajectory by its gradient norm, taken for the whole batch "
+            "in one backward"
+        )
+        return False, True
+
+    def _runner(self, objective, grouped: bool, opob: bool, opob_batched: bool, max_open_groups: int):
+        if not grouped:
+            return DistillWork(self.engine, objective)
+        if opob:
+            return OpobWork(self.engine, objective, max_open_groups=max_open_groups)
+        work = OpobBatchWork if opob_batched else RLWork
+        return work(
+            self.engine, objective, streams=self.streams_per_trajectory, max_open_groups=max_open_groups
+        )
 
     # ------------------------------------------------------------------ what the loops read
     @property

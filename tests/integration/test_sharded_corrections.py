@@ -1,6 +1,7 @@
 """The staleness corrections on two lockstep learner ranks (FSDP2, gloo) equal one plain rank on
 the same trajectories: M2PO's mask, VCPO's ESS and learning-rate scale (batch-global statistics
-taken over the whole batch across ranks), PPO-EWMA and the exact old log-probs (weight copies
+taken over the whole batch across ranks), VCPO's optimal baseline (each trajectory's gradient
+norm from the batched backward of its rank, summed over the ranks), PPO-EWMA and the exact old log-probs (weight copies
 sharded like the model), and a KL-to-reference loss (a sharded reference). Several steps, each
 with trajectories stale by up to one version, plain SGD so the parameters read out the updates;
 compared: the parameters after every step and each step's statistics (masked fraction, ESS, lr
@@ -30,11 +31,18 @@ GROUP_SIZE = 4
 CASES = {
     "m2po": ["staleness.policy=m2po", "staleness.params.tau=0.004"],
     "vcpo": ["staleness.policy=vcpo"],
+    "vcpo_opob": ["staleness.policy=vcpo", "staleness.vcpo_baseline=opob"],
+    "vcpo_opob_released": ["staleness.policy=vcpo", "staleness.vcpo_baseline=opob_released"],
     "ewma": ["staleness.policy=ewma"],
     "exact": ["staleness.policy=exact"],
     "kl_loss": ["learner.kl_coef=0.5"],
 }
-BATCH_GLOBAL = ("m2po", "vcpo")  # their ESS is the whole batch's (the others' is per chunk)
+BATCH_GLOBAL = (
+    "m2po",
+    "vcpo",
+    "vcpo_opob",
+    "vcpo_opob_released",
+)  # their ESS is the whole batch's (the others' is per chunk)
 STATS = ("masked_fraction", "ess_ratio", "kl")  # means over the batch (counts are per chunk)
 
 
@@ -182,5 +190,7 @@ def test_two_fsdp_ranks_equal_one_rank(two_ranks, tiny_model_dir, name):
                 )
     if name == "m2po":  # the mask bound somewhere, and each step's fraction agreed (above)
         assert any(s["stats"]["masked_fraction"] > 0 for s in one["steps"])
-    if name == "vcpo":
+    if name.startswith("vcpo"):
         assert any(s["lr_scale"] < 1.0 for s in one["steps"])
+    if "opob" in name:  # each trajectory's norm from a batched backward, on 1 rank as on 2
+        assert all("in one backward" in s["fallback"] for s in one["steps"] + two["steps"])

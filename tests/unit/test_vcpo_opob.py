@@ -6,6 +6,7 @@ whole-batch steps in any arrival order; and the config refuses what it cannot tr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -133,11 +134,24 @@ def _reference_update(base, samples, *, cap, released, agg):
     return -lr_scale * grad, ess
 
 
-def _opob_update(base, samples, *sets, streaming, seed=0):
+@contextlib.contextmanager
+def _per_trajectory(active=True):
+    """The learner's per-trajectory path (one backward per trajectory, streamed): what it takes
+    where the batched norms (`learner/ghost.py`) do not apply; forced here to test both."""
+    if not active:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("asyncrl.learner.trainer.ghost_unsupported", lambda *a, **k: "forced by the test")
+        yield
+
+
+def _opob_update(base, samples, *sets, streaming, seed=0, per_trajectory=True):
     import random
 
     model = copy.deepcopy(base)
-    t = _trainer(model, *sets, *([] if streaming else ["learner.streaming=off"]))
+    with _per_trajectory(per_trajectory):
+        t = _trainer(model, *sets, *([] if streaming else ["learner.streaming=off"]))
     t.updater.optimizer = torch.optim.SGD(t.params, lr=1.0)
     t.updater.lr, t.updater.max_grad_norm = 1.0, 1e9
     before = _params(model)
@@ -170,12 +184,14 @@ def test_trainer_update_equals_the_hand_built_optimal_baseline_update(tiny_model
     ]
     expected, ess = _reference_update(base, samples, cap=1.3, released=baseline == "opob_released", agg=agg)
     assert ess < 0.99  # stale samples: the ESS learning-rate scale is really at work
-    for streaming in (True, False):
-        got, result = _opob_update(base, samples, *sets, streaming=streaming)
+    # One backward per trajectory (streamed, or a whole-batch step), and the batched norms.
+    for streaming, per_trajectory in ((True, True), (False, True), (True, False)):
+        got, result = _opob_update(base, samples, *sets, streaming=streaming, per_trajectory=per_trajectory)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
         assert result.lr_scale == pytest.approx(math.sqrt(ess), abs=1e-12)
         assert result.policy_stats["ess_ratio"] == pytest.approx(ess, abs=1e-12)
-        assert result.streamed == (len(samples) if streaming else 0)
+        assert result.streamed == (len(samples) if streaming and per_trajectory else 0)
+        assert ("batch in one backward" in result.fallback) == (not per_trajectory)
     mean_baseline, _ = _opob_update(base, samples, *sets[:2], f'learner.agg="{agg}"', streaming=False)
     assert float((mean_baseline - expected).abs().max()) > 1e-6  # the baseline is not the mean's
 
@@ -204,11 +220,12 @@ def test_streamed_optimal_baseline_equals_the_batch_step(tiny_model_dir, name):
     base = _model(tiny_model_dir)
     samples = _samples(base, stale=0.5, seed=len(name))
     ref = copy.deepcopy(base)
-    batch = _batch_step(ref, samples, *OPOB[name])
+    batch = _batch_step(ref, samples, *OPOB[name])  # the batched norms
     assert batch.fallback == "learner.streaming = 'off'"
     for seed in range(3):
         model = copy.deepcopy(base)
-        trainer, streamed = _stream_step(model, samples, *OPOB[name], seed=seed)
+        with _per_trajectory():
+            trainer, streamed = _stream_step(model, samples, *OPOB[name], seed=seed)
         assert trainer.fallback == "" and trainer.acc.baseline == "opob"
         torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
         assert streamed.loss == pytest.approx(batch.loss, abs=1e-9)
@@ -227,7 +244,8 @@ def test_one_open_group_at_a_time_still_trains_every_group(tiny_model_dir):
     ref = copy.deepcopy(base)
     _batch_step(ref, samples, *sets)
     model = copy.deepcopy(base)
-    t = _trainer(model, *sets)
+    with _per_trajectory():
+        t = _trainer(model, *sets)
     assert t.max_open_groups == 1
     t.begin_step(STEP)
     for s in sorted(samples, key=lambda s: s.sample_index):  # round-robin over the groups
@@ -242,8 +260,8 @@ def test_one_open_group_at_a_time_still_trains_every_group(tiny_model_dir):
     ("sets", "message"),
     [
         (["learner.advantage=rloo"], "'rloo' has its own baseline"),
-        (["learner.world_size=2", "staleness.policy=tis"], "one plain float32 learner rank"),
-        (["learner.mixed_precision=bf16"], "one plain float32 learner rank"),
+        (["learner.world_size=2", "sampling.top_p=0.9"], "set sampling.top_p = 1"),
+        (["learner.mixed_precision=bf16"], "learner.mixed_precision = 'none'"),
         (["learner.epochs=2"], "learner.epochs = 1"),
         (["learner.kl_coef=0.1"], "learner.kl_coef = 0"),
         (["opd.enabled=true"], "task reward alone"),
