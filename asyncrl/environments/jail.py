@@ -63,6 +63,9 @@ class JailSpec(msgspec.Struct, frozen=True, kw_only=True):
     memory_mb: int = 2048
     file_mb: int = 16
     network: bool = False
+    # Already in a jail's network namespace (a sandbox started by a jailed worker): keep it; a
+    # process inside Landlock cannot write its own uid map, so it could not make a new one.
+    netns_inherited: bool = False
 
 
 class JailReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -180,9 +183,10 @@ def _add_path_rule(sc: _Syscalls, ruleset: int, path: str, rights: int) -> None:
 def enter_jail(spec: JailSpec) -> JailReport:
     """Confine this process (and everything it starts) as the module docstring says; chdir to
     the work directory. Layers the kernel does not offer are reported, not faked."""
+    global CURRENT
     missing = []
-    netns = False
-    if not spec.network:
+    netns = spec.netns_inherited
+    if not spec.network and not netns:
         why = _private_network()
         netns = not why
         if why:
@@ -193,4 +197,8 @@ def enter_jail(spec: JailSpec) -> JailReport:
     set_limits(spec)
     os.chdir(spec.workdir)
     os.environ["HOME"] = os.environ["TMPDIR"] = spec.workdir
-    return JailReport(netns=netns, landlock=abi, landlock_net=landlock_net, missing=missing)
+    CURRENT = JailReport(netns=netns, landlock=abi, landlock_net=landlock_net, missing=missing)
+    return CURRENT
+
+
+CURRENT: JailReport | None = None  # this process's jail, once it entered one

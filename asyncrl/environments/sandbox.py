@@ -9,8 +9,9 @@ back is its exit status, stdout and stderr (each cut at `max_output_bytes`) and 
 Nothing in the program can reach the run: it starts from `python -I` (no environment variables
 read, no user site), with an empty environment besides PATH, in a directory of its own.
 
-The jail's code is handed to the new interpreter as source (`jail.py` is self-contained), so a
-sandbox works from inside an environment worker, whose own jail hides the project's files.
+The jail's code is handed to the new interpreter as source (`jail.py` is self-contained, read
+when this module is imported), so a sandbox works from inside an environment worker, whose own
+jail hides the project's files.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ class SandboxResult(NamedTuple):
     reason: str  # "exit", "wall_timeout" (killed past wall_s), "cpu_limit" (SIGXCPU/SIGKILL at RLIMIT_CPU)
 
 
+# Read at import: a worker imports its environment (and this) before its own jail hides the
+# project's files, so the source must be in memory by then.
+_JAIL_SOURCE = inspect.getsource(jail)
+
+
 def _boot_source() -> str:
-    return inspect.getsource(jail) + _BOOT
+    return _JAIL_SOURCE + _BOOT
 
 
 async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -72,6 +78,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
         memory_mb=limits.memory_mb,
         file_mb=limits.file_mb,
         network=False,
+        netns_inherited=jail.CURRENT is not None and jail.CURRENT.netns,
     )
     try:
         proc = await asyncio.create_subprocess_exec(
