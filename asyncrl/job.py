@@ -177,29 +177,39 @@ def run_job(
     task, tokenizer, task_stats = load_task(config, path)  # prepared and checked here, once
     run_dir, resume_version = open_run_dir(config, reporter, resume_dir)
     warnings = report_settings(config, reporter)
-    launcher = Launcher(
-        config,
-        run_dir,
-        path,
-        reporter,
-        task=task,
-        tokenizer=tokenizer,
-        resume_version=resume_version,
-        role_modules=role_modules,
-        open_stream=partial(open_hub, run_dir=run_dir, config=config, reporter=reporter),
-    )
     for key, value in task_stats.items():
         reporter.event(f"task: {key} = {value}")
     t0 = time.perf_counter()
     held_out = HeldOut(config, path, task, reporter)
     if not resume_version:
         held_out.before_training()
-    failure = None
-    try:
-        state = uvloop.run(launcher.run())
-    except RunFailed as exc:
-        failure = str(exc)
-        state = launcher.state
+    recoveries = 0
+    while True:
+        launcher = Launcher(
+            config,
+            run_dir,
+            path,
+            reporter,
+            task=task,
+            tokenizer=tokenizer,
+            resume_version=resume_version,
+            role_modules=role_modules,
+            open_stream=partial(open_hub, run_dir=run_dir, config=config, reporter=reporter),
+        )
+        failure = None
+        try:
+            state = uvloop.run(launcher.run())
+        except RunFailed as exc:
+            failure = str(exc)
+            state = launcher.state
+        if (
+            failure is None
+            or (recovered := recover_learner(launcher, failure, run_dir, config, reporter, recoveries))
+            is None
+        ):
+            break
+        recoveries += 1
+        resume_version = recovered
     completed = failure is None and not launcher.interrupted
     held_out.after_training(launcher.evaluations, final=run_dir / "final_model", completed=completed)
     summary = build_summary(
@@ -214,11 +224,33 @@ def run_job(
         resume_version=resume_version,
         wall_s=time.perf_counter() - t0,
         failure=failure,
+        learner_recoveries=recoveries,
     )
     write_summary(summary, run_dir / "summary.json")
     if failure:
         raise RunFailed(failure)
     return summary
+
+
+def recover_learner(
+    launcher: Launcher, failure: str, run_dir: Path, config: Config, reporter: Reporter, done: int
+) -> int | None:
+    """After a failed run (`failure`, the reason): the version to go on from when its learner
+    died and `run.recover_learner` allows one more recovery (`done` so far) from a complete
+    checkpoint; None when the run fails."""
+    if not launcher.learner_lost or done >= config.run.recover_learner or launcher.interrupted:
+        return None
+    reporter.event(failure.splitlines()[0])
+    try:
+        version = resume_point(run_dir, config)
+    except ValueError as exc:
+        reporter.event(f"the learner cannot be recovered: {exc}")
+        return None
+    reporter.event(
+        f"recovering the learner (recovery {done + 1} of run.recover_learner = {config.run.recover_learner}): "
+        f"the run goes on from the checkpoint of policy_version {version}"
+    )
+    return version
 
 
 def open_run_dir(config: Config, reporter: Reporter, resume_dir: Path | None) -> tuple[Path, int]:
@@ -315,6 +347,7 @@ def build_summary(
     resume_version: int,
     wall_s: float,
     failure: str | None,
+    learner_recoveries: int = 0,
 ) -> RunSummary:
     """summary.json's record of a finished (completed, failed or interrupted) job. One
     constructor call, field by field in the file's order (scheduler/summary.py has the schema)."""
@@ -329,6 +362,7 @@ def build_summary(
     return RunSummary(
         mode=config.mode,
         resumed_from=resume_version,
+        learner_recoveries=learner_recoveries,
         status="failed" if failure else ("interrupted" if launcher.interrupted else "completed"),
         policy_versions=state.policy_version,
         steps=state.step,
