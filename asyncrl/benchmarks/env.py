@@ -31,7 +31,7 @@ from typing import Any
 
 from asyncrl.environments.base import EnvironmentContext
 from asyncrl.environments.host import InProcessHost
-from asyncrl.environments.runner import Budgets, EpisodeRunner, TurnRequest
+from asyncrl.generators.episode_runner import Budgets, EpisodeRunner, TurnRequest
 
 MODES = ("lockstep", "serial-env", "env-async")
 

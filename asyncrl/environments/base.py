@@ -1,6 +1,6 @@
 """The Environment seam: what an agentic episode talks to between the model's turns.
 
-Place in the data flow: a generator's episode runner (`runner.py`) owns one episode per sample.
+Place in the data flow: a generator's episode runner (`generators/episode_runner.py`) owns one episode per sample.
 It calls `reset(start)` once, then, after each model turn, `step(action)`; the environment answers
 with an `Observation` (appended to the episode as masked token ids), a reward contribution and
 whether the episode is done. An environment instance serves one episode at a time (it may keep

@@ -1,6 +1,6 @@
 """Where environments run: the `EnvHost` interface, its failures, and the in-process host.
 
-Place in the data flow: the episode runner (`runner.py`) opens one episode per sample on a host,
+Place in the data flow: the episode runner (`generators/episode_runner.py`) opens one episode per sample on a host,
 steps it after every model turn and closes it. Two hosts: `InProcessHost` (here: environments are
 coroutines on the generator's event loop, for I/O-bound ones; `env.workers = 0`) and
 `pool.ProcessPoolHost` (worker processes in a jail, for anything that computes or runs code).

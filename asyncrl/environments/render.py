@@ -1,6 +1,6 @@
 """Observations to token ids, once each: the environment's part of an episode's token stream.
 
-Place in the data flow: the episode runner (`runner.py`) appends what `render` returns after the
+Place in the data flow: the episode runner (`generators/episode_runner.py`) appends what `render` returns after the
 model's turn, as masked ids; nothing already in the episode is ever tokenised again. `ids` are
 taken as given (checked against the vocabulary); `text` is tokenised on its own, with no special
 tokens added; `messages` go through the tokenizer's chat template as the continuation of a

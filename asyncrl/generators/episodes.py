@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.environments.runner import Budgets, EnvCounters, EpisodeRunner, TurnOutput, TurnRequest
+from asyncrl.generators.episode_runner import Budgets, EnvCounters, EpisodeRunner, TurnOutput, TurnRequest
 from asyncrl.generators.feed import concurrent_stream
 
 if TYPE_CHECKING:

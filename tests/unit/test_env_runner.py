@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.environments.base import EnvironmentContext, Observation, StepResult
 from asyncrl.environments.host import InProcessHost
-from asyncrl.environments.runner import Budgets, EpisodeRunner, TurnOutput
+from asyncrl.generators.episode_runner import Budgets, EpisodeRunner, TurnOutput
 from asyncrl.messages import PromptTask, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

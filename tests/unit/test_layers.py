@@ -7,7 +7,8 @@
   leaves  messages, config, config_sections,        leaves only
           config_load, config_objective, lint,
           plugins, lazy, tasks, rewards,
-          kernels, staleness, buffer, models
+          kernels, staleness, buffer, models,
+          environments
 
 So roles meet only through messages (and the shared leaves): a capability that needs two roles
 to agree adds a message, not an import. Every import counts, lazy ones inside functions and
@@ -46,6 +47,7 @@ LEAVES = frozenset(
         "staleness",
         "buffer",
         "models",
+        "environments",
     }
 )
 # Pure modules inside a role's package that are leaves themselves (STYLE.md: "the pure modules of

@@ -94,7 +94,7 @@ from asyncrl.transport import security
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
-    from asyncrl.environments.runner import TurnOutput, TurnRequest
+    from asyncrl.generators.episode_runner import TurnOutput, TurnRequest
     from asyncrl.generators.feed import SampleFeed
 
 log = logging.getLogger(__name__)
@@ -322,10 +322,10 @@ class SGLangGenerator:
         )
 
     async def turn(self, request: TurnRequest) -> TurnOutput:
-        """One model turn of an agentic episode (`environments/runner.py`): the episode's ids in,
+        """One model turn of an agentic episode (`generators/episode_runner.py`): the episode's ids in,
         the turn's ids, behavior log-probs and versions out; it ends at eos, a stop token
         (`env.stop_tokens`, sent as `stop_token_ids`) or its budget. Holds a slot only while it decodes."""
-        from asyncrl.environments.runner import TurnOutput
+        from asyncrl.generators.episode_runner import TurnOutput
 
         self._turns_issued += 1
         out = await self._decode(
