@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any, Protocol
 
 from asyncrl.environments.base import (
@@ -28,6 +29,8 @@ from asyncrl.environments.base import (
     StepResult,
     make_environment,
 )
+
+log = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("error", "timeout", "worker_lost", "bad_observation")
 
@@ -114,8 +117,8 @@ class InProcessHost:
         if close is not None:
             try:
                 await asyncio.wait_for(close(), self.timeout_s)
-            except Exception:  # closing is best effort: the episode is over either way
-                pass
+            except Exception as exc:  # closing is best effort: the episode is over either way
+                log.debug("closing an environment failed: %r", exc)
 
     async def aclose(self) -> None:
         for handle in list(self._envs):
