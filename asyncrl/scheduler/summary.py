@@ -46,7 +46,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     mode: str  # "async" or "sync"
     resumed_from: int  # the policy_version a resume started at; 0 for a fresh run
-    learner_recoveries: int = 0  # learners recovered inside the run (run.recover_learner)
+    learner_recoveries: int  # learners recovered inside the run (run.recover_learner)
     status: str  # "completed", "failed" or "interrupted"
     policy_versions: int
     steps: int  # optimizer steps taken
