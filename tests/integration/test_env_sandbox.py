@@ -56,7 +56,9 @@ def test_no_network():
 
 def test_limits_end_a_program_with_a_reason():
     assert "MemoryError" in run("x = bytearray(1 << 30)").stderr
-    spin = run("while True: pass")
+    spin = run(
+        "while True: pass", SandboxLimits(cpu_s=1, wall_s=120.0)
+    )  # a loaded machine: CPU time comes slowly
     assert spin.reason == "cpu_limit" and spin.exit_code < 0
     sleeper = run("import time; time.sleep(60)", SandboxLimits(wall_s=0.5))
     assert sleeper.reason == "wall_timeout"

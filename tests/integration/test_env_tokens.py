@@ -188,6 +188,7 @@ def test_weights_offered_between_turns_version_the_later_tokens(bpe_model_dir):
     assert any(r.token_versions[0] == 0 and r.token_versions[-1] == 1 for r in rollouts)  # across turns
 
 
+@pytest.mark.slow
 def test_real_model_episodes_keep_the_sampled_tokens():
     """The same check on the real pretrained model (SmolLM2-135M-Instruct, a 49k BPE vocabulary),
     when it is prepared: three-turn `digits` episodes."""
