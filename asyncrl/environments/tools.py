@@ -134,11 +134,10 @@ def tools_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], tools: Sequ
     task's `render`); ValueError when the tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template: describe the tools in the prompt text")
-    return list(
-        tokenizer.apply_chat_template(
-            list(messages), tools=[t.spec() for t in tools], add_generation_prompt=True, tokenize=True
-        )
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=[t.spec() for t in tools], add_generation_prompt=True, tokenize=False
     )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class ToolEnvironment:

@@ -93,3 +93,21 @@ def test_text_responses_for_models_without_a_template():
     asyncio.run(env.reset(EpisodeStart(prompt="", answer="")))
     out = asyncio.run(env.step(act('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>')))
     assert out.observation.text == "<tool_response>2.0</tool_response>"
+
+
+def test_tools_render_through_a_template_that_takes_them():
+    from transformers import AutoTokenizer
+
+    from asyncrl.environments.tools import tools_prompt
+    from asyncrl.models.default import DEFAULT_MODEL_DIR
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    with pytest.raises(ValueError, match="no chat template"):
+        tools_prompt(tok, [{"role": "user", "content": "1+2"}], [add])
+    # a template that renders each tool as its number of required arguments, then "="
+    tok.chat_template = (
+        "{% for t in tools %}{{ t.function.parameters.required | length }}={% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    ids = tools_prompt(tok, [{"role": "user", "content": "1+2"}], [add])
+    assert tok.decode(ids) == "2=1+2"
