@@ -75,6 +75,8 @@ class Config(Section, frozen=True, kw_only=True):
                 "sharded copy built from the model's config, which a LoRA model has no constructor for; "
                 "use learner.world_size = 1, or learner.kl_coef = 0"
             )
+        if lrn.minibatches > 1:
+            self._check_minibatches()
         if lrn.lora.rank and lrn.lora.publish == "adapter":
             if self.generators.kind == "torch":
                 raise ValueError(
@@ -118,6 +120,24 @@ class Config(Section, frozen=True, kw_only=True):
                 "run.record_schedule records one learner rank's window steps: use learner.world_size = 1 "
                 "and buffer.mode = 'window' (or leave run.record_schedule off)"
             )
+
+    def _check_minibatches(self) -> None:
+        lrn = self.learner
+        if lrn.groups_per_step % lrn.minibatches:
+            raise ValueError(
+                f"learner.minibatches = {lrn.minibatches} cuts a step's {lrn.groups_per_step} groups into equal "
+                "minibatches: choose a divisor of learner.groups_per_step"
+            )
+        for what, bad in (
+            ("learner.epochs > 1", lrn.epochs > 1),
+            ("opd.enabled", self.opd.enabled),
+            ("staleness.vcpo_baseline other than 'group_mean'", self.staleness.vcpo_baseline != "group_mean"),
+            ("buffer.mode = 'pool'", self.buffer.mode == "pool"),
+        ):
+            if bad:
+                raise ValueError(
+                    f"learner.minibatches > 1 with {what} is not supported: use learner.minibatches = 1"
+                )
 
     def _check_loss(self) -> None:
         """learner.loss names a registered policy loss (asyncrl/learner/policy_losses.py), and the

@@ -306,6 +306,10 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
     # Optimizer updates per batch (PPO epochs): each later epoch re-runs the batch under the updated
     # model against the same anchor (the policy at the step's start). > 1 trains whole batches.
     epochs: PosInt = 1
+    # Optimizer updates per batch by minibatches (AReaL's ppo_n_minibatches): the batch's groups cut
+    # into this many equal minibatches, each its own update against the same anchor (the policy at
+    # the step's start, decoupled PPO's proximal policy). > 1 trains whole batches.
+    minibatches: PosInt = 1
     # One rank streams each trajectory into its group's S0/S1 buffers (ALGORITHMS.md 5); the
     # groups open at once are bounded by this many MiB of buffers (the bound, in groups, is logged
     # and in summary.json). Several ranks train complete groups in lockstep and hold no such buffers.

@@ -101,6 +101,24 @@ def _epochs_stale(config: Config) -> Iterator[Finding]:
     )
 
 
+@rule("decoupled-one-update")
+def _decoupled_one_update(config: Config) -> Iterator[Finding]:
+    bound = _stale_bound(config)
+    lrn = config.learner
+    if config.staleness.policy != "decoupled" or bound <= 2 or lrn.minibatches > 1 or lrn.epochs > 1:
+        return
+    yield Finding(
+        "decoupled-one-update",
+        "warning",
+        "learner.minibatches",
+        f"staleness.policy = 'decoupled' with one optimizer update per batch at a staleness bound of {bound}: "
+        "the proximal policy is then the current one, the clip never binds, and the objective is "
+        "importance-weighted policy gradient with weights up to the cap (unstable at high staleness)",
+        "update by minibatches against the same proximal anchor, e.g. --set learner.minibatches=4 "
+        "(docs/staleness.md), or lower staleness.max_staleness to 2",
+    )
+
+
 @rule("greedy-groups")
 def _greedy_groups(config: Config) -> Iterator[Finding]:
     if config.sampling.temperature > 0 or config.opd.enabled:

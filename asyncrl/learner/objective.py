@@ -116,6 +116,7 @@ class Objective:
     norm_constant: float
     streaming: str
     epochs: int = 1  # optimizer updates per batch
+    minibatches: int = 1  # ... by minibatches of the batch's groups, each against the same anchor
 
     @property
     def distills(self) -> bool:
@@ -131,6 +132,7 @@ class Objective:
             norm_constant=float(lrn.norm_constant or config.sampling.max_new_tokens),
             streaming=lrn.streaming,
             epochs=lrn.epochs,
+            minibatches=lrn.minibatches,
         )
         opd = config.opd
         distill = None
@@ -192,6 +194,8 @@ class Objective:
             return "learner.streaming = 'off'"
         if self.epochs > 1:
             return f"learner.epochs = {self.epochs}: each later epoch needs the update of the one before"
+        if self.minibatches > 1:
+            return f"learner.minibatches = {self.minibatches}: each minibatch's update needs the one before"
         return None
 
 

@@ -56,6 +56,8 @@ class RLWork:
 
     # Whether every trajectory streams on its own, weighted or not (the optimal baseline).
     every_trajectory_streams = False
+    # Whether a whole batch of one micro-batch may train on its step-start forward (no anchor pass).
+    trains_on_anchor_forward = True
     baseline = "mean"  # the group sums' baseline (`StreamingAccumulator`)
 
     def __init__(
@@ -276,6 +278,7 @@ class RLWork:
         # (With data-parallel threads the rows train in pieces: an anchor forward, then each piece.)
         single = len(parts) == 1 and parts[0] is not None and len(parts[0]) == len(mine)
         single = single and self.reference is None and not e.lockstep and e.threads == 1
+        single = single and self.trains_on_anchor_forward and self.objective.minibatches == 1
         opd = self._opd_for(mine, ids.shape[1]) if mine else None
         logp_ref_BL = self._reference_logp(ids, parts)
         logp_BL = logp_BLN = None
@@ -291,7 +294,7 @@ class RLWork:
         batch = batch.to(e.device) if mine else None
         corr = e.correct_rows(whole, rows, batch, logp_now_BL, adv_all_B, state.step)
         if not mine:  # more ranks than rows: this rank only takes part in the collectives
-            self._no_rows(state, parts)
+            self._no_rows(state, parts, whole)
             return
         rows_t = torch.tensor(rows, dtype=torch.long)
         g_B, n_B = whole.group_B[rows_t], whole.slot_B[rows_t]
@@ -303,9 +306,14 @@ class RLWork:
         )
         if self.objective.epochs > 1:
             state.add_rerun(functools.partial(self._rows_backward, plan))
+        units = self.objective.units(mask)
+        if self.objective.minibatches > 1:  # the first now; the others after each update before
+            (plan, units), *later = self._minibatch_parts(whole, rows, mine, plan)
+            for plan_m, units_m in later:
+                state.add_minibatch(functools.partial(self._rows_backward, plan_m), units_m)
         sums = self._rows_backward(plan, logp_BL, logp_BLN)
         state.add_loss(sums.loss)
-        state.add_units(self.objective.units(mask))
+        state.add_units(units)
         state.set_lr_scale(corr.lr_scale)
         stats = stats_dict(corr)
         if sums.kl_values:
@@ -314,10 +322,44 @@ class RLWork:
             state.add_distill(sums.distill)
         state.account(batch, mine, stats, tokens=float(mask.sum()), clipped=sums.clipped)
 
-    def _no_rows(self, state: StepState, parts: list) -> None:
+    def _minibatch_parts(
+        self, whole, rows: list[int], mine: list[TrainSample], plan: WholeRows | None
+    ) -> list[tuple[WholeRows, float]]:
+        """`plan` (this rank's rows `rows` of the whole batch) cut into `learner.minibatches`
+        minibatches of the batch's groups in order (group g of G in minibatch g * M // G), each
+        with its own micro-batches and its units: this rank's for the first (the step's sums
+        reduce them), summed over the ranks for the others (each update divides by its own)."""
+        e, count = self.engine, self.objective.minibatches
+        group_B = (
+            whole.group_B[torch.tensor(rows, dtype=torch.long)] if rows else torch.zeros(0, dtype=torch.long)
+        )
+        minibatch_B = group_B * count // whole.num_groups
+        out, units = [], []
+        for m in range(count):
+            index = torch.nonzero(minibatch_B == m).flatten().tolist()
+            parts = e.microbatches([mine[i] for i in index])
+            parts = [None if p is None else [index[j] for j in p] for p in parts]
+            mask = plan.mask_BL[torch.tensor(index, dtype=torch.long)] if index else None
+            units.append(self.objective.units(mask) if index else 0.0)
+            out.append(parts)
+        units_t = torch.tensor(units, dtype=torch.float64, device=e.device)
+        if e.lockstep:
+            dist.all_reduce(units_t)
+        if plan is None:
+            plan = WholeRows(None, None, None, None, None, None, None, None, None)
+        return [
+            (plan._replace(parts=parts), units[m] if m == 0 else float(units_t[m]))
+            for m, parts in enumerate(out)
+        ]
+
+    def _no_rows(self, state: StepState, parts: list, whole) -> None:
         """A lockstep rank with no rows of the batch still runs its part of the backward (and of
-        later epochs'); the forwards before it ran in `whole`, with no rows."""
+        later epochs' or minibatches'); the forwards before it ran in `whole`, with no rows."""
         plan = WholeRows(None, None, None, None, None, parts, None, None, None)
+        if self.objective.minibatches > 1:
+            (plan, _), *later = self._minibatch_parts(whole, [], [], None)
+            for plan_m, units_m in later:
+                state.add_minibatch(functools.partial(self._rows_backward, plan_m), units_m)
         if self.objective.epochs > 1:
             state.add_rerun(functools.partial(self._rows_backward, plan))
         self._rows_backward(plan)
@@ -486,6 +528,26 @@ class OpobBatchWork(RLWork):
     (`opob.opob_advantages`), and the step trains as the group mean's does, with these advantages.
     The correction (and VCPO's ESS lr scale) is the whole batch's, as for any whole-batch step."""
 
+    trains_on_anchor_forward = False  # the anchor forward is the norms' forward (padded rows)
+
+    def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
+        """The step-start log-probs of this rank's rows, from the forwards the norms' backward
+        runs on (with their graphs and hooks, kept until `_batch_advantages`): one forward per
+        micro-batch serves both."""
+        e = self.engine
+        self._kept: list = []
+        out = None
+        for part in parts:
+            rows = None if part is None else torch.tensor(part, dtype=torch.long, device=ids.device)
+            with self._ghost() as ghost:
+                row_ids = torch.full((1, 2), e.pad_token_id, dtype=torch.long) if rows is None else ids[rows]
+                logp = e.logp(e.actor, row_ids)
+            self._kept.append((rows, ghost, logp))
+            if rows is not None:
+                out = logp.new_zeros(ids.shape) if out is None else out
+                out[rows] = logp.detach()
+        return out
+
     def _batch_advantages(
         self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -496,13 +558,12 @@ class OpobBatchWork(RLWork):
         )
         norms_B = torch.zeros(len(whole.reward_B), dtype=torch.float64, device=e.device)
         if rows:
-            mine_B = self._row_norms(batch.to(e.device), corr, parts)
+            mine_B = self._row_norms(batch.to(e.device), corr)
             norms_B[torch.tensor(rows, device=e.device)] = mine_B * released_scales(
                 self.objective, batch, logp_now_BL.cpu()
             ).to(e.device)
         else:
-            for _ in parts:
-                self._dummy_norms()
+            self._row_norms(None, None)
         if e.lockstep:
             dist.all_reduce(norms_B)  # each row is one rank's, the others add zeros
         shape = {"num_groups": whole.num_groups, "group_size": whole.group_size}
@@ -512,35 +573,26 @@ class OpobBatchWork(RLWork):
         adv_GN = opob_advantages(rewards_GN, weights_GN, advantage=self.objective.advantage, eps=GRPO_EPS)
         return adv_GN, keep_GN
 
-    def _row_norms(self, batch, corr: Correction, parts: list) -> torch.Tensor:
-        """||h_i||^2 of this rank's rows (float64), micro-batch by micro-batch, padded rows."""
+    def _row_norms(self, batch, corr: Correction | None) -> torch.Tensor | None:
+        """||h_i||^2 of this rank's rows (float64): the backward at A = +1 of each kept forward
+        (a lockstep rank's empty turns back-propagate zeros)."""
         e = self.engine
-        mask_BL = batch.completion_mask_BL
-        out = torch.zeros(mask_BL.shape[0], dtype=torch.float64, device=e.device)
-        for part in parts:
-            if part is None:
-                self._dummy_norms()
+        out = None if batch is None else torch.zeros(batch.input_ids_BL.shape[0], dtype=torch.float64)
+        for rows, ghost, logp in self._kept:
+            if rows is None:
+                ghost.backward(logp, torch.zeros_like(logp))
                 continue
-            sl, width = _rows(part, mask_BL)
             part_corr = corr._replace(
-                logp_anchor_BT=corr.logp_anchor_BT[sl, :width],
-                weight_BT=corr.weight_BT[sl, :width],
-                mask_BT=corr.mask_BT[sl, :width],
+                logp_anchor_BT=corr.logp_anchor_BT[rows],
+                weight_BT=corr.weight_BT[rows],
+                mask_BT=corr.mask_BT[rows],
             )
-            mask = mask_BL[sl, :width]
-            with self._ghost() as ghost:
-                logp = e.logp(e.actor, batch.input_ids_BL[sl, :width])
-                loss, _ = self.objective.policy_loss(logp, part_corr, mask.to(logp.dtype), mask)
-                (coeff,) = torch.autograd.grad(loss, [logp], retain_graph=True)
-                out[sl] = ghost.backward(logp, coeff)
-        return out
-
-    def _dummy_norms(self) -> None:
-        """A lockstep rank's empty turn in another rank's norm forward and backward."""
-        e = self.engine
-        with self._ghost() as ghost:
-            logp = e.logp(e.actor, torch.full((1, 2), e.pad_token_id, dtype=torch.long))
-            ghost.backward(logp, torch.zeros_like(logp))
+            mask = batch.completion_mask_BL[rows]
+            loss, _ = self.objective.policy_loss(logp, part_corr, mask.to(logp.dtype), mask)
+            (coeff,) = torch.autograd.grad(loss, [logp], retain_graph=True)
+            out[rows.cpu()] = ghost.backward(logp, coeff).cpu()
+        self._kept = []
+        return None if out is None else out.to(e.device)
 
     @contextlib.contextmanager
     def _ghost(self):

@@ -102,6 +102,9 @@ class StepState:
         self.opob_logp: list[tuple[TrainSample, torch.Tensor]] = []
         # What a later epoch re-runs (learner.epochs > 1): the whole-batch work appends it.
         self.reruns: list[Callable[[], object]] = []
+        # Minibatches after the first (learner.minibatches): (backward, its global units), each
+        # followed by its own optimizer update.
+        self.minibatches: list[tuple[Callable[[], object], float]] = []
         self.acc = acc  # the group S0/S1 sums while grouped trajectories stream; else None
         self.totals = StepTotals()
 
@@ -176,6 +179,9 @@ class StepState:
 
     def add_rerun(self, rerun: Callable[[], object]) -> None:
         self.reruns.append(rerun)
+
+    def add_minibatch(self, backward: Callable[[], object], units_global: float) -> None:
+        self.minibatches.append((backward, units_global))
 
     def account(
         self,

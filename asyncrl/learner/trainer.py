@@ -250,7 +250,11 @@ class Trainer:
         denominator = self.objective.denominator(sums.units)
         scale = 1.0 / denominator if denominator > 0 else 0.0
         grad_norm, applied = self.updater.update(
-            state, scale=scale, loss=sums.loss, epochs=self.objective.epochs
+            state,
+            scale=scale,
+            loss=sums.loss,
+            epochs=self.objective.epochs,
+            denominator=self.objective.denominator,
         )
         if applied:
             self.copies.after_update(self.model, state.step + 1)

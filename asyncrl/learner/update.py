@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -119,10 +119,27 @@ class Updater:
         """A checkpoint's count of skipped steps (the run goes on counting from it)."""
         self.nonfinite_total = nonfinite_total
 
-    def update(self, state: StepState, *, scale: float, loss: float, epochs: int) -> tuple[float, bool]:
-        """Apply the step's update (and its later epochs); returns (the last gradient norm before
+    def update(
+        self,
+        state: StepState,
+        *,
+        scale: float,
+        loss: float,
+        epochs: int,
+        denominator: Callable[[float], float] = lambda units: units,
+    ) -> tuple[float, bool]:
+        """Apply the step's update (then its later minibatches', each normalised by its own
+        `denominator(units)`, and its later epochs); returns (the last gradient norm before
         clipping, whether every update was applied). Counts a skipped step."""
         grad_norm, applied = self._apply(state.step, scale, state.totals.lr_scale, loss)
+        for backward, units in state.minibatches if applied else ():
+            backward()
+            z = denominator(units)
+            grad_norm, applied = self._apply(
+                state.step, 1.0 / z if z > 0 else 0.0, state.totals.lr_scale, loss
+            )
+            if not applied:
+                break
         for _ in range(1, epochs if applied else 1):  # the same Z: the masks do not change
             for rerun in state.reruns:
                 rerun()
