@@ -6,9 +6,9 @@ Runs the launch (`--no-tui`, `run.spawn=exec` so that each process is found by i
 in a temporary run directory (or the one `--set run.out_dir=... --set run.name=...` names, kept)
 and, until it exits, reads `VmHWM` (the kernel's high-water mark of
 the process's resident set) of the launcher and each of its descendants every `PERIOD_S`. A
-process's figure is its last reading: its high-water mark up to at most `PERIOD_S` before it
-ended. Prints one line per process (its role from the command line, its peak in MB) and the
-launch's own exit status. The figures for the real-model job are in bench/README.md.
+process's figure is its highest reading: its high-water mark up to at most `PERIOD_S` before it
+ended (an exited child not yet reaped reads 0 and is skipped). Prints one line per process (its
+role from the command line, its peak in MB) and the launch's own exit status. The figures for the real-model job are in bench/README.md.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def watch(launch: subprocess.Popen, stop: threading.Event) -> dict[int, tuple[st
     while not stop.is_set():
         for pid in (launch.pid, *children_of(launch.pid)):
             seen = reading(pid)
-            if seen is not None:
+            if seen is not None and seen[1] >= peaks.get(pid, ("", 0))[1]:  # not an exited child's 0
                 peaks[pid] = seen
         stop.wait(PERIOD_S)  # the sampling period, not a synchronisation
     return peaks
@@ -86,6 +86,8 @@ def main(argv: list[str]) -> int:
         stop.set()
         sampler.join()
     for pid, (role, kb) in sorted(result.items(), key=lambda item: -item[1][1]):
+        if kb == 0:  # seen only after it exited
+            continue
         print(f"{role:16s} pid {pid:7d}  peak {kb / 1024:8.0f} MB")
     if launch.returncode:
         print(err.strip().splitlines()[-1] if err.strip() else "", file=sys.stderr)
