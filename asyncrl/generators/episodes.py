@@ -183,36 +183,43 @@ class TorchTurnServer:
     def _run(self) -> None:
         import torch
 
-        from asyncrl.models.sampling import SampleRequest
-
         sampler = params = None
         try:
             with torch.no_grad():
                 while True:
                     running = 0 if sampler is None else sampler.num_running
                     with self._cond:
-                        while not self._stopped and not self._queue and running == 0:
+                        if not self._stopped and not self._queue and running == 0:
                             began = time.perf_counter()
-                            self._cond.wait()
+                            self._cond.wait()  # a turn, new weights or stop wakes it
                             self.idle_s += time.perf_counter() - began
-                            self.gen.apply_pending()  # idle: a safe point for offered weights
                         if self._stopped:
                             break
                         joining = self._take(running, params)
+                    if running == 0:
+                        # Nothing decoding: a safe point for offered weights (outside the lock, so
+                        # `turn` on the event loop never waits for a weights copy or the canary).
+                        self.gen.apply_pending()
                     if joining:
-                        if running == 0:
-                            self.gen.apply_pending()
-                            if params != joining[0][0].sampling:
-                                params = joining[0][0].sampling
-                                sampler = self.gen.turn_sampler(params, self.stop_ids)
-                        self._decoding.update((id(key[1]), key) for key in joining)
-                        sampler.add([SampleRequest(key, key[0].ids, key[0].seed) for key in joining])
+                        sampler, params = self._admit(joining, sampler, params, running)
                     if sampler is not None and sampler.num_running:
                         for done in sampler.step():
                             self._resolve(done)
         except BaseException as exc:  # the model failed: every waiting episode gets the error
             self._fail_all(exc)
             raise
+
+    def _admit(self, joining, sampler, params, running: int):
+        """Add `joining` turns to the batch (a new Sampler when the batch is empty and they sample
+        with other params); the sampler and its params."""
+        from asyncrl.models.sampling import SampleRequest
+
+        if running == 0 and params != joining[0][0].sampling:
+            params = joining[0][0].sampling
+            sampler = self.gen.turn_sampler(params, self.stop_ids)
+        self._decoding.update((id(key[1]), key) for key in joining)
+        sampler.add([SampleRequest(key, key[0].ids, key[0].seed) for key in joining])
+        return sampler, params
 
     def _resolve(self, done) -> None:
         self._decoding.pop(id(done.key[1]), None)
