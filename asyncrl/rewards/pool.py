@@ -283,7 +283,7 @@ class RewardPool:
             self._spawn()
         if not self._queue:  # extra workers retire when idle
             idle = [w for w in self._workers if w.ready and w.task is None]
-            for w in idle[: max(0, len(self._workers) - self.num_workers)]:
+            for w in idle[: max(0, self._free_capacity() - self.num_workers)]:
                 self._retire(w)
         if self._queue and not self._workers:  # nothing can serve them: fail rather than wait
             failure = RewardFailure("raised", f"WorkerStartFailed: {self._start_error}")
@@ -298,12 +298,10 @@ class RewardPool:
         return sum(1 for w in self._workers if not w.stuck)
 
     def _wanted_capacity(self) -> int:
-        """Workers free of stuck calls that the queue wants: `num_workers` for the ordinary work;
-        while any call is stuck, one per queued sample besides (up to max_workers): a hang among
-        them is found out by its own worker, at once and in parallel, not one after another by
-        `num_workers` of them. Nothing queued: no more than there are."""
-        if not self._queue:
-            return 0
+        """Workers free of stuck calls that the pool wants: `num_workers`, always (a stuck call's
+        worker is replaced at once, so ordinary samples never wait for a process to start); while
+        any call is stuck, one more per queued sample (up to max_workers): a hang among them is
+        found out by its own worker, at once and in parallel, not one after another."""
         if len(self._workers) == self._free_capacity():  # nothing stuck
             return self.num_workers
         return self.num_workers + sum(len(t.positions) for t in self._queue)
