@@ -3,8 +3,8 @@
 Place in the data flow: the learner groups finished trajectories by prompt, turns each group's
 rewards into advantages here, broadcasts them to tokens, and hands them to `losses.py`.
 
-Legend: G groups (one prompt each), N samples per group, B sequences, T tokens per sequence
-(padded; `mask_BT` marks real completion tokens).
+Legend: G groups (one prompt each), N samples per group, K rewards per sample, B sequences,
+T tokens per sequence (padded; `mask_BT` marks real completion tokens).
 
 A group whose rewards are all equal carries no learning signal and gets exactly zero advantage in
 every estimator (the float mean of equal values can differ from them by one ulp, and dividing
@@ -44,6 +44,43 @@ def grpo_advantages(
     std_G1 = rewards_GN.std(dim=1, keepdim=True, unbiased=unbiased)
     adv_GN = (rewards_GN - mean_G1) / (std_G1 + eps)
     return torch.where(_degenerate_G1(rewards_GN), 0.0, adv_GN)
+
+
+def gdpo_advantages(
+    rewards_GNK: torch.Tensor,
+    weights_K: torch.Tensor,
+    *,
+    eps: float = GRPO_EPS,
+    unbiased: bool = True,
+    batch_norm: bool = True,
+) -> torch.Tensor:
+    """GDPO (reward-decoupled normalisation): each reward normalised within its group, then summed.
+
+    A_i = sum_k w_k (r_ik - mean_g r_k) / (std_g r_k + eps), each term exactly GRPO's
+    (`grpo_advantages` with the same `eps` and `unbiased`). A reward constant within a group
+    carries no signal there and contributes exactly 0; a group whose every reward is constant
+    gets exactly 0. With `batch_norm`, A is then divided by its std over the whole batch (all
+    G*N samples, same ddof) plus eps. GDPO also subtracts the batch mean, but every group's terms
+    already sum to 0, so that mean is 0 up to rounding; leaving it out keeps the all-constant
+    groups at exactly 0. A batch whose advantages are all 0 stays 0.
+    """
+    if rewards_GNK.dim() != 3:
+        raise ValueError(f"gdpo_advantages: rewards must be [G, N, K], got shape {tuple(rewards_GNK.shape)}")
+    if weights_K.shape != rewards_GNK.shape[2:]:
+        raise ValueError(
+            f"gdpo_advantages: {rewards_GNK.shape[2]} rewards per sample but {weights_K.numel()} weights"
+        )
+    num_groups, num_samples, num_rewards = rewards_GNK.shape
+    per_reward_GK_N = rewards_GNK.permute(0, 2, 1).reshape(num_groups * num_rewards, num_samples)
+    norm_GNK = (
+        grpo_advantages(per_reward_GK_N, eps=eps, unbiased=unbiased)
+        .reshape(num_groups, num_rewards, num_samples)
+        .permute(0, 2, 1)
+    )
+    adv_GN = (norm_GNK * weights_K.to(norm_GNK.dtype)).sum(dim=2)
+    if not batch_norm or adv_GN.numel() < 2 or not bool(adv_GN.ne(0).any()):
+        return adv_GN
+    return adv_GN / (adv_GN.std(unbiased=unbiased) + eps)
 
 
 def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
