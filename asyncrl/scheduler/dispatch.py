@@ -13,7 +13,8 @@ goes to the serving generator with the fewest outstanding tasks, the first in sl
 with none serving it waits in the re-queue. Every choice is recorded before the caller awaits a
 send, so a generator restarted meanwhile is never picked and its tasks are re-queued exactly once.
 
-Prompts come from the task seam (`asyncrl/tasks/base.py`): group j is `task.train_problem(j)`,
+Prompts come from the task seam (`asyncrl/tasks/base.py`): group j is `task.train_problem(i)`,
+i the stream index its selector chooses (`scheduler/selection.py`; uniform, the default: i = j),
 rendered to token ids by `task.render`, a whole dispatch in one call; with `privileged`
 (self-distillation, opd.teacher = "self") also by `task.privileged_render`, for the policy to
 score its completions under (`PromptTask.privileged_ids`).
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncrl.messages import PromptTask, SamplingParams
 from asyncrl.scheduler.modes import AdmissionMode
+from asyncrl.scheduler.selection import Selector, UniformSelector
 from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.tasks.base import Task
 
@@ -56,6 +58,7 @@ class Dispatcher:
         tokenizer: Any = None,
         privileged: bool = False,
         room: int = 0,
+        selector: Selector | None = None,
     ) -> None:
         self.book = book
         self.mode = mode
@@ -68,6 +71,9 @@ class Dispatcher:
         # limit): a task's prepare drops or refuses longer ones at load; any that reach admission
         # (a plugin task without a prepare, a privileged prompt) stop the run here, named.
         self.room = room
+        self.selector = (
+            selector if selector is not None else UniformSelector()
+        )  # which prompt each admitted group samples
         self.outstanding: dict[str, int] = {}  # serving generator -> tasks sent and not done
         # The staleness bound in force when each open task was admitted (it moves with
         # staleness.max_staleness = "auto"): a re-queued task is sent again only within it.
@@ -111,21 +117,24 @@ class Dispatcher:
         """The groups' PromptTasks, admitted to the task book (not assigned to anyone yet)."""
         if not groups:
             return []
-        problems = [self.task.train_problem(j) for j in groups]
+        indices = self.selector.select(groups)
+        problems = [self.task.train_problem(i) for i in indices]
         prompt_ids = self.task.render(problems, self.tokenizer)
         privileged: list[list[int]] = [[] for _ in problems]
         if self.privileged:
             privileged = self.task.privileged_render(problems, self.tokenizer)  # type: ignore[attr-defined]
         tasks = []
-        for j, problem, ids, privileged_ids in zip(groups, problems, prompt_ids, privileged, strict=True):
-            self.check_room(j, ids, privileged_ids)
+        for j, index, problem, ids, privileged_ids in zip(
+            groups, indices, problems, prompt_ids, privileged, strict=True
+        ):
+            self.check_room(index, ids, privileged_ids)
             task = PromptTask(
                 task_id=j,
                 group_id=j,
                 prompt_ids=ids,
                 num_samples=self.book.samples_per_group,
                 sampling=self.sampling,
-                dataset_index=j,
+                dataset_index=index,
                 window=self.mode.task_window(j, loaded_version=loaded_version),
                 answer=problem.answer,
                 extras=dict(problem.extras),
@@ -136,14 +145,14 @@ class Dispatcher:
             tasks.append(task)
         return tasks
 
-    def check_room(self, group: int, ids: Sequence[int], privileged_ids: Sequence[int]) -> None:
+    def check_room(self, index: int, ids: Sequence[int], privileged_ids: Sequence[int]) -> None:
         for what, n in (
             ("prompt", len(ids)),
             ("privileged prompt (opd.teacher = 'self')", len(privileged_ids)),
         ):
             if self.room and n > self.room:
                 raise ValueError(
-                    f"training problem {group}: its {what} is {n} tokens, over the {self.room} the model's "
+                    f"training problem {index}: its {what} is {n} tokens, over the {self.room} the model's "
                     f"context leaves beside sampling.max_new_tokens = {self.sampling.max_new_tokens}; lower "
                     "sampling.max_new_tokens, or give the task a prepare(tokenizer, room) that drops such rows"
                 )
