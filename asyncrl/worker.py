@@ -43,7 +43,7 @@ import zmq
 from asyncrl.config_load import config_from_tree, write_resolved_config
 from asyncrl.config_sections import ClusterConfig, ConfigError
 from asyncrl.messages import Join, JoinRefused, Welcome
-from asyncrl.scheduler.spawner import LocalProcess, LocalSpawner
+from asyncrl.scheduler.spawner import ForkSpawner, LocalProcess, LocalSpawner, is_prewarmed, prewarm
 from asyncrl.transport import security
 from asyncrl.transport.serve import fetch_tree
 from asyncrl.transport.zmq_io import Endpoint
@@ -169,6 +169,7 @@ class Worker:
                     self.say(
                         f"{reply.reason}; waiting for the first slot that frees (as long as the run lasts)"
                     )
+                    prewarm()  # a standby: its generators will start with their imports done
             self.watch_launcher()
             lost = self.launcher_lost_at
             if self.stopping:
@@ -225,7 +226,13 @@ class Worker:
 
     def start_generators(self, welcome: Welcome, model: Path) -> None:
         assert self.scratch is not None
-        spawner = LocalSpawner(self.scratch, die_with_parent=True)
+        # A worker that waited has a warm fork server (`prewarm`): its generators fork from it with
+        # torch and the worker modules imported (they stop when this process dies: the server
+        # exits with it, and they with their parent, `runtime._watch_parent`); otherwise each
+        # starts fresh and gets SIGKILL the moment this process dies.
+        spawner: LocalSpawner = (
+            ForkSpawner(self.scratch) if is_prewarmed() else LocalSpawner(self.scratch, die_with_parent=True)
+        )
         for a in welcome.assignments:
             args = msgspec.structs.replace(a.args, model=str(model))
             proc = spawner.start(a.peer_id, GENERATOR_MODULE, ctrl_address=self.address, args=args)

@@ -196,6 +196,11 @@ class JoinSpawner:
 _prewarmed = False
 
 
+def is_prewarmed() -> bool:
+    """Whether this process started its fork server (`prewarm`)."""
+    return _prewarmed
+
+
 def prewarm() -> None:
     """Start the fork server now (it imports `asyncrl.scheduler.warm` in its own process, in
     parallel with the caller), so that `ForkSpawner` workers start with their imports done.
