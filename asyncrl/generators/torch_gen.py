@@ -176,6 +176,28 @@ class TorchGenerator:
         finally:
             await asyncio.to_thread(self._turns.stop)
 
+    def _make_teacher(self, ctx: GeneratorContext, device) -> Teacher:
+        from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
+
+        opd, pad = ctx.opd, self._tokenizer.pad_token_id
+        if opd.teacher == "self":
+            return SelfTeacher(
+                self._model,
+                weights=opd.self_weights,
+                lag=opd.self_lag,
+                ewma_decay=opd.self_ewma_decay,
+                pad_token_id=pad,
+            )
+        if opd.placement == "service":
+            if ctx.teacher is None:
+                raise ValueError(
+                    "opd.placement = 'service': this generator was given no shared teacher "
+                    "(GeneratorContext.teacher); `asyncrl launch` starts one and connects every generator"
+                )
+            return ctx.teacher
+        model = load_teacher(opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype)
+        return ModelTeacher(model, pad_token_id=pad)
+
     @property
     def version(self) -> int:
         return self._version
