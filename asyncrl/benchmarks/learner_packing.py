@@ -31,22 +31,10 @@ PACKING_MODEL = {"vocab": 4096, "hidden": 128, "intermediate": 256, "layers": 4,
 
 def _model(shape: dict, seed: int):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    from asyncrl.benchmarks.gpu_check_sections import qwen2
+
+    return qwen2(shape, seed=seed, attn="sdpa", device=torch.device("cpu"))
 
 
 def long_tailed_rows(

@@ -98,13 +98,17 @@ def learner_step_timer(trainer: Trainer, *, groups: int) -> Callable[[list[Train
         nonlocal step
         start = time.perf_counter()
         trainer.begin_step(step, window_groups=groups)
-        for s in samples:  # sampled by the version being trained (on-policy, as in sync)
-            trainer.offer(dataclasses.replace(s, token_versions=torch.full_like(s.token_versions, step)))
-        if trainer.acc is not None:
+        # Sampled by the version being trained (on-policy, as in sync).
+        versioned = [
+            dataclasses.replace(s, token_versions=torch.full_like(s.token_versions, step)) for s in samples
+        ]
+        if trainer.fallback:  # whole-batch steps take the window at once, as the step loop does
+            trainer.batch_backward(versioned)
+        else:
+            for s in versioned:
+                trainer.offer(s)
             while trainer.has_work():
                 trainer.work()
-        else:
-            trainer.batch_backward(trainer.state.arrivals)
         trainer.finish_step()
         step += 1
         return time.perf_counter() - start
