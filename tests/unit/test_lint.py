@@ -37,6 +37,11 @@ CASES = {
         "warning",
         ["learner.epochs=2", "mode=sync"],
     ),
+    "decoupled-one-update": (
+        ["staleness.policy=decoupled", "staleness.max_staleness=8"],
+        "warning",
+        ["staleness.policy=decoupled", "staleness.max_staleness=8", "learner.minibatches=4"],
+    ),
     "greedy-groups": (["sampling.temperature=0"], "error", ["sampling.temperature=0.5"]),
     "top-p-plugin": (
         ["sampling.top_p=0.9", "generators.kind=my_pkg.gen:MyGenerator"],
