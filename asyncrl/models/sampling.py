@@ -336,7 +336,9 @@ class Sampler:
         out = []
         for j, (i, n) in enumerate(zip(idx_B.tolist(), lengths, strict=True)):
             tokens = ids[j][:n]
-            stop = tokens[-1] in self.stop_token_ids or (tokens[-1] == self.eos_token_id and not self.ignore_eos)
+            stop = tokens[-1] in self.stop_token_ids or (
+                tokens[-1] == self.eos_token_id and not self.ignore_eos
+            )
             out.append(
                 FinishedSample(
                     self._keys[i],
