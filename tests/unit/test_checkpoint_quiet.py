@@ -22,6 +22,7 @@ class _Trainer:
 
     rank = 0
     world_size = 1
+    lockstep = False  # one plain rank: its weight copies go in the extras file
 
     def __init__(self) -> None:
         self.actor = torch.nn.Linear(3, 2)

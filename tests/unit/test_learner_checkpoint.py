@@ -72,6 +72,7 @@ class _Trainer:
 
     rank = 0
     world_size = 1
+    lockstep = False  # one plain rank: its weight copies go in the extras file
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
