@@ -89,6 +89,7 @@ def failing_factory(**options: object):
 def slow(sample: RewardInput) -> float:
     """Sleeps the seconds its completion names ("slow:1.5"), then len(completion); else at once."""
     if sample.completion.startswith("slow:"):
+        # The workload under test (a reward that takes this long), not a synchronisation.
         time.sleep(float(sample.completion.split(":")[1]))
     return float(len(sample.completion))
 

@@ -60,6 +60,8 @@ def test_limits_end_a_program_with_a_reason():
         "while True: pass", SandboxLimits(cpu_s=1, wall_s=120.0)
     )  # a loaded machine: CPU time comes slowly
     assert spin.reason == "cpu_limit" and spin.exit_code < 0
+    # The sandboxed program under test outlives its wall limit (not a synchronisation: the sandbox
+    # must end it at 0.5 s, long before its sleep would).
     sleeper = run("import time; time.sleep(60)", SandboxLimits(wall_s=0.5))
     assert sleeper.reason == "wall_timeout"
     big = run("open('f', 'wb').write(b'x' * (9 << 20))")  # file_mb 8

@@ -91,7 +91,9 @@ class HostileEnv(DigitsEnv):
         raise RuntimeError("hostile environment: raised")
 
     async def _hang(self) -> StepResult:
-        time.sleep(3600)  # blocks the worker's loop: only killing the worker ends it
+        # The hostile behaviour under test, not a synchronisation: a step that blocks its worker's
+        # event loop for good, so only env.step_timeout_s killing the worker ends it.
+        time.sleep(3600)
         raise AssertionError("unreachable")
 
     async def _die(self) -> StepResult:
