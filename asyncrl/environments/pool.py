@@ -199,7 +199,13 @@ class ProcessPoolHost:
             )
         fut = asyncio.get_running_loop().create_future()
         worker.pending[call.call_id] = fut
-        worker.proc.stdin.write(frame(call, self._encoder))
+        if not self._send(worker, call):  # its process is gone; the reader has not seen it yet
+            worker.pending.pop(call.call_id, None)
+            self.counts["worker_deaths"] += 1
+            await self._kill(worker, "worker_lost", "its process exited")
+            raise EnvFailure(
+                "worker_lost", f"environment worker {worker.slot} exited; the episode's state is gone"
+            )
         try:
             reply: EnvReply = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except TimeoutError:
@@ -240,9 +246,19 @@ class ProcessPoolHost:
             return
         worker.episodes.discard(handle)
         if worker.alive:  # no reply awaited: closing is best effort, the episode is over either way
-            worker.proc.stdin.write(
-                frame(EnvCall(call_id=next(self._calls), op="close", episode=handle), self._encoder)
-            )
+            self._send(worker, EnvCall(call_id=next(self._calls), op="close", episode=handle))
+
+    def _send(self, worker: _Worker, call: EnvCall) -> bool:
+        """Write `call` to `worker`; False when its pipe is already closed (the process died and
+        the reader has not noticed yet: it will count and replace the worker)."""
+        stdin = worker.proc.stdin
+        if stdin.is_closing():
+            return False
+        try:
+            stdin.write(frame(call, self._encoder))
+        except (RuntimeError, ConnectionError):
+            return False
+        return True
 
     async def aclose(self) -> None:
         for worker in list(self.workers.values()):

@@ -13,10 +13,16 @@ with them (`worker_lost`), which would make the other kinds' counts depend on sc
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
+import uvloop
 
+from asyncrl.config_sections import EnvConfig
+from asyncrl.environments.base import Action, EnvironmentContext, EpisodeStart
+from asyncrl.environments.host import EnvFailure
+from asyncrl.environments.pool import ProcessPoolHost
 from tests.integration.test_env_calculator import env_counters
 
 EPISODES = 3 * 2 * 4  # steps x groups x samples of the short job
@@ -79,3 +85,29 @@ def test_hung_and_dying_environments_are_killed_and_replaced(run_short_job, tmp_
     assert c["env/worker_deaths"] >= 1 and c["env/failures_worker_lost"] >= 1
     assert c["env/workers_started"] > 2  # replacements took the killed workers' place
     assert c["env/failed"] >= EPISODES // 2  # each hang, and what shared its worker
+
+
+def test_a_worker_dead_before_its_reader_knows_fails_calls_and_closes_quietly(tmp_path):
+    """The generator's event loop (uvloop) refuses writes to a dead worker's closed pipe: closing
+    an episode there is quiet, a step is `worker_lost`, and the worker is counted once."""
+    env = EnvConfig(kind="tests.support.env_envs:digits", workers=1, step_timeout_s=30)
+    host = ProcessPoolHost(env, EnvironmentContext(), run_dir=str(tmp_path), name="g")
+
+    async def main() -> EnvFailure:
+        try:
+            first, _ = await host.open(EpisodeStart(prompt="p", answer="1"))
+            second, _ = await host.open(EpisodeStart(prompt="p", answer="1"))
+            (worker,) = host.workers.values()
+            worker.reader.cancel()  # the reader has not seen the exit yet
+            os.killpg(worker.proc.pid, 9)
+            await worker.proc.wait()
+            await host.close_episode(first)
+            with pytest.raises(EnvFailure) as failure:
+                await host.step(second, Action(ids=[1], text="1", finish_reason="stop", turn=0))
+            return failure.value
+        finally:
+            await host.aclose()
+
+    failure = uvloop.run(main())
+    assert failure.kind == "worker_lost"
+    assert host.counts["worker_deaths"] == 1 and host.workers == {}
