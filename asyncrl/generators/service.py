@@ -115,6 +115,10 @@ class GeneratorService:
             self.receiver.remote = NetworkWeights(ctx.zmq_ctx, files, ctx.run_dir / "weights")
         # Sending is serialised: a batch the canary's gate releases never overlaps a new one.
         self.sending = asyncio.Lock()
+        # Scoring-and-sending tasks, one per arrival, with the samples each holds: they outlive the
+        # stream that produced them (a hung reward holds its groups only, not the generator's next
+        # stream or its weight loads; issue #36).
+        self.taking: dict[asyncio.Task, set[tuple[int, int]]] = {}
         self.weights = WeightUpdates(
             self.gen,
             self.receiver,
@@ -160,15 +164,36 @@ class GeneratorService:
             self.data_endpoint = endpoint
 
     async def work_loop(self) -> None:
-        while not self.stopping:
-            await self.wake.wait()
-            self.wake.clear()
-            await self.send_released()
-            await self.weights.between_batches()
-            while self.feed.has_work() and not self.stopping:
-                async with self.weights.model_lock:
-                    await self.run_stream()
+        try:
+            while not self.stopping:
+                await self.wake.wait()
+                self.wake.clear()
+                self.reap_taken()
+                await self.send_released()
                 await self.weights.between_batches()
+                while self.feed.has_work() and not self.stopping:
+                    async with self.weights.model_lock:
+                        await self.run_stream()
+                    await self.weights.between_batches()
+            if self.taking:  # shutdown: what is being scored finishes and is sent
+                await asyncio.wait(self.taking)
+            self.reap_taken()
+        finally:
+            for t in self.taking:
+                t.cancel()
+
+    def start_take(self, rollouts: list[Rollout]) -> None:
+        """Score and send `rollouts` in a task of their own; its end wakes the work loop (a
+        redraw to sample, a failure to raise)."""
+        t = asyncio.create_task(self.take(rollouts), name="gen-take")
+        self.taking[t] = {(r.task_id, r.sample_index) for r in rollouts}
+        t.add_done_callback(lambda _: self.wake.set())
+
+    def reap_taken(self) -> None:
+        """Forget the finished scoring tasks; raise what one of them raised."""
+        for t in [t for t in self.taking if t.done()]:
+            del self.taking[t]
+            t.result()
 
     def open_stream(self):
         """The generator's stream over the feed: its own, or batches through `generate`."""
@@ -191,9 +216,9 @@ class GeneratorService:
                 arrived.put_nowait(None)
 
         pumping = asyncio.create_task(pump(), name="gen-stream")
-        # Each arrival is scored and sent by a task of its own: a hung reward holds only the groups
-        # of its sample, never the arrivals after it (issue #36).
-        taking: set[asyncio.Task] = set()
+        # Each arrival is scored and sent by a task of its own (`start_take`): a hung reward holds
+        # only the groups of its sample, never the arrivals after it, and the stream ends (the
+        # model free for new weights and the next tasks) without waiting for it (issue #36).
         try:
             ended = False
             while not ended:
@@ -207,19 +232,16 @@ class GeneratorService:
                     if arrived.empty():
                         break
                     item = arrived.get_nowait()
-                for t in [t for t in taking if t.done()]:
-                    taking.discard(t)
-                    t.result()  # raises what scoring or sending raised
+                self.reap_taken()  # raises what scoring or sending raised
                 if rollouts:
-                    taking.add(asyncio.create_task(self.take(rollouts), name="gen-take"))
-            if taking:
-                await asyncio.gather(*taking)
+                    self.start_take(rollouts)
             await pumping  # raises what the generator raised
             if getattr(self.gen, "env_counters", None):  # episode counters complete at every idle point
                 await self.send_metrics()
             # The generator is idle: whatever it was handed has come back (else its task would
             # never be done and the run would stall without a word).
             held = self.weights.canary.gate.held_samples()  # waiting for a canary verdict
+            held |= set().union(*self.taking.values())  # being scored
             if lost := sorted(self.scorer.awaited() - self.feed.queued() - held):
                 raise ValueError(
                     f"generator {self.ctx.peer_id} ended its stream without returning "
@@ -227,9 +249,8 @@ class GeneratorService:
                     "come back as one Rollout"
                 )
         finally:
-            for t in (pumping, *taking):
-                if not t.done():
-                    t.cancel()
+            if not pumping.done():
+                pumping.cancel()
             self.busy_s += time.perf_counter() - start
 
     async def take(self, rollouts: list[Rollout]) -> None:

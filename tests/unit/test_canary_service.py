@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 
 from asyncrl.generators.canary import GeneratorCanary
-from tests.unit.test_generator_stream import DEADLINE_S, Sockets, rollout, service, task
+from tests.unit.test_generator_stream import Sockets, drain, rollout, service, task
 
 
 def sampled(t, versions):
@@ -60,5 +60,5 @@ def test_a_stream_that_ends_with_rollouts_held_has_not_lost_them():
     svc = gated_service(sockets, Switched())
     svc.scorer.open(task(0))
     svc.feed.put([task(0)])
-    asyncio.run(asyncio.wait_for(svc.run_stream(), DEADLINE_S))  # no "without returning" error
+    asyncio.run(drain(svc))  # no "without returning" error
     assert sockets.trajectories == [] and svc.weights.canary.gate.held_samples() == {(0, k) for k in range(3)}

@@ -7,6 +7,7 @@ scripted generator waits (with a deadline) for the service to have sent what it 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -112,8 +113,20 @@ def service(sockets: Sockets, gen) -> GeneratorService:
     svc.busy_s = 0.0
     svc.metrics_sent_at = math.inf  # no Metrics in this test
     svc.sending = asyncio.Lock()
+    svc.taking, svc.wake = {}, asyncio.Event()
     svc.weights = SimpleNamespace(canary=GeneratorCanary(None))  # no canary: nothing is held
     return svc
+
+
+async def drain(svc: GeneratorService) -> None:
+    """As the work loop does: a stream while the feed has work (a redraw starts another), and
+    the scoring tasks the streams left behind, until neither is left."""
+    while svc.feed.has_work() or svc.taking:
+        if svc.feed.has_work():
+            await asyncio.wait_for(svc.run_stream(), DEADLINE_S)
+        if svc.taking:
+            await asyncio.wait_for(asyncio.wait(list(svc.taking)), DEADLINE_S)
+        svc.reap_taken()
 
 
 def test_each_trajectory_goes_out_as_soon_as_its_reward_is_in_and_task_done_follows_the_group():
@@ -126,8 +139,7 @@ def test_each_trajectory_goes_out_as_soon_as_its_reward_is_in_and_task_done_foll
         for t in tasks:
             svc.scorer.open(t)
         svc.feed.put(tasks)
-        while svc.feed.has_work():  # as the work loop does: a redraw starts another stream
-            await asyncio.wait_for(svc.run_stream(), DEADLINE_S)
+        await drain(svc)
 
     asyncio.run(go())
     assert sockets.messages[0] == [(0, 0)]  # alone, before anything else of its group or batch
@@ -171,3 +183,62 @@ def test_a_stream_that_drops_a_sample_fails_instead_of_stalling_the_run():
         ValueError, match=r"without returning 1 sample\(s\) it took, \(task, sample\) \[\(1, 2\)\]"
     ):
         asyncio.run(asyncio.wait_for(svc.run_stream(), DEADLINE_S))
+
+
+class HungFirst:
+    """A task.rewards scorer that never answers for task 0's samples until `release` is set (a hung
+    verifier), and scores every other sample at once."""
+
+    names: list[str] = []
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.hung = asyncio.Event()  # task 0's scoring has begun
+
+    async def score(self, samples):
+        if any(s.prompt == "hang" for s in samples):
+            self.hung.set()
+            await self.release.wait()
+        return [SimpleNamespace(failed=False, failures={}, parts={}, reward=1.0) for _ in samples]
+
+
+class Texted:
+    """Each call hands out the whole feed at once, with the texts rewards read (task 0: "hang")."""
+
+    async def generate_stream(self, feed: SampleFeed):
+        draws = feed.take(100)
+        yield [
+            dataclasses.replace(
+                rollout(d.task, d.sample_index),
+                prompt_text="hang" if d.task.task_id == 0 else "q",
+                completion_text="a",
+            )
+            for d in draws
+        ]
+
+
+def test_a_hung_reward_holds_only_its_group_not_the_next_stream():
+    """The stream ends while task 0's scoring hangs: the generator is free (the next stream runs,
+    the next task goes out), and task 0 goes out, after its samples, once its scoring ends."""
+    sockets = Sockets()
+    svc = service(sockets, Texted())
+    hung = HungFirst()
+    svc.scorer.scorer = hung
+
+    async def go() -> None:
+        svc.scorer.open(task(0))
+        svc.feed.put([task(0)])
+        await asyncio.wait_for(svc.run_stream(), DEADLINE_S)  # returns with task 0 being scored
+        await asyncio.wait_for(hung.hung.wait(), DEADLINE_S)
+        assert svc.taking and not sockets.trajectories
+        svc.scorer.open(task(1))
+        svc.feed.put([task(1)])
+        await asyncio.wait_for(svc.run_stream(), DEADLINE_S)
+        await sent(sockets, (1, 2))
+        assert sockets.done == [[(1, 3, 0, 0)]]  # task 1 done while task 0 still hangs
+        hung.release.set()
+        await drain(svc)
+
+    asyncio.run(go())
+    assert sockets.trajectories[3:] == [(0, 0), (0, 1), (0, 2)]
+    assert sockets.done == [[(1, 3, 0, 0)], [(0, 3, 0, 0)]] and not svc.taking and not svc.scorer.groups
