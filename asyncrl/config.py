@@ -96,6 +96,11 @@ class Config(Section, frozen=True, kw_only=True):
                 "small, so use learner.sharding = 'none' (replicated ranks) with LoRA"
             )
         self._check_remote()
+        if self.sampling.selection in ("priority", "curriculum") and self.task.kind == "addition":
+            raise ValueError(
+                f"sampling.selection = {self.sampling.selection!r} chooses among a finite training set, and the "
+                "addition task's stream is unbounded: use a dataset task, or sampling.selection = 'skip' or 'replay'"
+            )
         if self.env.kind and self.opd.enabled:
             raise ValueError(
                 "env.kind with opd.enabled is not supported yet: episodes carry no teacher scores; "

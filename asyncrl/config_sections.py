@@ -164,6 +164,45 @@ class SamplingConfig(Section, frozen=True, kw_only=True):
     # length, as throughput benchmarks want. The verifier reads the answer up to its first eos;
     # the learner trains on every sampled token.
     ignore_eos: bool = False
+    # Which prompt each admitted group samples (scheduler/selection.py; docs/tasks.md, "Prompt
+    # selection"), from a per-prompt Beta pass-rate record: "uniform" (the task's stream, the
+    # default), "skip" (passes over prompts estimated solved or hopeless, re-checked), "priority"
+    # (Thompson sampling of p (1 - p)), "curriculum" (easiest unsolved first), "replay" (a share
+    # of the groups re-admits the most uncertain prompt). Never changes how many groups are admitted.
+    selection: Literal["uniform", "skip", "priority", "curriculum", "replay"] = "uniform"
+    selection_solved: Annotated[float, Meta(gt=0, lt=1)] = 0.9  # posterior mean >= this: solved
+    selection_hopeless: Annotated[float, Meta(gt=0, lt=1)] = 0.1  # skip: posterior mean <= this: hopeless
+    selection_recheck: PosInt = 4  # skip: a prompt passed over this many times in a row is re-checked
+    selection_replay_fraction: Probability = 0.25  # replay: the share of groups that replay
+    # replay: a prompt's estimate is uncertain while its posterior standard deviation is >= this
+    selection_replay_std: Annotated[float, Meta(gt=0, lt=0.5)] = 0.1
+
+    def __post_init__(self) -> None:
+        self._check_selection()
+
+    def _check_selection(self) -> None:
+        if self.selection_hopeless >= self.selection_solved:
+            raise ValueError(
+                f"sampling.selection_hopeless = {self.selection_hopeless} must be below sampling.selection_solved = "
+                f"{self.selection_solved}: a prompt cannot be both hopeless and solved"
+            )
+        default = {f.name: f.default for f in msgspec.structs.fields(SamplingConfig)}
+        for name, strategies in SELECTION_OPTIONS.items():
+            if self.selection not in strategies and getattr(self, name) != default[name]:
+                raise ValueError(
+                    f"sampling.{name} applies with sampling.selection = {' or '.join(map(repr, strategies))}, and "
+                    f"it is {self.selection!r}: set sampling.selection, or leave sampling.{name} at its default"
+                )
+
+
+# Each selection option, and the strategies that read it (the others refuse it at load).
+SELECTION_OPTIONS = {
+    "selection_solved": ("skip", "curriculum"),
+    "selection_hopeless": ("skip",),
+    "selection_recheck": ("skip",),
+    "selection_replay_fraction": ("replay",),
+    "selection_replay_std": ("replay",),
+}
 
 
 class GeneratorConfig(Section, frozen=True, kw_only=True):

@@ -23,6 +23,10 @@ Format (`<run_dir>/checkpoints/launcher-{steps_trained:08d}.json`, one JSON obje
                     processes are gone, so these tasks are re-queued too, after `requeued`)
     ledger          the `asyncrl.buffer.ledger` snapshot (LedgerSnapshot fields, JSON)
     task_fingerprint  the task's rows and order (`fingerprint()`, the dataset task), or ""
+    selection       `sampling.selection`'s state (`scheduler/selection.py` SelectionState): the
+                    strategy, its own state (cursor, random generator), the stream index of every
+                    group admitted and not trained (a resume re-admits each with its own prompt),
+                    and the per-prompt record (`scheduler/prompt_stats.py`); null in older files
 
 Every group below `next_group` is either trained (its step is < steps_trained), or open. A resume
 therefore neither skips a prompt (open tasks are re-sent, admission continues at next_group) nor
@@ -42,6 +46,7 @@ import msgspec
 from asyncrl.buffer.ledger import Ledger, LedgerSnapshot, TaskState
 from asyncrl.messages import PromptTask
 from asyncrl.scheduler.admission import Admission, CreditAdmission
+from asyncrl.scheduler.selection import SelectionState
 from asyncrl.scheduler.tasks import TaskBook
 
 FORMAT = 1
@@ -67,6 +72,7 @@ class LauncherCheckpoint(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     # The task's `fingerprint()` (the dataset task: its rows, their order and the shuffle seed),
     # checked on resume: a changed dataset would make the saved position mean other prompts.
     task_fingerprint: str = ""
+    selection: SelectionState | None = None
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -80,7 +86,11 @@ def checkpoint_due(step: int, version: int, *, total_steps: int, every: int) -> 
 
 
 def snapshot(
-    admission: Admission | CreditAdmission, book: TaskBook, *, task_fingerprint: str = ""
+    admission: Admission | CreditAdmission,
+    book: TaskBook,
+    *,
+    task_fingerprint: str = "",
+    selection: SelectionState | None = None,
 ) -> LauncherCheckpoint:
     """The launcher state as one value (pure)."""
     ledger = msgspec.msgpack.decode(book.ledger.to_bytes(), type=LedgerSnapshot)
@@ -104,14 +114,20 @@ def snapshot(
         in_flight={g: sorted(ids) for g, ids in sorted(in_flight.items())},
         ledger=ledger,
         task_fingerprint=task_fingerprint,
+        selection=selection,
     )
 
 
 def save_launcher_checkpoint(
-    run_dir: Path, admission: Admission | CreditAdmission, book: TaskBook, *, task_fingerprint: str = ""
+    run_dir: Path,
+    admission: Admission | CreditAdmission,
+    book: TaskBook,
+    *,
+    task_fingerprint: str = "",
+    selection: SelectionState | None = None,
 ) -> Path:
     """Write `launcher-{steps_trained:08d}.json` atomically; returns its path."""
-    state = snapshot(admission, book, task_fingerprint=task_fingerprint)
+    state = snapshot(admission, book, task_fingerprint=task_fingerprint, selection=selection)
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"launcher-{state.steps_trained:08d}.json"

@@ -14,7 +14,9 @@ with none serving it waits in the re-queue. Every choice is recorded before the 
 send, so a generator restarted meanwhile is never picked and its tasks are re-queued exactly once.
 
 Prompts come from the task seam (`asyncrl/tasks/base.py`): group j is `task.train_problem(i)`,
-i the stream index its selector chooses (`scheduler/selection.py`; uniform, the default: i = j),
+i the stream index the run's selection chooses (`scheduler/selection.py`, `sampling.selection`;
+uniform, the default: i = j; a group re-admitted on resume gets the index it had), and each
+finished task's rewards go into the per-prompt record (`done(..., result=TaskDone)`); prompts are
 rendered to token ids by `task.render`, a whole dispatch in one call; with `privileged`
 (self-distillation, opd.teacher = "self") also by `task.privileged_render`, for the policy to
 score its completions under (`PromptTask.privileged_ids`).
@@ -25,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from asyncrl.messages import PromptTask, SamplingParams
+from asyncrl.messages import PromptTask, SamplingParams, TaskDone
 from asyncrl.scheduler.modes import AdmissionMode
-from asyncrl.scheduler.selection import Selector, UniformSelector
+from asyncrl.scheduler.prompt_stats import PromptStats, prompt_key
+from asyncrl.scheduler.selection import Selection, Selector, make_selection
 from asyncrl.scheduler.tasks import TaskBook
 from asyncrl.tasks.base import Task
 
@@ -59,7 +62,10 @@ class Dispatcher:
         privileged: bool = False,
         room: int = 0,
         selector: Selector | None = None,
+        selection: Selection | None = None,
     ) -> None:
+        """`selection`: the run's strategy and per-prompt record; else `selector` (default
+        uniform) with a record of its own."""
         self.book = book
         self.mode = mode
         self.task = task
@@ -71,9 +77,9 @@ class Dispatcher:
         # limit): a task's prepare drops or refuses longer ones at load; any that reach admission
         # (a plugin task without a prepare, a privileged prompt) stop the run here, named.
         self.room = room
-        self.selector = (
-            selector if selector is not None else UniformSelector()
-        )  # which prompt each admitted group samples
+        if selection is None:
+            selection = Selection("uniform" if selector is None else "custom", selector, PromptStats())
+        self.selection = selection  # which prompt each admitted group samples, and the record
         self.outstanding: dict[str, int] = {}  # serving generator -> tasks sent and not done
         # The staleness bound in force when each open task was admitted (it moves with
         # staleness.max_staleness = "auto"): a re-queued task is sent again only within it.
@@ -99,6 +105,7 @@ class Dispatcher:
             tokenizer=tokenizer,
             privileged=config.opd.self_teacher,
             room=room,
+            selection=make_selection(config, task),
         )
 
     def plan(self, *, loaded_version: int, serving: Sequence[str]) -> Plan:
@@ -117,7 +124,7 @@ class Dispatcher:
         """The groups' PromptTasks, admitted to the task book (not assigned to anyone yet)."""
         if not groups:
             return []
-        indices = self.selector.select(groups)
+        indices = self.selection.choose(groups)
         problems = [self.task.train_problem(i) for i in indices]
         prompt_ids = self.task.render(problems, self.tokenizer)
         privileged: list[list[int]] = [[] for _ in problems]
@@ -141,6 +148,7 @@ class Dispatcher:
                 privileged_ids=privileged_ids,
             )
             self.book.admit(task)
+            self.selection.admitted(task, prompt_key(problem))
             self.admitted_bound[j] = self.mode.admission.max_staleness
             tasks.append(task)
         return tasks
@@ -176,10 +184,15 @@ class Dispatcher:
             by_peer.setdefault(peer, []).append(task)
         return by_peer
 
-    def done(self, task_id: int, peer: str, *, hedge: bool = False) -> PromptTask:
+    def done(
+        self, task_id: int, peer: str, *, hedge: bool = False, result: TaskDone | None = None
+    ) -> PromptTask:
         """TaskDone from `peer`; ValueError (nothing changed) if the task is not in flight there.
-        `hedge`: from the second copy's generator (scheduler/hedge.py)."""
+        `hedge`: from the second copy's generator (scheduler/hedge.py). `result`: the TaskDone,
+        whose rewards go into the per-prompt record."""
         task = self.book.done(task_id, peer, hedge=hedge)
+        if result is not None:
+            self.selection.observe(task, result)
         self.release(peer)
         self.admitted_bound.pop(task_id, None)
         return task

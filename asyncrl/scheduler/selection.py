@@ -1,23 +1,52 @@
 """Prompt selection (pure): which training-stream prompt each newly admitted group samples.
 
 Place in the data flow: the dispatcher (`scheduler/dispatch.py`) admits groups by id (the admission
-mode decides how many and which ids); before rendering them it asks its `Selector` which index of
-the task's training stream each group's prompt is (`task.train_problem(index)`,
-`PromptTask.dataset_index`). Group ids, windows and the task book are unchanged by selection: it
-only chooses the prompt.
+mode decides how many and which ids); before rendering them it asks the run's `Selection` which
+index of the task's training stream each group's prompt is (`task.train_problem(index)`,
+`PromptTask.dataset_index`). Group ids, windows, the staleness bound, the admission credits and the
+task book are unchanged by selection: it only chooses the prompt. The launcher hands every TaskDone
+to `Selection.observe`, which keeps the per-prompt record (`scheduler/prompt_stats.py`) the
+adaptive strategies read; the launcher's checkpoint saves `Selection.state()` and a resume
+restores it, so a resumed sync run admits exactly the prompts the uninterrupted one does.
 
-`UniformSelector` is today's stream: group j samples prompt j, in the task's own order (the
-dataset task shuffles each epoch with its seed), so every prompt is seen once per epoch. It is
-the default and the baseline every adaptive strategy is measured against (#37). Adaptive
-strategies (pass-rate posteriors, skipping solved or hopeless prompts, priorities) will also need
-the groups' rewards and checkpointed state, so that a resumed run re-admits the same prompts;
-they are not built yet.
+Strategies (`sampling.selection`, chosen once; docs/tasks.md, "Prompt selection"):
+  uniform     group j samples prompt j: the task's own order (the dataset task shuffles each epoch
+              with its seed), every prompt once per epoch. The default; bitwise today's stream.
+  skip        the uniform stream, passing over prompts estimated solved (posterior mean >=
+              sampling.selection_solved) or hopeless (<= sampling.selection_hopeless); a prompt
+              passed over sampling.selection_recheck times in a row is admitted at its next turn
+              (a re-check), so none is excluded forever.
+  priority    the prompt of the training set (the first epoch's indices 0..N-1) with the largest
+              theta (1 - theta), theta drawn from each prompt's Beta posterior (Thompson sampling
+              of the expected learning signal p (1 - p)); prompts already in flight are passed over.
+  curriculum  easiest first: the unsolved prompt (mean < selection_solved) with the highest
+              posterior mean, fewest groups, lowest index; solved prompts come after every unsolved
+              one; prompts in flight are passed over. Deterministic, no random draws.
+  replay      the uniform stream, except that a fraction (sampling.selection_replay_fraction) of
+              the groups re-admit the sampled prompt, not in flight, whose posterior standard
+              deviation is largest and at least sampling.selection_replay_std (its estimate is
+              still uncertain); with none that uncertain, the stream's next prompt.
+Random draws (priority) come from a generator seeded by run.seed whose state is checkpointed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+from asyncrl.scheduler.prompt_stats import PromptStats, StatsState, prompt_key
+from asyncrl.tasks.base import Task
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.messages import PromptTask, TaskDone
+
+STRATEGIES = ("uniform", "skip", "priority", "curriculum", "replay")
+NEEDS_TRAINING_SET = ("priority", "curriculum")  # they choose among the N training prompts
 
 
 @runtime_checkable
@@ -34,3 +63,304 @@ class UniformSelector:
 
     def select(self, groups: Sequence[int]) -> list[int]:
         return list(groups)
+
+    def state(self) -> dict:
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
+
+
+class SkipSelector:
+    """The uniform stream without prompts estimated solved or hopeless, each re-checked after
+    `recheck` consecutive passes."""
+
+    def __init__(
+        self,
+        stats: PromptStats,
+        key_of: Callable[[int], str],
+        *,
+        solved: float,
+        hopeless: float,
+        recheck: int,
+    ) -> None:
+        self.stats, self.key_of = stats, key_of
+        self.solved, self.hopeless, self.recheck = solved, hopeless, recheck
+        self.cursor = 0  # the next stream index to consider
+        self.passed: dict[str, int] = {}  # prompt key -> times passed over in a row
+
+    def excluded(self, key: str) -> bool:
+        if key not in self.stats.records:
+            return False
+        mean = self.stats.mean(key)
+        return mean >= self.solved or mean <= self.hopeless
+
+    def next_index(self) -> int:
+        while True:
+            index, self.cursor = self.cursor, self.cursor + 1
+            key = self.key_of(index)
+            if self.excluded(key) and self.passed.get(key, 0) < self.recheck:
+                self.passed[key] = self.passed.get(key, 0) + 1
+                continue
+            self.passed.pop(key, None)
+            return index
+
+    def select(self, groups: Sequence[int]) -> list[int]:
+        return [self.next_index() for _ in groups]
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor, "passed": dict(sorted(self.passed.items()))}
+
+    def restore(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+        self.passed = {str(k): int(v) for k, v in state["passed"].items()}
+
+
+class TrainingSetSelector:
+    """A strategy choosing among the N training prompts (stream indices 0..N-1, the first epoch's
+    order), passing over those in flight."""
+
+    def __init__(self, stats: PromptStats, keys: Sequence[str]) -> None:
+        self.stats = stats
+        self.keys = list(keys)
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(alpha, beta, groups) of every training prompt, in index order."""
+        a = np.empty(len(self.keys))
+        b = np.empty(len(self.keys))
+        n = np.zeros(len(self.keys))
+        for i, key in enumerate(self.keys):
+            a[i], b[i] = self.stats.posterior(key)
+            rec = self.stats.records.get(key)
+            n[i] = rec.groups if rec is not None else 0
+        return a, b, n
+
+    def busy(self) -> np.ndarray:
+        """Whether each training prompt is in flight now."""
+        open_keys = self.stats.open_keys()
+        return np.array([k in open_keys for k in self.keys], dtype=bool)
+
+    def select(self, groups: Sequence[int]) -> list[int]:
+        a, b, n = self.counts()
+        busy = self.busy()
+        chosen = []
+        for _ in groups:
+            if busy.all():  # more groups in flight than prompts: repeats are unavoidable
+                busy[:] = False
+            index = self.pick(a, b, n, busy)
+            busy[index] = True
+            chosen.append(index)
+        return chosen
+
+    def pick(self, a: np.ndarray, b: np.ndarray, n: np.ndarray, busy: np.ndarray) -> int:
+        raise NotImplementedError
+
+
+class PrioritySelector(TrainingSetSelector):
+    """Thompson sampling of p (1 - p): one draw per prompt from its Beta posterior, per group."""
+
+    def __init__(self, stats: PromptStats, keys: Sequence[str], *, seed: int) -> None:
+        super().__init__(stats, keys)
+        self.rng = np.random.Generator(np.random.PCG64([seed, 37]))
+
+    def pick(self, a: np.ndarray, b: np.ndarray, n: np.ndarray, busy: np.ndarray) -> int:
+        theta = self.rng.beta(a, b)
+        signal = np.where(busy, -1.0, theta * (1.0 - theta))
+        return int(np.argmax(signal))
+
+    def state(self) -> dict:
+        s = self.rng.bit_generator.state
+        inner = s["state"]
+        return {
+            "state": str(inner["state"]),
+            "inc": str(inner["inc"]),
+            "has_uint32": int(s["has_uint32"]),
+            "uinteger": int(s["uinteger"]),
+        }
+
+    def restore(self, state: dict) -> None:
+        self.rng.bit_generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": int(state["state"]), "inc": int(state["inc"])},
+            "has_uint32": int(state["has_uint32"]),
+            "uinteger": int(state["uinteger"]),
+        }
+
+
+class CurriculumSelector(TrainingSetSelector):
+    """Easiest unsolved prompt first (posterior mean), then fewest groups, then lowest index;
+    solved prompts after every unsolved one."""
+
+    def __init__(self, stats: PromptStats, keys: Sequence[str], *, solved: float) -> None:
+        super().__init__(stats, keys)
+        self.solved = solved
+
+    def pick(self, a: np.ndarray, b: np.ndarray, n: np.ndarray, busy: np.ndarray) -> int:
+        mean = a / (a + b)
+        # np.lexsort: the last key is the primary one; index order breaks the remaining ties.
+        order = np.lexsort((np.arange(len(mean)), n, -mean, mean >= self.solved, busy))
+        return int(order[0])
+
+    def state(self) -> dict:
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
+
+
+class ReplaySelector:
+    """The uniform stream, with a fraction of the groups re-admitting the most uncertain prompt."""
+
+    def __init__(
+        self, stats: PromptStats, key_of: Callable[[int], str], *, fraction: float, min_std: float
+    ) -> None:
+        self.stats, self.key_of, self.fraction, self.min_std = stats, key_of, fraction, min_std
+        self.cursor = 0  # the next stream index of the uniform part
+        self.count = 0  # groups selected so far (the replay share is counted on it)
+
+    def most_uncertain(self, taken: set[str]) -> int | None:
+        """The stream index of the sampled prompt, not in flight or `taken`, with the largest
+        posterior standard deviation, if it reaches `min_std` (ties: the key's order)."""
+        best: tuple[float, str] | None = None
+        for key in self.stats.records:
+            if key in taken:
+                continue
+            a, b = self.stats.posterior(key)
+            std = math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1)))
+            if std >= self.min_std and (best is None or (-std, key) < (-best[0], best[1])):
+                best = (std, key)
+        return None if best is None else self.stats.records[best[1]].index
+
+    def select(self, groups: Sequence[int]) -> list[int]:
+        taken = self.stats.open_keys()
+        chosen = []
+        for _ in groups:
+            replay = math.floor((self.count + 1) * self.fraction) > math.floor(self.count * self.fraction)
+            self.count += 1
+            index = self.most_uncertain(taken) if replay else None
+            if index is None:
+                index, self.cursor = self.cursor, self.cursor + 1
+            taken.add(self.key_of(index))
+            chosen.append(index)
+        return chosen
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor, "count": self.count}
+
+    def restore(self, state: dict) -> None:
+        self.cursor, self.count = int(state["cursor"]), int(state["count"])
+
+
+class SelectionState(msgspec.Struct, kw_only=True, frozen=True):
+    """The launcher checkpoint's `selection` field."""
+
+    strategy: str
+    selector: dict[str, Any]  # the strategy's own state (cursor, random generator, ...)
+    indices: dict[int, int]  # group id -> stream index, for every group admitted and not trained
+    stats: StatsState
+
+
+class Selection:
+    """The run's selector and per-prompt record, as the dispatcher and the launcher use them."""
+
+    def __init__(self, strategy: str, selector: Any, stats: PromptStats, *, reward_name: str = "") -> None:
+        self.strategy = strategy
+        self.selector = selector if selector is not None else UniformSelector()
+        self.stats = stats
+        self.reward_name = reward_name  # the primary reward (prompt_stats.py); "" = the task's score
+        self.indices: dict[int, int] = {}  # group id -> stream index, admitted and not trained
+        self.readmitted: dict[int, int] = {}  # resume: group id -> the stream index it had
+
+    def choose(self, groups: Sequence[int]) -> list[int]:
+        """The stream index of each group: the saved one for a group re-admitted on resume, else
+        the selector's (asked once, for the new groups only)."""
+        fresh = [j for j in groups if j not in self.readmitted]
+        chosen = iter(self.selector.select(fresh) if fresh else [])
+        return [self.readmitted.pop(j) if j in self.readmitted else next(chosen) for j in groups]
+
+    def admitted(self, task: PromptTask, key: str) -> None:
+        self.indices[task.group_id] = task.dataset_index
+        self.stats.admitted(task.group_id, task.dataset_index, key, task.window)
+
+    def observe(self, task: PromptTask, msg: TaskDone) -> None:
+        """A group's TaskDone: its primary reward's sum goes into its prompt's record (once: a
+        group already observed, e.g. one re-generated after a restart, is not counted again)."""
+        if task.group_id not in self.stats.open:
+            return
+        if self.reward_name and self.reward_name in msg.reward_sums:
+            total = msg.reward_sums[self.reward_name]
+        else:
+            total = msg.mean_reward * msg.num_trajectories
+        self.stats.observe(task.group_id, total=total, num_samples=msg.num_trajectories)
+
+    def trained(self, groups: Iterable[int]) -> None:
+        """Groups the learner trained: a resume never admits them again."""
+        for group_id in groups:
+            self.indices.pop(group_id, None)
+
+    def step_fields(self) -> dict:
+        return {"selection": self.strategy, **self.stats.step_fields()}
+
+    def state(self) -> SelectionState:
+        selector_state = getattr(self.selector, "state", dict)()
+        return SelectionState(
+            strategy=self.strategy,
+            selector=selector_state,
+            indices=dict(sorted(self.indices.items())),
+            stats=self.stats.state(),
+        )
+
+    def restore(self, saved: dict, *, where: str) -> None:
+        """Resume from a checkpoint's decoded `selection` field; ValueError when it was written by
+        another strategy. Every group admitted and not trained keeps its index for its re-admission."""
+        state = msgspec.convert(saved, SelectionState)
+        if state.strategy != self.strategy:
+            raise ValueError(
+                f"{where} was written with sampling.selection = {state.strategy!r}, the config now says "
+                f"{self.strategy!r}; resume with the run's own config"
+            )
+        self.selector.restore(state.selector)
+        self.stats.restore(state.stats)
+        self.stats.open.clear()  # admitted again by the resume, with their saved indices
+        self.readmitted = dict(state.indices)
+
+
+def primary_reward(config: Config) -> str:
+    """The reward whose group sums feed the pass-rate posterior (prompt_stats.py): the held-out
+    accuracy's reward; "" = the task's own score."""
+    rewards = config.task.rewards
+    if not rewards:
+        return ""
+    return config.task.scoring.eval_reward or rewards[0].name
+
+
+def make_selection(config: Config, task: Task) -> Selection:
+    """The run's `sampling.selection`; ValueError when a strategy needs what the task lacks."""
+    s = config.sampling
+    stats = PromptStats()
+    key_of = lambda i: prompt_key(task.train_problem(i))  # noqa: E731
+    if s.selection in NEEDS_TRAINING_SET:
+        num_train = getattr(task, "num_train", None)
+        if not num_train:
+            raise ValueError(
+                f"sampling.selection = {s.selection!r} chooses among a finite training set, and task "
+                f"{config.task.kind!r} has none (no num_train); use a dataset task, or sampling.selection = "
+                "'uniform', 'skip' or 'replay'"
+            )
+        keys = [key_of(i) for i in range(num_train)]
+    selectors: dict[str, Callable[[], Any]] = {
+        "uniform": UniformSelector,
+        "skip": lambda: SkipSelector(
+            stats,
+            key_of,
+            solved=s.selection_solved,
+            hopeless=s.selection_hopeless,
+            recheck=s.selection_recheck,
+        ),
+        "priority": lambda: PrioritySelector(stats, keys, seed=config.run.seed),
+        "curriculum": lambda: CurriculumSelector(stats, keys, solved=s.selection_solved),
+        "replay": lambda: ReplaySelector(
+            stats, key_of, fraction=s.selection_replay_fraction, min_std=s.selection_replay_std
+        ),
+    }
+    return Selection(s.selection, selectors[s.selection](), stats, reward_name=primary_reward(config))

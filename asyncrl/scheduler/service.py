@@ -171,6 +171,7 @@ class Launcher:
             room=prompt_room(model_path, config.sampling.max_new_tokens),
         )
         self.last_published: WeightsPublished | None = None
+        self.saved_version = -1  # the version of the last launcher checkpoint written
         # The weight-load canary (canary.py): built once from the task, judged at every ack.
         self.canary_ids, self.canary = canary_for_run(config, task, tokenizer)
         self.ctrl_address = ""
@@ -453,6 +454,9 @@ class Launcher:
                 f"{now}): its dataset position would name other prompts; restore {self.cfg.task.dataset.path} "
                 "as it was, or start a new run"
             )
+        if saved.get("selection") is not None:
+            where = f"the launcher checkpoint of version {self.resume_version} in {self.run_dir}"
+            self.dispatcher.selection.restore(saved["selection"], where=where)
         tasks = self.dispatcher.readmit(saved, resume_version=self.resume_version)
         self.count_admitted(len(tasks))
 
@@ -621,7 +625,8 @@ class Launcher:
             self.hedging.wasted_done(msg.task_id, child.peer_id, msg.num_trajectories)
             self.records.write("hedge_wasted", {"task_id": msg.task_id, "peer_id": child.peer_id})
             return
-        self.dispatcher.done(msg.task_id, child.peer_id, hedge=copy == "hedge")
+        task = self.dispatcher.done(msg.task_id, child.peer_id, hedge=copy == "hedge", result=msg)
+        self.resave_checkpoint(task.window)
         if (loser := self.hedging.done(msg.task_id, child.peer_id, time.monotonic())) is not None:
             self.records.write(
                 "hedge_done", {"task_id": msg.task_id, "winner": child.peer_id, "loser": loser}
@@ -647,6 +652,8 @@ class Launcher:
         decision = self.mode.on_step_done(self.book, msg)
         # The bound admission applies from now on (staleness.max_staleness = "auto" moves it).
         self.state.max_staleness_bound = record["staleness_bound"] = self.mode.admission.max_staleness
+        self.dispatcher.selection.trained(self.trained_groups(msg))
+        record.update(self.dispatcher.selection.step_fields())  # the per-prompt record's summary
         self.records.write("step", record)
         for note in (msg.note, decision):
             if note:
@@ -663,13 +670,37 @@ class Launcher:
         fingerprint = getattr(self.task, "fingerprint", None)
         return fingerprint() if fingerprint is not None else ""
 
+    def trained_groups(self, msg: StepDone) -> list[int]:
+        """The groups StepDone(msg.step) trained (window mode: the step's own)."""
+        if self.mode.trains_every_admitted_sample:
+            b = self.cfg.learner.groups_per_step
+            return list(range(msg.step * b, (msg.step + 1) * b))
+        return [*msg.groups_trained]
+
     def save_checkpoint(self) -> None:
         try:
             save_launcher_checkpoint(
-                self.run_dir, self.mode.admission, self.book, task_fingerprint=self.task_fingerprint()
+                self.run_dir,
+                self.mode.admission,
+                self.book,
+                task_fingerprint=self.task_fingerprint(),
+                selection=self.dispatcher.selection.state(),
             )
+            self.saved_version = self.book.num_steps_trained
         except OSError as exc:
             log.error("launcher checkpoint not written: %s", exc)
+
+    def resave_checkpoint(self, window: int) -> None:
+        """A TaskDone of a step already trained, after its checkpoint was written (the learner's
+        StepDone can overtake a generator's TaskDone): the checkpoint is written again, so that it
+        holds that group's rewards in the per-prompt record, and a resume restores the record the
+        uninterrupted run has (window mode; the write is atomic, the file stays that version's)."""
+        if (
+            self.mode.trains_every_admitted_sample
+            and window < self.book.num_steps_trained == self.saved_version
+            and not self.finished.is_set()
+        ):
+            self.save_checkpoint()
 
     def snapshot(self, final: bool = False) -> LauncherSnapshot:
         return launcher_snapshot(

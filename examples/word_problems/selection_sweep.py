@@ -1,0 +1,92 @@
+"""Prompt selection on the word-problems example: each `sampling.selection` strategy, several seeds,
+at equal sample budgets (every strategy admits the same groups of the same size per step; only
+which prompt a group gets differs). Runs the launches one after another and prints a table of
+medians and spreads (docs/tasks.md, "Prompt selection", has the figures and the command).
+
+    python examples/word_problems/selection_sweep.py --out /tmp/sweep --rows 256 --steps 20 --seeds 1 2 3
+
+`--rows N` trains on the first N rows of data/train.jsonl (a file written under --out), so that a
+short run sees each prompt several times, which is when a per-prompt record can matter; 0 = all
+4000 rows (a 40-step run then sees each prompt at most once). An existing run directory is not
+run again (its records are read), so an interrupted sweep continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STRATEGIES = ("uniform", "skip", "priority", "curriculum", "replay")
+
+
+def launch(out: Path, name: str, sets: list[str]) -> None:
+    if (out / name / "summary.json").is_file():
+        return
+    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui", str(HERE / "config.toml")]
+    for s in [f'run.out_dir="{out}"', f'run.name="{name}"', *sets]:
+        args += ["--set", s]
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+
+
+def figures(run_dir: Path) -> dict[str, float]:
+    """Training reward over the run's last quarter of steps and its first (both at the same
+    samples generated for every strategy), held-out accuracy after, the mean degenerate fraction."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    steps = [r for r in steps if r.get("type") == "step"]
+    quarter = max(1, len(steps) // 4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    degenerate = [r["degenerate_fraction"] for r in steps if r.get("degenerate_fraction") is not None]
+    return {
+        "reward_first_q": statistics.fmean(r["mean_reward"] for r in steps[:quarter]),
+        "reward_last_q": statistics.fmean(r["mean_reward"] for r in steps[-quarter:]),
+        "held_out_after": summary["eval_after"],
+        "degenerate": statistics.fmean(degenerate) if degenerate else float("nan"),
+        "samples": sum(r.get("num_trajectories", 0) for r in steps),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    ap.add_argument("--set", action="append", default=[], dest="extra", help="more --set overrides")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sets = [f"learner.steps={args.steps}", *args.extra]
+    if args.rows:
+        rows = (HERE / "data" / "train.jsonl").read_text().splitlines()[: args.rows]
+        subset = args.out / f"train{args.rows}.jsonl"
+        subset.write_text("\n".join(rows) + "\n")
+        sets.append(f'task.dataset.path="{subset}"')
+    table: dict[str, list[dict[str, float]]] = {}
+    for seed in args.seeds:  # interleaved: every strategy of a seed before the next seed
+        for strategy in args.strategies:
+            name = f"{strategy}-s{seed}"
+            launch(
+                args.out,
+                name,
+                [*sets, f"sampling.selection={strategy}", f"run.seed={seed}", f"task.seed={seed}"],
+            )
+            table.setdefault(strategy, []).append(figures(args.out / name))
+    keys = ("reward_first_q", "reward_last_q", "held_out_after", "degenerate")
+    print("| strategy | " + " | ".join(f"{k} median [min, max]" for k in keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for strategy, runs in table.items():
+        cells = []
+        for k in keys:
+            v = [r[k] for r in runs]
+            cells.append(f"{statistics.median(v):.3f} [{min(v):.3f}, {max(v):.3f}]")
+        print(f"| {strategy} | " + " | ".join(cells) + " |")
+    print(json.dumps(table))
+
+
+if __name__ == "__main__":
+    main()
