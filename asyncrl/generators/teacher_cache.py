@@ -253,12 +253,18 @@ class CachingTeacher:
     order, and are stored. `context(task)` is the token context the teacher reads."""
 
     def __init__(
-        self, inner: Any, store: ScoreStore, *, context: Callable[[PromptTask], Sequence[int]]
+        self,
+        inner: Any,
+        store: ScoreStore,
+        *,
+        context: Callable[[PromptTask], Sequence[int]],
+        on_counts: Callable[[CacheCounters], None] | None = None,
     ) -> None:
         self.inner = inner
         self.store = store
         self.context = context
         self.counters = CacheCounters()
+        self.on_counts = on_counts  # called with the counters after every call (the run's tally)
 
     @property
     def version(self) -> int:
@@ -304,4 +310,6 @@ class CachingTeacher:
                 self.counters.hit_tokens += _tokens(x)
         if version is None:
             version = next((v for _, v in found.values() if v is not None), None)
+        if self.on_counts is not None:
+            self.on_counts(self.counters)
         return [found[k][0] for k in keys], version

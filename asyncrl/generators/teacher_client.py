@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import zmq
 
+from asyncrl.generators.teacher_routing import service_teachers, split_endpoints
 from asyncrl.messages import PromptTask, TeacherRequest, TeacherScores
 from asyncrl.transport.codec import tensor_ref
 from asyncrl.transport.zmq_io import Endpoint
@@ -124,10 +125,18 @@ class TeacherClient:
         self.sock.close()
 
 
-def open_teacher(ctx: Any) -> TeacherClient | None:
+class TeacherClients(dict):
+    """opd.teachers with opd.placement = "service": teacher name -> its `TeacherClient`."""
+
+    def close(self) -> None:
+        for client in self.values():
+            client.close()
+
+
+def open_teacher(ctx: Any) -> TeacherClient | TeacherClients | None:
     """The client of the shared teacher for a generator process (`runtime.ChildContext`), when
-    the run has one (opd.enabled with opd.placement = "service"); the launcher passes its address
-    as `WorkerArgs.teacher`."""
+    the run has one (opd.enabled with opd.placement = "service"), or one per shared teacher of
+    opd.teachers by name; the launcher passes the addresses as `WorkerArgs.teacher`."""
     opd = ctx.config.opd
     if not opd.teacher_service:
         return None
@@ -137,4 +146,14 @@ def open_teacher(ctx: Any) -> TeacherClient | None:
             "opd.placement = 'service', but this generator was started without the shared teacher's "
             "address (WorkerArgs.teacher; `asyncrl launch` passes it)"
         )
-    return TeacherClient(ctx.zmq_ctx, endpoint, peer_id=ctx.peer_id, timeout_s=opd.service_timeout_s)
+    if not opd.teachers:
+        return TeacherClient(ctx.zmq_ctx, endpoint, peer_id=ctx.peer_id, timeout_s=opd.service_timeout_s)
+    addresses = split_endpoints(endpoint)
+    if missing := sorted(set(service_teachers(opd, peer="").values()) - set(addresses)):
+        raise ValueError(
+            f"opd.teachers: this generator was given no address for the shared teacher {missing[0]!r}"
+        )
+    return TeacherClients(
+        (name, TeacherClient(ctx.zmq_ctx, address, peer_id=ctx.peer_id, timeout_s=opd.service_timeout_s))
+        for name, address in addresses.items()
+    )

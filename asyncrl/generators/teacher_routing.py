@@ -22,6 +22,8 @@ the tokens behind it), so the records show which domain is furthest from its tea
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +130,43 @@ def score_routed(teacher: Any, tasks: Sequence[PromptTask], ids_TN: Sequence[tor
     return scores, [version] * len(scores), [""] * len(scores)
 
 
+# ---------------------------------------------------------------------------- shared teacher processes
+# With opd.teachers, the generator's command line carries every shared teacher's address as
+# "name=address" items joined by this (addresses are tcp://host:port, never containing it).
+ENDPOINT_SEPARATOR = ";"
+
+
+def service_teachers(opd: Any, *, peer: str) -> dict[str, str]:
+    """Peer id -> teacher name ("" = opd.teacher) of each shared teacher process a run starts:
+    one for opd.teacher, or one per entry of opd.teachers that is not "self" (the policy scores in
+    its generator), with opd.placement = "service"; none otherwise."""
+    if not opd.teacher_service:
+        return {}
+    if not opd.teachers:
+        return {peer: ""}
+    return {f"{peer}-{t.name}": t.name for t in opd.teachers if t.path != "self"}
+
+
+def join_endpoints(endpoints: dict[str, str]) -> str:
+    """`WorkerArgs.teacher` of a generator: the one teacher's address, or "name=address;..."."""
+    if set(endpoints) <= {""}:
+        return endpoints.get("", "")
+    return ENDPOINT_SEPARATOR.join(f"{name}={address}" for name, address in sorted(endpoints.items()))
+
+
+def split_endpoints(text: str) -> dict[str, str]:
+    """The inverse of `join_endpoints` for several teachers: name -> address."""
+    out = {}
+    for item in filter(None, text.split(ENDPOINT_SEPARATOR)):
+        name, sep, address = item.partition("=")
+        if not sep or not name or not address:
+            raise ValueError(
+                f"WorkerArgs.teacher: {item!r} is not name=address (opd.teachers' shared teachers)"
+            )
+        out[name] = address
+    return out
+
+
 # ---------------------------------------------------------------------------- building
 def teacher_identity(path: str, *, opd: Any, dtype: str, policy_path: str):
     """The cache identity of a teacher at `path` ("" = the shipped one, "self" = the initial policy)."""
@@ -151,17 +190,49 @@ def cache_root(opd: Any, run_dir: str) -> Path:
     return Path(run_dir) / "teacher_cache"
 
 
-def with_cache(teacher: Any, path: str, *, opd: Any, dtype: str, policy_path: str, run_dir: str) -> Any:
-    """`teacher` behind the score cache when `opd.cache` (module docstring), else itself."""
+# The run's tally of cache counters: one JSON file per generator process and teacher, rewritten
+# after every teacher call, summed into summary.json's `teacher_cache` (`read_cache_counts`).
+COUNTS_DIR = "teacher_cache_counts"
+
+
+def counts_writer(run_dir: str, owner: str) -> Callable[[Any], None] | None:
+    """Writes a `CacheCounters` to <run>/teacher_cache_counts/<owner>-<pid>.json (None outside a run)."""
+    if not run_dir:
+        return None
+    path = Path(run_dir) / COUNTS_DIR / f"{owner}-{os.getpid()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(counters: Any) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(counters)))
+        os.replace(tmp, path)
+
+    return write
+
+
+def read_cache_counts(run_dir: Path) -> dict[str, int]:
+    """The cache counters of every generator process of the run (a resumed run's earlier ones
+    included), summed; {} when the run had no cache."""
+    out: dict[str, int] = {}
+    for path in sorted((Path(run_dir) / COUNTS_DIR).glob("*.json")):
+        for key, value in json.loads(path.read_text()).items():
+            out[key] = out.get(key, 0) + int(value)
+    return out
+
+
+def with_cache(
+    teacher: Any, path: str, *, opd: Any, dtype: str, policy_path: str, run_dir: str, owner: str = "gen"
+) -> Any:
+    """`teacher` behind the score cache when `opd.cache` (module docstring), else itself; its
+    counters go to the run's tally as `owner`."""
     if not opd.cache:
         return teacher
     from asyncrl.generators.teacher_cache import CachingTeacher, ScoreStore
 
     identity = teacher_identity(path, opd=opd, dtype=dtype, policy_path=policy_path)
     store = ScoreStore(cache_root(opd, run_dir), identity)
-    if path == "self":
-        return CachingTeacher(teacher, store, context=lambda t: t.privileged_ids)
-    return CachingTeacher(teacher, store, context=lambda t: t.prompt_ids)
+    context = (lambda t: t.privileged_ids) if path == "self" else (lambda t: t.prompt_ids)
+    return CachingTeacher(teacher, store, context=context, on_counts=counts_writer(run_dir, owner))
 
 
 def build_teacher(ctx: Any, make_one: Callable[[str, str], Any]) -> Any:
@@ -177,6 +248,7 @@ def build_teacher(ctx: Any, make_one: Callable[[str, str], Any]) -> Any:
             dtype=ctx.dtype,
             policy_path=ctx.model_path,
             run_dir=ctx.run_dir,
+            owner="-".join(filter(None, (ctx.generator_id, name))),
         )
 
     if not opd.teachers:

@@ -2,9 +2,10 @@
 "service").
 
 Place in the data flow: the launcher starts it before the generators (`scheduler/workers.py`,
-peer `opd-teacher`) and supervises it like the learner: a teacher that exits or falls silent
-fails the run, naming it. It loads the teacher directory once (`opd.teacher`, as a generator
-would: `torch_gen.load_teacher`), binds a ROUTER on cluster.bind_host and says Hello with that
+peer `opd-teacher`; with `opd.teachers`, one process per teacher that is not "self", peer
+`opd-teacher-<name>`) and supervises it like the learner: a teacher that exits or falls silent
+fails the run, naming it. It loads the teacher directory once (`opd.teacher`, or the entry of
+`opd.teachers` named by `WorkerArgs.teacher`, as a generator would: `torch_gen.load_teacher`), binds a ROUTER on cluster.bind_host and says Hello with that
 address, which the launcher hands every generator on its command line
 (`teacher_client.TeacherClient`).
 
@@ -19,7 +20,8 @@ counted, and never stops the service; nor does an answer to a generator that has
 (killed and replaced: its answer is dropped and counted). The teacher's weights live here once,
 however many generators there are.
 
-Run as `python -m asyncrl.generators.teacher_service --ctrl ADDR --peer-id ID --run-dir DIR --args '{"model": DIR}'`.
+Run as `python -m asyncrl.generators.teacher_service --ctrl ADDR --peer-id ID --run-dir DIR --args '{"model": DIR}'`
+(with `"teacher": NAME` in the args for an entry of opd.teachers).
 """
 
 from __future__ import annotations
@@ -74,6 +76,19 @@ def request_problem(msg: TeacherRequest, ids: torch.Tensor | None, *, vocab_size
     return ""
 
 
+def teacher_path(opd, name: str) -> str:
+    """The directory this process serves: opd.teacher, or the entry `name` of opd.teachers (the
+    launcher passes the name as `WorkerArgs.teacher`)."""
+    if not name:
+        return opd.teacher
+    for spec in opd.teachers:
+        if spec.name == name:
+            return spec.path
+    raise ValueError(
+        f"opd.teachers has no teacher named {name!r} (WorkerArgs.teacher of this teacher process)"
+    )
+
+
 def score_batch(teacher, batch: list[Pending], *, pad_token_id: int) -> list[torch.Tensor]:
     """Every request's [sum T, N] scores from one `teacher_logprobs` call over all its sequences."""
     prompts: list[list[int]] = []
@@ -104,7 +119,10 @@ class TeacherService:
         tokenizer = AutoTokenizer.from_pretrained(ctx.args.model)
         self.pad_token_id = tokenizer.pad_token_id
         self.teacher = load_teacher(
-            cfg.opd.teacher, tokenizer, device=str(device), dtype=cfg.learner.publish_dtype
+            teacher_path(cfg.opd, ctx.args.teacher),
+            tokenizer,
+            device=str(device),
+            dtype=cfg.learner.publish_dtype,
         )
         self.vocab_size = int(self.teacher.get_output_embeddings().weight.shape[0])
         self.window_s = cfg.opd.service_window_ms / 1000.0
