@@ -200,3 +200,51 @@ def test_a_self_teacher_on_its_initial_weights_is_cached():
     from asyncrl.config_sections import OpdConfig
 
     assert OpdConfig(enabled=True, teacher="self", cache=True).cache
+
+
+# ----------------------------------------------------------------------------- asyncrl opd prescore
+def test_prescore_fills_the_keys_a_generator_looks_up(tiny_model_dir, teacher_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from asyncrl.config_load import load_config
+    from asyncrl.generators.prescore import prescore, reference_ids, reference_tasks
+    from asyncrl.generators.teacher_routing import with_cache
+    from asyncrl.tasks.base import make_task
+    from tests.unit.test_teacher_routing import fresh_scores
+
+    cfg = load_config(
+        None,
+        [
+            f'model.path="{tiny_model_dir}"',
+            "opd.enabled=true",
+            f'opd.teacher="{teacher_dir}"',
+            "opd.cache=true",
+            f'opd.cache_dir="{tmp_path / "cache"}"',
+        ],
+    )
+    first = prescore(cfg, num_prompts=6)
+    assert (first.prompts, first.scored + first.already_cached) == (6, 6) and first.scored >= 1
+    # A generator of the run that samples the reference completion finds it (no teacher call).
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task_ = make_task(cfg.task)
+    tasks = reference_tasks(cfg, task_, tok, range(6))
+    ids = [torch.tensor(reference_ids(task_.train_problem(i).solution, tok))[:, None] for i in range(6)]
+    cached = with_cache(
+        Refusing(), str(teacher_dir), opd=cfg.opd, dtype="float32", policy_path=str(tiny_model_dir), run_dir=""
+    )
+    scores, _ = cached.score(tasks, ids)
+    for t, x, s in zip(tasks, ids, scores, strict=True):
+        torch.testing.assert_close(s.logprobs, fresh_scores(teacher_dir, t.prompt_ids, x), atol=1e-5, rtol=0)
+    again = prescore(cfg, num_prompts=6)
+    assert (again.scored, again.already_cached) == (0, 6)
+
+
+def test_prescore_refuses_extra_draws():
+    from asyncrl.config_load import load_config
+    from asyncrl.generators.prescore import check_prescore_config
+
+    cfg = load_config(None, ["opd.enabled=true", "opd.cache=true", 'opd.cache_dir="x"', "opd.num_samples=2"])
+    with pytest.raises(ValueError, match=r"opd\.num_samples = 2.*needs opd\.num_samples = 1"):
+        check_prescore_config(cfg)
+    with pytest.raises(ValueError, match=r"opd\.cache_dir = DIR"):
+        check_prescore_config(load_config(None, ["opd.enabled=true"]))
