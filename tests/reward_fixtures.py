@@ -108,3 +108,9 @@ def hang_fraction(fraction: float = 0.1):
         return float(bool(boxed) and boxed[-1].strip() == sample.answer.strip())
 
     return reward
+
+
+def slow_ppid(sample: RewardInput) -> float:
+    """As `slow`, then the parent pid of the process that scored it (which process started it)."""
+    slow(sample)
+    return float(os.getppid())

@@ -6,7 +6,9 @@ pipe to idle workers (worker.py) -> one result frame per sample back -> `list[fl
 - Workers are fresh interpreters (`python -c`, never a fork: the parent holds torch threads, and
   not multiprocessing's spawn either, which would re-import the parent's `__main__` and so torch).
   Each builds the reward functions from their configs itself, so rewards need not pickle; it
-  gets the parent's sys.path, so `pkg.mod:fn` paths import as they do in the parent.
+  gets the parent's sys.path, so `pkg.mod:fn` paths import as they do in the parent. Once the
+  pool's fork server (zygote.py, itself such an interpreter, with the rewards' modules imported)
+  is ready, further workers are forked from it: milliseconds, not an interpreter start.
 - One result per sample pins a hang to one sample: a call running past `timeout_s` is a
   `timeout` failure, its worker is SIGKILLed and replaced, and the rest of its chunk re-queued.
   The clock starts when the worker reports ready, so slow start-up imports are not a timeout.
@@ -41,6 +43,7 @@ import msgspec
 from asyncrl.config_sections import RewardConfig
 from asyncrl.rewards.base import RewardFailure, RewardInput, describe_exception
 from asyncrl.rewards.worker import BOOT_CODE, PATH_ENV, READ_BYTES, Chunk, Init, Ready, Result, frame, to_wire
+from asyncrl.rewards.zygote import ForkedProc, ForkServer
 
 _MAX_CHUNK = 64  # samples per frame: large enough to amortise a frame, small enough to balance
 _CHUNKS_PER_WORKER = 4  # a batch is cut into about this many chunks per worker (load balance)
@@ -71,7 +74,7 @@ class _Task:
 
 @dataclass(eq=False)
 class _Worker:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProc
     to_fd: int
     from_fd: int
     call_started: float  # when the current call (or start-up) began, on the loop's clock
@@ -118,8 +121,11 @@ class RewardPool:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Ready | Result)
         self._init_frame = frame(self._encoder.encode(Init(specs=self.specs)))
+        # Workers beyond the first are forked from here when it is ready (zygote.py); it starts
+        # with the first workers, if the pool may grow or replace a worker.
+        self._server: ForkServer | None = None
         self._workers: list[_Worker] = []
-        self._dead: list[subprocess.Popen] = []  # killed, not yet reaped
+        self._dead: list[subprocess.Popen | ForkedProc] = []  # killed, not yet reaped
         self._queue: deque[_Task] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -180,6 +186,8 @@ class RewardPool:
         self._queue.clear()
         for worker in list(self._workers):
             self._retire(worker)
+        if self._server is not None and (proc := self._server.close()) is not None:
+            self._dead.append(proc)
         closed = RewardFailure("raised", "PoolClosed: the reward pool was closed")
         for job, positions in pending:
             for pos in positions:
@@ -220,14 +228,10 @@ class RewardPool:
     def _spawn(self) -> None:
         to_read, to_write = os.pipe()
         from_read, from_write = os.pipe()
-        paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        if self._server is None:
+            self._server = ForkServer(self._init_frame)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", BOOT_CODE, str(os.getpid()), str(to_read), str(from_write)],
-                pass_fds=(to_read, from_write),
-                stdin=subprocess.DEVNULL,  # stdout/stderr: inherited, so rewards' prints reach our log
-                env={**os.environ, PATH_ENV: json.dumps(paths)},
-            )
+            proc = self._server.fork(to_read, from_write) or self._start(to_read, from_write)
         except OSError as exc:
             for fd in (to_read, to_write, from_read, from_write):
                 os.close(fd)
@@ -244,6 +248,17 @@ class RewardPool:
         self._write(w, self._init_frame)
         if self._loop is not None:
             self._watch(w)
+
+    @staticmethod
+    def _start(to_read: int, from_write: int) -> subprocess.Popen:
+        """A fresh interpreter serving these pipe ends."""
+        paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        return subprocess.Popen(
+            [sys.executable, "-c", BOOT_CODE, str(os.getpid()), str(to_read), str(from_write)],
+            pass_fds=(to_read, from_write),
+            stdin=subprocess.DEVNULL,  # stdout/stderr: inherited, so rewards' prints reach our log
+            env={**os.environ, PATH_ENV: json.dumps(paths)},
+        )
 
     def _retire(self, w: _Worker) -> None:
         """Kill `w` (if still running), stop watching it and close its pipes."""
@@ -473,7 +488,7 @@ class RewardPool:
     def _on_exit(self, w: _Worker) -> None:
         """EOF from a worker that was not being retired: it died on its own."""
         code = w.proc.poll()
-        status = "" if code is None else f" (status {code})"
+        status = "" if code is None or isinstance(w.proc, ForkedProc) else f" (status {code})"
         self.num_worker_exits += 1
         if w.task is not None:
             self._fail_current(

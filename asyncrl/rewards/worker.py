@@ -3,7 +3,8 @@
 Data flow: RewardPool -> `Init(specs)` once, then `Chunk(reward_index, samples)` frames -> this
 process (a fresh interpreter started with `BOOT_CODE`) builds the rewards from their configs,
 replies `Ready`, then scores each chunk and streams back one `Result` per sample, so a hang is
-pinned to the one sample being scored.
+pinned to the one sample being scored. The same entry runs the pool's fork server (`zygote`,
+zygote.py), whose forked children serve their pipes the same way.
 
 Frames are a 4-byte little-endian length and a msgpack Struct, private to a pool and its own
 workers. The worker dies with its parent (PR_SET_PDEATHSIG) and exits on pipe EOF.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -119,10 +121,20 @@ def _call(fn: Any, sample: RewardInput) -> Result:
 
 
 def main() -> None:
-    """Entry of a worker (`python -c BOOT_CODE <parent pid> <read fd> <write fd>`)."""
-    parent_pid, read_fd, write_fd = (int(arg) for arg in sys.argv[1:4])
+    """Entry of a worker (`python -c BOOT_CODE <parent pid> <read fd> <write fd>`), or of the pool's
+    fork server (`... <parent pid> -1 -1 <socket fd>`: `zygote`)."""
+    parent_pid, read_fd, write_fd, *server = (int(arg) for arg in sys.argv[1:])
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's; the parent ends us
+    if server:
+        zygote(server[0])
+    else:
+        serve(read_fd, write_fd)
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    """Build the rewards `Init` names, say `Ready`, then score each `Chunk`, one `Result` per
+    sample, until EOF."""
     decoder = msgspec.msgpack.Decoder(Init | Chunk)
     encoder = msgspec.msgpack.Encoder()
     fns: list[Any] = []
@@ -141,3 +153,51 @@ def main() -> None:
                     for wire in samples:
                         result = _call(fn, RewardInput(*wire))
                         _write_all(write_fd, frame(encoder.encode(result)))
+
+
+def _reap_children(*_: object) -> None:
+    """SIGCHLD in the fork server: collect every worker that ended."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def zygote(sock_fd: int) -> None:
+    """The fork server (zygote.py): build the rewards once (their modules imported), say "ready",
+    then fork a worker per request (its two pipe ends come with it) and answer its pid and a pidfd;
+    exit when the pool closes the socket."""
+    sock = socket.socket(fileno=sock_fd)
+    init = msgspec.msgpack.decode(sock.recv(1 << 20)[4:], type=Init)  # the pool's Init frame
+    _build(init.specs)
+    signal.signal(signal.SIGCHLD, _reap_children)
+    sock.send(b"ready")
+    me = os.getpid()
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 2)
+        except OSError:  # the pool closed the socket
+            return
+        if not msg or len(fds) != 2:
+            return
+        # SIGCHLD waits until the pidfd is open: a worker reaped before it could be another process.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                sock.close()
+                _die_with_parent(me)
+                serve(*fds)
+            finally:
+                os._exit(0)
+        try:
+            pidfd = os.pidfd_open(pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            for fd in fds:
+                os.close(fd)
+        socket.send_fds(sock, [str(pid).encode()], [pidfd])
+        os.close(pidfd)

@@ -147,17 +147,20 @@ def test_close_fails_the_samples_still_pending(pid_alive):
 
 
 def test_workers_die_with_their_parent(tmp_path):
-    """A parent killed by SIGKILL (no close()) leaves no reward worker behind."""
+    """A parent killed by SIGKILL (no close()) leaves no reward worker behind: not its started
+    workers, not its fork server, not the server's forks."""
     script = textwrap.dedent(
         """
-        import asyncio, sys
+        import asyncio, select, sys
         from asyncrl.config_sections import RewardConfig
         from asyncrl.rewards import RewardInput, RewardPool
 
         async def main():
             pool = RewardPool([RewardConfig(kind="tests.reward_fixtures:pid")], workers=2, timeout_s=30)
             await pool.run(0, [RewardInput("p", "c", "a", {}, 1, "stop", 1)])
-            print(*pool.pids, flush=True)
+            assert select.select([pool._server.sock], [], [], 60.0)[0]  # the fork server is ready
+            pool._spawn()  # a third worker: forked by the fork server
+            print(*pool.pids, pool._server.proc.pid, flush=True)
             await asyncio.Event().wait()
 
         asyncio.run(main())
@@ -172,7 +175,7 @@ def test_workers_die_with_their_parent(tmp_path):
     )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2
+        assert len(pids) == 4
     finally:
         parent.kill()
         parent.wait()
@@ -245,3 +248,49 @@ def test_a_call_that_is_only_slow_keeps_its_value_and_the_rest_of_its_chunk_move
 
     assert asyncio.run(main()) == [float(len(c)) for c in batch]
     assert pool.num_stuck == 1 and pool.num_timeouts == 0
+
+
+def server_ready(pool: RewardPool) -> None:
+    """Wait (deadline 60 s) until the pool's fork server has said it is ready; start it if need be."""
+    pool.start()
+    assert pool._server is not None and pool._server.sock is not None
+    assert select.select([pool._server.sock], [], [], 60.0)[0], "the fork server did not get ready"
+
+
+def test_workers_the_pool_adds_are_forked_from_its_fork_server(pid_alive):
+    """While a call is stuck the pool adds workers; once its fork server (zygote.py) is ready they
+    are its forks, not interpreter starts; close() ends the server."""
+    pool = RewardPool(
+        [RewardConfig(kind="tests.reward_fixtures:slow_ppid")], workers=1, max_workers=4, timeout_s=10.0
+    )
+    batch = ["slow:2.5", "a", "bb", "ccc"]
+
+    async def main():
+        try:
+            server_ready(pool)
+            return await pool.run(0, [sample(c) for c in batch]), pool._server.proc.pid
+        finally:
+            await pool.aclose()
+
+    parents, server_pid = asyncio.run(main())
+    assert parents[0] == os.getpid()  # the first worker: an interpreter this process started
+    assert parents[1:] == [server_pid] * 3  # the rest of its chunk went to forks of the server
+    assert pool.num_stuck == 1 and not pid_alive(server_pid)
+
+
+def test_a_fork_server_that_died_leaves_the_pool_starting_interpreters():
+    pool = RewardPool(
+        [RewardConfig(kind="tests.reward_fixtures:slow_ppid")], workers=1, max_workers=4, timeout_s=10.0
+    )
+
+    async def main():
+        try:
+            server_ready(pool)
+            pool._server.proc.kill()
+            pool._server.proc.wait()
+            return await pool.run(0, [sample(c) for c in ["slow:1.5", "a", "bb"]])
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(main()) == [float(os.getpid())] * 3
+    assert pool._server.off
