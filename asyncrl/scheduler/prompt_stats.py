@@ -19,7 +19,8 @@ this is the Bernoulli update; for rewards in [0, 1] it is the fractional one (a 
 Exactness: s is rounded to a multiple of 2**-20 before it is added, so alpha and beta are sums of
 dyadic numbers, exact in float64 (below 2**32 samples): the record does not depend on the order
 TaskDones arrive in, and a resumed run rebuilds it bit for bit. `last_seen` is the largest
-window (training step) a group of the prompt was admitted for, also order-free.
+window (training step) a group of the prompt was admitted for, and `index` the largest stream
+index admitted in it, also order-free.
 
 A group is degenerate (no learning signal in the pass rate) when s == 0 or s == n: every sample
 failed or every sample succeeded. For rewards in [0, 1] these are exactly the groups whose primary
@@ -104,7 +105,7 @@ class PromptStats:
         rec.successes += s
         rec.failures += num_samples - s
         rec.groups += 1
-        if window >= rec.last_seen:
+        if (window, index) > (rec.last_seen, rec.index):  # the largest: whatever the arrival order
             rec.last_seen, rec.index = window, index
         degenerate = num_samples > 0 and s in (0.0, float(num_samples))
         self.step_groups += 1

@@ -313,7 +313,7 @@ class Selection:
     def restore(self, saved: dict, *, where: str) -> None:
         """Resume from a checkpoint's decoded `selection` field; ValueError when it was written by
         another strategy. Every group admitted and not trained keeps its index for its re-admission."""
-        state = msgspec.convert(saved, SelectionState)
+        state = msgspec.convert(saved, SelectionState, strict=False)  # JSON object keys are strings
         if state.strategy != self.strategy:
             raise ValueError(
                 f"{where} was written with sampling.selection = {state.strategy!r}, the config now says "

@@ -1,0 +1,127 @@
+"""The per-prompt record (scheduler/prompt_stats.py): the Beta update rule on hand-computed cases,
+exact sums whatever the order TaskDones arrive in, degenerate groups, the step summary, and a
+checkpoint round trip that restores it bit for bit."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from asyncrl.messages import PromptTask, SamplingParams, TaskDone
+from asyncrl.scheduler.prompt_stats import QUANTUM, PromptRecord, PromptStats, StatsState, prompt_key
+from asyncrl.scheduler.selection import Selection, UniformSelector
+from asyncrl.tasks.base import Problem
+
+
+def stats_with(*groups: tuple[int, str, float, int], window: int = 0) -> PromptStats:
+    """Groups (id, prompt key, primary reward sum, samples), admitted then observed in order."""
+    stats = PromptStats()
+    for group_id, key, total, n in groups:
+        stats.admitted(group_id, group_id, key, window)
+        stats.observe(group_id, total=total, num_samples=n)
+    return stats
+
+
+def test_binary_rewards_are_the_bernoulli_update_from_the_uniform_prior():
+    stats = stats_with((0, "p", 3.0, 4), (1, "p", 1.0, 4))
+    assert stats.posterior("p") == (1 + 4.0, 1 + 4.0)  # 4 successes, 4 failures in all
+    assert stats.records["p"] == PromptRecord(successes=4.0, failures=4.0, groups=2, last_seen=0, index=1)
+    assert stats.posterior("never") == (1.0, 1.0) and stats.mean("never") == 0.5
+
+
+def test_fractional_rewards_count_as_fractions_of_a_success_and_are_clipped_to_0_n():
+    stats = stats_with((0, "a", 2.5, 4), (1, "b", 5.3, 4), (2, "c", -1.0, 4))
+    assert stats.posterior("a") == (3.5, 2.5)
+    assert stats.posterior("b") == (5.0, 1.0)  # over n: every sample a success
+    assert stats.posterior("c") == (1.0, 5.0)  # below 0: every sample a failure
+
+
+def test_sums_are_exact_so_the_arrival_order_does_not_matter():
+    # In float64 (0.1 + 0.2) + 0.3 != 0.1 + (0.2 + 0.3); on the 2**-20 grid both orders are equal.
+    assert (0.1 + 0.2) + 0.3 != 0.1 + (0.2 + 0.3)
+    totals = [0.1, 0.2, 0.3, 0.7, 1.9]
+    forward = stats_with(*[(g, "p", t, 2) for g, t in enumerate(totals)])
+    backward = stats_with(*[(g, "p", t, 2) for g, t in reversed(list(enumerate(totals)))])
+    assert forward.records["p"] == backward.records["p"]
+    assert forward.records["p"].successes / QUANTUM == int(forward.records["p"].successes / QUANTUM)
+    assert forward.records["p"].successes == pytest.approx(sum(totals), abs=len(totals) * QUANTUM)
+
+
+def test_last_seen_is_the_latest_window_and_its_index_whatever_the_order():
+    stats = PromptStats()
+    stats.admitted(5, 50, "p", 3)
+    stats.admitted(2, 20, "p", 1)
+    stats.observe(5, total=1.0, num_samples=2)
+    stats.observe(2, total=1.0, num_samples=2)  # arrives last, from an earlier window
+    assert (stats.records["p"].last_seen, stats.records["p"].index, stats.records["p"].groups) == (3, 50, 2)
+
+
+def test_degenerate_groups_and_the_step_summary_hand_computed():
+    # Posterior means 1/5, 2/5, 3/5, 4/5 (groups of 3 with 0..3 successes); two are degenerate.
+    stats = stats_with((0, "a", 0.0, 3), (1, "b", 1.0, 3), (2, "c", 2.0, 3), (3, "d", 3.0, 3))
+    fields = stats.step_fields()
+    assert fields["prompts_seen"] == 4 and fields["groups_observed"] == 4
+    assert fields["degenerate_fraction"] == 0.5
+    # Linear between order statistics: q10 at position 0.3, q25 at 0.75, q50 at 1.5.
+    assert fields["pass_rate_quantiles"] == {"q10": 0.26, "q25": 0.35, "q50": 0.5, "q75": 0.65, "q90": 0.74}
+    again = stats.step_fields()  # the per-step counts start again
+    assert again["groups_observed"] == 0 and again["degenerate_fraction"] is None
+
+
+def test_a_group_observed_twice_or_never_admitted_is_refused():
+    stats = stats_with((0, "a", 1.0, 2))
+    with pytest.raises(ValueError, match="group 0 was not admitted, or was observed already"):
+        stats.observe(0, total=1.0, num_samples=2)
+
+
+def test_the_state_survives_a_json_round_trip_exactly():
+    stats = stats_with((0, "a", 0.1, 3), (1, "b", 2.7, 3), window=4)
+    stats.admitted(7, 70, "c", 5)
+    data = msgspec.json.decode(msgspec.json.encode(stats.state()))  # as a checkpoint file holds it
+    back = PromptStats()
+    back.restore(msgspec.convert(data, StatsState, strict=False))
+    assert back.records == stats.records and back.open == stats.open == {7: (70, "c", 5)}
+
+
+def test_prompts_are_named_by_their_text():
+    p = Problem(index=3, prompt="2+2=", answer="4")
+    assert prompt_key(p) == prompt_key(Problem(index=900, prompt="2+2=", answer="4"))
+    assert prompt_key(p) != prompt_key(Problem(index=3, prompt="2+3=", answer="5"))
+
+
+def task_done(total_reward: float, n: int, **sums: float) -> TaskDone:
+    return TaskDone(
+        task_id=0,
+        generator_id="a",
+        num_trajectories=n,
+        num_tokens=0,
+        generate_s=0.0,
+        mean_reward=total_reward / n,
+        reward_sums=sums,
+    )
+
+
+@pytest.mark.parametrize(
+    ("reward_name", "expected"),
+    [("correct", (1 + 2.0, 1 + 2.0)), ("", (1 + 2.2, 1 + 1.8))],
+    ids=["primary-reward", "task-score"],
+)
+def test_the_posterior_reads_the_primary_reward_not_the_weighted_sum(reward_name, expected):
+    """Two correct of four with a 0.1-weighted format reward on every sample: the weighted sum is
+    2.4; the primary reward's sum is 2. With no task.rewards the task's score (the mean) counts."""
+    selection = Selection("uniform", UniformSelector(), PromptStats(), reward_name=reward_name)
+    task = PromptTask(
+        task_id=0,
+        group_id=0,
+        prompt_ids=[1],
+        num_samples=4,
+        sampling=SamplingParams(),
+        dataset_index=0,
+        window=0,
+        answer="",
+    )
+    selection.admitted(task, "p")
+    total = 2.2 if not reward_name else 2.4
+    selection.observe(task, task_done(total, 4, correct=2.0, format=4.0))
+    selection.observe(task, task_done(total, 4, correct=2.0, format=4.0))  # a second copy: not counted
+    assert selection.stats.posterior("p") == pytest.approx(expected, abs=QUANTUM)
