@@ -280,6 +280,19 @@ class Engine:
         if self.core_share is not None:
             self.core_share.observe(idle_s, busy_s)
 
+    def pieces(self, rows: Sequence) -> list[Sequence]:
+        """`rows` cut into the contiguous pieces the data-parallel threads take (one if none)."""
+        return self._cut(rows)
+
+    def each(self, fn: Callable, items: Sequence) -> list:
+        """fn(item) for each item, concurrently on the data-parallel threads where there are
+        several (each on one torch thread), results in item order."""
+        if len(items) <= 1 or self.threads <= 1:
+            return [fn(item) for item in items]
+        futures = [self._pieces.submit(fn, item) for item in items]
+        wait(futures)
+        return [f.result() for f in futures]
+
     def _cut(self, samples: Sequence) -> list[Sequence]:
         """Contiguous pieces, one per active thread, at least `MIN_PIECE` trajectories each. (Two
         per thread, so that a thread slowed by a busy core would take fewer, measured slower:

@@ -525,31 +525,56 @@ class OpobBatchWork(RLWork):
     one plain rank or lockstep ranks): each rank's rows take a forward and a backward at A = +1
     that forms no parameter gradient but every row's ||h_i||^2 (`ghost.GhostNorms`); the ranks sum
     the norms into the whole batch's, every rank folds each group with b_g = sum W R / sum W
-    (`opob.opob_advantages`), and the step trains as the group mean's does, with these advantages.
-    The correction (and VCPO's ESS lr scale) is the whole batch's, as for any whole-batch step."""
+    (`opob.opob_advantages`), and the step trains with these advantages. The correction (and
+    VCPO's ESS lr scale) is the whole batch's, as for any whole-batch step.
+
+    On one plain rank that one forward and backward also train (`_one_pass`): the backward keeps
+    each layer's inputs and output gradients at +1 and the step's gradient is formed from them
+    with each row's advantage (`GhostNorms.grads`; exact, the loss being linear in it), the
+    pieces of each micro-batch on the data-parallel threads. Lockstep ranks (FSDP, whose
+    gradients are sharded) train with a second forward and backward, as the group mean's step."""
 
     trains_on_anchor_forward = False  # the anchor forward is the norms' forward (padded rows)
+
+    def _one_pass(self) -> bool:
+        """Whether the norms' backward is also the step's (one plain rank, one update on the
+        step-start model, no second loss term)."""
+        o = self.objective
+        return not self.engine.lockstep and o.minibatches == 1 and o.epochs == 1 and self.distill is None
 
     def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
         """The step-start log-probs of this rank's rows, from the forwards the norms' backward
         runs on (with their graphs and hooks, kept until `_batch_advantages`): one forward per
-        micro-batch serves both."""
+        micro-batch (per piece of it, on one plain rank) serves both."""
         e = self.engine
+        capture = self._one_pass()
         self._kept: list = []
         out = None
         for part in parts:
-            rows = None if part is None else torch.tensor(part, dtype=torch.long, device=ids.device)
-            with self._ghost() as ghost:
-                row_ids = torch.full((1, 2), e.pad_token_id, dtype=torch.long) if rows is None else ids[rows]
-                logp = e.logp(e.actor, row_ids)
-            self._kept.append((rows, ghost, logp))
-            if rows is not None:
+            if part is None:  # a lockstep rank's empty turn: its collectives, zeros to back-propagate
+                with self._ghost() as ghost:
+                    logp = e.logp(e.actor, torch.full((1, 2), e.pad_token_id, dtype=torch.long))
+                self._kept.append((None, ghost, logp))
+                continue
+            pieces = [
+                torch.tensor(piece, dtype=torch.long, device=ids.device)
+                for piece in (e.pieces(part) if capture else [part])
+            ]
+            with self._ghost(len(pieces), capture=capture) as ghosts:
+
+                def forward(i: int, ghosts=ghosts, pieces=pieces) -> torch.Tensor:
+                    with ghosts[i].active():
+                        return e.logp(e.actor, ids[pieces[i]])
+
+                logps = e.each(forward, range(len(pieces)))
+            for rows, ghost, logp in zip(pieces, ghosts, logps, strict=True):
+                self._kept.append((rows, ghost, logp))
                 out = logp.new_zeros(ids.shape) if out is None else out
                 out[rows] = logp.detach()
         return out
 
     def _batch_advantages(
-        self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch
+        self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch, *, samples=()
     ) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.engine
         zeros = torch.zeros(len(whole.reward_B), dtype=e.dtype)
@@ -574,36 +599,81 @@ class OpobBatchWork(RLWork):
         return adv_GN, keep_GN
 
     def _row_norms(self, batch, corr: Correction | None) -> torch.Tensor | None:
-        """||h_i||^2 of this rank's rows (float64): the backward at A = +1 of each kept forward
-        (a lockstep rank's empty turns back-propagate zeros)."""
+        """||h_i||^2 of this rank's rows (float64): the backward at A = +1 of each kept forward,
+        its pieces on the data-parallel threads (a lockstep rank's empty turns back-propagate
+        zeros). Pieces that train in the same pass stay kept (`_rows_backward`)."""
         e = self.engine
         out = None if batch is None else torch.zeros(batch.input_ids_BL.shape[0], dtype=torch.float64)
-        for rows, ghost, logp in self._kept:
+
+        def backward(kept) -> torch.Tensor | None:
+            rows, ghost, logp = kept
             if rows is None:
                 ghost.backward(logp, torch.zeros_like(logp))
-                continue
-            part_corr = corr._replace(
-                logp_anchor_BT=corr.logp_anchor_BT[rows],
-                weight_BT=corr.weight_BT[rows],
-                mask_BT=corr.mask_BT[rows],
-            )
+                return None
             mask = batch.completion_mask_BL[rows]
-            loss, _ = self.objective.policy_loss(logp, part_corr, mask.to(logp.dtype), mask)
-            (coeff,) = torch.autograd.grad(loss, [logp], retain_graph=True)
-            out[rows.cpu()] = ghost.backward(logp, coeff).cpu()
-        self._kept = []
+            loss, _ = self.objective.policy_loss(logp, _corr_rows(corr, rows), mask.to(logp.dtype), mask)
+            (coeff,) = torch.autograd.grad(loss, [logp])
+            return ghost.backward(logp, coeff)
+
+        for (rows, _, _), norms in zip(self._kept, e.each(backward, self._kept), strict=True):
+            if rows is not None:
+                out[rows.cpu()] = norms.cpu()
+        self._kept = [k for k in self._kept if k[0] is not None and k[1].capture]
         return None if out is None else out.to(e.device)
 
+    def _rows_backward(
+        self, plan: WholeRows, logp_BL: torch.Tensor | None = None, logp_BLN: torch.Tensor | None = None
+    ) -> RowSums:
+        """The step's gradient from the norms' own backward where it was kept (one pass), else
+        a second forward and backward (`RLWork._rows_backward`)."""
+        kept, self._kept = getattr(self, "_kept", []), []
+        if not kept or getattr(plan, "shaped", None) is not None:  # a guided prefix's second loss
+            return super()._rows_backward(plan, logp_BL, logp_BLN)
+        e = self.engine
+        sums = RowSums()
+
+        def grads(piece) -> tuple[dict, float, float]:
+            rows, ghost, logp = piece
+            part_corr, adv, mask = _corr_rows(plan.corr, rows), plan.adv_BL[rows], plan.mask_BL[rows]
+            loss, stats = self.objective.policy_loss(logp.detach(), part_corr, adv, mask)
+            first = mask.to(torch.long).argmax(dim=1, keepdim=True)  # each row's advantage
+            k_B = torch.where(mask.any(dim=1), adv.gather(1, first).squeeze(1), 0.0)
+            clipped = float(stats.clip_fraction) * float(stats.num_tokens)
+            return ghost.grads(k_B), float(loss), clipped
+
+        for found, loss, clipped in e.each(grads, kept):
+            for p in e.params:
+                g = found.get(p)
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+            sums.loss += loss
+            sums.clipped += clipped
+        return sums
+
     @contextlib.contextmanager
-    def _ghost(self):
-        """Hooks on, and the forward on padded rows (a shared prefix would mix rows' gradients)."""
+    def _ghost(self, count: int | None = None, *, capture: bool = False):
+        """Hooks on (one collector, or `count` of them for pieces run on the data-parallel
+        threads), and the forward on padded rows (a shared prefix would mix rows' gradients)."""
         actor = self.engine.actor
         shared, actor.share_prefixes = actor.share_prefixes, False
         try:
-            with GhostNorms(actor.lm, temperature=self.engine.temperature) as ghost:
-                yield ghost
+            with contextlib.ExitStack() as stack:
+                ghosts = [
+                    stack.enter_context(
+                        GhostNorms(actor.lm, temperature=self.engine.temperature, capture=capture)
+                    )
+                    for _ in range(count or 1)
+                ]
+                yield ghosts[0] if count is None else ghosts
         finally:
             actor.share_prefixes = shared
+
+
+def _corr_rows(corr: Correction, rows: torch.Tensor) -> Correction:
+    """Rows `rows` of a correction over a packed batch (full width)."""
+    return corr._replace(
+        logp_anchor_BT=corr.logp_anchor_BT[rows], weight_BT=corr.weight_BT[rows], mask_BT=corr.mask_BT[rows]
+    )
 
 
 @dataclass
