@@ -632,7 +632,7 @@ class Launcher:
                 "hedge_done", {"task_id": msg.task_id, "winner": child.peer_id, "loser": loser}
             )
         self.state.task_done(msg, child.peer_id)
-        self.records.write("task", msgspec.to_builtins(msg))
+        self.records.write("task", {**msgspec.to_builtins(msg), "dataset_index": task.dataset_index})
         scoring = self.cfg.task.scoring
         tally = self.state.rewards_tally
         if reason := tally.over_budget(scoring.failure_budget, scoring.failure_budget_min_samples):
