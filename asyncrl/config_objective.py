@@ -73,6 +73,11 @@ def check_objective_config(config: Config, policy) -> None:
 
 def _check_reward_mixing(config: Config, policy) -> None:
     opd, lrn = config.opd, config.learner
+    if opd.enabled and opd.reward == "off" and lrn.kl_coef > 0 and lrn.kl_placement != "loss":
+        raise ConfigError(
+            "config error at learner.kl_placement: pure distillation (opd.reward = 'off') has no reward to "
+            "fold the KL into; its KL to the initial model is a loss term: set learner.kl_placement = 'loss'"
+        )
     if not opd.enabled or opd.reward == "off":
         return
     if config.sampling.top_p != 1.0:

@@ -458,7 +458,8 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     service_timeout_s: PosFloat = 60.0
     # reverse_kl: A_t = log pi_T - sg(log pi) at the sampled token; forward_kl: token-level
     # forward KL over the N cached tokens; mc_reverse_kl: multi-sample Monte Carlo reverse KL.
-    estimator: Literal["reverse_kl", "forward_kl", "mc_reverse_kl"] = "reverse_kl"
+    # topk_forward_kl: sum over the teacher's top-K ids of p_T (log p_T - log p_S) (teacher_top_k > 0).
+    estimator: Literal["reverse_kl", "forward_kl", "mc_reverse_kl", "topk_forward_kl"] = "reverse_kl"
     num_samples: PosInt = 1  # N tokens per position in the cache (>= 2 for mc_reverse_kl)
     clip_eps: PosFloat = 0.2  # AsyncOPD's pg_clip_eps on pi / mu
     # Distillation with the task reward (docs/opd.md, "Distillation with rewards and token
@@ -474,6 +475,22 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     # teacher-student "disagreement" or student "entropy" (the rest are not distilled); "all" = every token.
     select: Literal["all", "disagreement", "entropy"] = "all"
     select_fraction: Probability = 1.0
+    # The teacher's K most likely ids and log-probs per position, shipped [T, K] with each trajectory
+    # (docs/opd.md, "Teacher top-K"); 0 = none (the cache is the student's N draws only).
+    teacher_top_k: NonNegInt = 0
+    # Horizon and token control (docs/opd.md, "Horizon and token control"): distil the first
+    # `horizon` trained tokens of each completion only (0 = every token); the horizon grows by
+    # horizon_growth per step ("linear") or after a step whose distillation KL is <= horizon_gap
+    # ("gap"), up to horizon_max (0 = no limit).
+    horizon: NonNegInt = 0
+    horizon_schedule: Literal["fixed", "linear", "gap"] = "fixed"
+    horizon_growth: PosInt = 1
+    horizon_max: NonNegInt = 0
+    horizon_gap: PosFloat = 0.05
+    # Weight gamma^t on the t-th trained token of a completion (1 = uniform).
+    position_decay: Probability = 1.0
+    # "overlap": weight each position by the student's mass on the teacher's top-K (teacher_top_k > 0).
+    teachability: Literal["off", "overlap"] = "off"
 
     # What the run's distillation asks of each role, described once (roles read these, not the
     # flags they combine).
@@ -495,6 +512,43 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         self._check_mixing()
         self._check_teacher()
+        self._check_control()
+
+    def _check_control(self) -> None:
+        """The teacher top-K, horizon, position and teachability keys (docs/opd.md)."""
+        changed = {f.name for f in msgspec.structs.fields(self) if getattr(self, f.name) != f.default}
+        keys = {"teacher_top_k", "horizon", "horizon_schedule", "horizon_growth", "horizon_max"}
+        keys |= {"horizon_gap"}
+        if not self.enabled and (stray := sorted(changed & (keys | {"position_decay", "teachability"}))):
+            raise ValueError(f"opd.{stray[0]} applies to distillation, which needs opd.enabled = true")
+        if self.teacher_top_k == 0:
+            needs_top = (self.estimator == "topk_forward_kl", self.teachability != "off")
+            for key, bad in zip(("estimator", "teachability"), needs_top, strict=True):
+                if bad:
+                    raise ValueError(
+                        f"opd.{key} = {getattr(self, key)!r} reads the teacher's top-K: set opd.teacher_top_k > 0 (e.g. 8)"
+                    )
+        elif self.placement == "service":
+            raise ValueError(
+                "opd.teacher_top_k > 0 with opd.placement = 'service': the shared teacher returns no top-K; "
+                "use opd.placement = 'generator' or opd.teacher_top_k = 0"
+            )
+        if self.horizon == 0 and (stray := sorted(changed & (keys - {"teacher_top_k", "horizon"}))):
+            raise ValueError(
+                f"opd.{stray[0]} applies with a distillation horizon: set opd.horizon > 0 or remove it"
+            )
+        growth = sorted(changed & {"horizon_growth", "horizon_max"})
+        if self.horizon_schedule == "fixed" and (stray := growth):
+            raise ValueError(f"opd.{stray[0]} applies with opd.horizon_schedule = 'linear' or 'gap'")
+        if self.horizon_schedule != "gap" and "horizon_gap" in changed:
+            raise ValueError("opd.horizon_gap applies with opd.horizon_schedule = 'gap' only")
+        if 0 < self.horizon_max < self.horizon:
+            raise ValueError(f"opd.horizon_max = {self.horizon_max} is below opd.horizon = {self.horizon}")
+        if self.horizon_schedule != "fixed" and self.reward != "off":
+            raise ValueError(
+                "opd.horizon_schedule grows the horizon at the end of each pure-distillation step: use it with "
+                "opd.reward = 'off', or a fixed horizon"
+            )
 
     def _check_mixing(self) -> None:
         """The reward-mixing and token-selection keys (cross-section checks: `config_objective.py`)."""

@@ -134,6 +134,10 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     # The policy_version of the weights that computed `teacher_logprobs` when the teacher is the
     # policy itself (opd.teacher = "self"); None for a teacher outside the policy.
     teacher_version: int | None = None
+    # opd.teacher_top_k = K > 0: the teacher's K most likely ids per position (descending) and their
+    # log-probs, [T, K] each, frames after the OPD ones (docs/opd.md, "Teacher top-K").
+    teacher_top_ids: TensorRef | None = None  # int64 [T, K]
+    teacher_top_logprobs: TensorRef | None = None  # float32 [T, K]
 
 
 class Trajectories(_Msg, frozen=True, kw_only=True):

@@ -52,6 +52,10 @@ class Rollout:
     # The policy_version of the weights that scored `teacher_logprobs` when the teacher is the
     # policy itself (opd.teacher = "self"); None for a teacher outside the policy.
     teacher_version: int | None = None
+    # opd.teacher_top_k = K > 0: the teacher's K most likely ids per position and their log-probs,
+    # [T][K] each (docs/opd.md, "Teacher top-K"); None otherwise.
+    teacher_top_ids: list[list[int]] | None = None
+    teacher_top_logprobs: list[list[float]] | None = None
     # With task.rewards configured, the service scores (asyncrl/rewards/) and `reward` is NaN
     # until then: `RolloutBuilder` leaves the decoded texts here for it.
     prompt_text: str | None = None

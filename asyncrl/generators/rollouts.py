@@ -30,6 +30,22 @@ class OpdArrays(NamedTuple):
     behavior_logprobs: list[list[float]]
     teacher_logprobs: list[list[float]]
     teacher_version: int | None = None
+    # opd.teacher_top_k = K > 0: the teacher's K most likely ids per position and their log-probs.
+    teacher_top_ids: list[list[int]] | None = None
+    teacher_top_logprobs: list[list[float]] | None = None
+
+    @classmethod
+    def of(cls, ids_TN, behav_TN, scored, version: int | None) -> OpdArrays:
+        """From the [T, N] cache tensors and the teacher's `opd.TeacherScoring` of them."""
+        top = scored.top_ids is not None and scored.top_logprobs is not None
+        return cls(
+            ids=ids_TN.tolist(),
+            behavior_logprobs=behav_TN.tolist(),
+            teacher_logprobs=scored.logprobs.tolist(),
+            teacher_version=version,
+            teacher_top_ids=scored.top_ids.tolist() if top else None,
+            teacher_top_logprobs=scored.top_logprobs.tolist() if top else None,
+        )
 
 
 class RolloutBuilder:
@@ -94,5 +110,7 @@ class RolloutBuilder:
             opd_behavior_logprobs=None if opd is None else opd.behavior_logprobs,
             teacher_logprobs=None if opd is None else opd.teacher_logprobs,
             teacher_version=None if opd is None else opd.teacher_version,
+            teacher_top_ids=None if opd is None else opd.teacher_top_ids,
+            teacher_top_logprobs=None if opd is None else opd.teacher_top_logprobs,
             **texts,
         )

@@ -12,6 +12,11 @@ Rollout and on to the learner (docs/opd.md).
   (`PromptTask.privileged_ids`).
 * `teacher_client.TeacherClient`: the teacher every generator shares (opd.placement = "service").
 
+What a teacher returns per sample is one `opd.TeacherScoring` record: log pi_T of the [T, N] cached
+ids and, with opd.teacher_top_k = K > 0, the teacher's top-K ids and log-probs ([T, K]) from the
+same forward. A teacher that answers bare [T, N] tensors (the shared teacher's client) means no
+top-K (`opd.as_scoring`).
+
 Every `score` runs on the thread that owns the generator's models (the sampling thread), which
 is also the thread that applies new weights: a teacher never sees weights change mid-forward.
 """
@@ -26,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.generators.opd import teacher_logprobs
+from asyncrl.generators.opd import TeacherScoring, teacher_scores
 from asyncrl.messages import PromptTask
 
 log = logging.getLogger(__name__)
@@ -37,23 +42,26 @@ SELF_WEIGHTS = ("initial", "current", "lagged", "ewma")
 class Teacher(Protocol):
     def score(
         self, tasks: Sequence[PromptTask], ids_TN: Sequence[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], int | None]:
-        """(log pi_T of each sample's [T, N] ids as float32 [T, N] on the CPU, the teacher's
-        policy_version or None for a teacher outside the policy); sample i belongs to `tasks[i]`."""
+    ) -> tuple[list[TeacherScoring] | list[torch.Tensor], int | None]:
+        """(each sample's scores: a `TeacherScoring`, or log pi_T of its [T, N] ids as a float32
+        [T, N] tensor on the CPU; the teacher's policy_version or None for a teacher outside the
+        policy); sample i belongs to `tasks[i]`."""
 
 
 class ModelTeacher:
     """A fixed teacher model in this process: scores each completion after its plain prompt."""
 
-    def __init__(self, model, *, pad_token_id: int) -> None:
+    def __init__(self, model, *, pad_token_id: int, top_k: int = 0) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
+        self.top_k = top_k  # opd.teacher_top_k
 
     def score(
         self, tasks: Sequence[PromptTask], ids_TN: Sequence[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], int | None]:
+    ) -> tuple[list[TeacherScoring], int | None]:
         prompts = [t.prompt_ids for t in tasks]
-        return teacher_logprobs(self.model, prompts, ids_TN, pad_token_id=self.pad_token_id), None
+        scores = teacher_scores(self.model, prompts, ids_TN, pad_token_id=self.pad_token_id, top_k=self.top_k)
+        return scores, None
 
 
 def _named_tensors(model) -> dict[str, torch.Tensor]:
@@ -82,7 +90,14 @@ class SelfTeacher:
     """
 
     def __init__(
-        self, policy, *, weights: str, lag: int = 1, ewma_decay: float = 0.9, pad_token_id: int
+        self,
+        policy,
+        *,
+        weights: str,
+        lag: int = 1,
+        ewma_decay: float = 0.9,
+        pad_token_id: int,
+        top_k: int = 0,
     ) -> None:
         if weights not in SELF_WEIGHTS:
             raise ValueError(f"opd.self_weights = {weights!r}; one of {', '.join(SELF_WEIGHTS)}")
@@ -90,6 +105,7 @@ class SelfTeacher:
         self.lag = lag
         self.ewma_decay = ewma_decay
         self.pad_token_id = pad_token_id
+        self.top_k = top_k  # opd.teacher_top_k
         self.model = policy if weights == "current" else _frozen_copy(policy)
         self.version = 0
         # lagged: versions received and not yet the teacher's, oldest first (their CPU tensors,
@@ -148,7 +164,7 @@ class SelfTeacher:
 
     def score(
         self, tasks: Sequence[PromptTask], ids_TN: Sequence[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], int | None]:
+    ) -> tuple[list[TeacherScoring], int | None]:
         missing = [t.task_id for t in tasks if not t.privileged_ids]
         if missing:
             raise ValueError(
@@ -156,4 +172,5 @@ class SelfTeacher:
                 "launcher renders them (Task.privileged_render) when the run's config says opd.teacher = 'self'"
             )
         prompts = [t.privileged_ids for t in tasks]
-        return teacher_logprobs(self.model, prompts, ids_TN, pad_token_id=self.pad_token_id), self.version
+        scores = teacher_scores(self.model, prompts, ids_TN, pad_token_id=self.pad_token_id, top_k=self.top_k)
+        return scores, self.version

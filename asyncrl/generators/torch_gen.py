@@ -187,6 +187,7 @@ class TorchGenerator:
                 lag=opd.self_lag,
                 ewma_decay=opd.self_ewma_decay,
                 pad_token_id=pad,
+                top_k=opd.teacher_top_k,
             )
         if opd.placement == "service":
             if ctx.teacher is None:
@@ -196,7 +197,7 @@ class TorchGenerator:
                 )
             return ctx.teacher
         model = load_teacher(opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype)
-        return ModelTeacher(model, pad_token_id=pad)
+        return ModelTeacher(model, pad_token_id=pad, top_k=opd.teacher_top_k)
 
     @property
     def version(self) -> int:
@@ -414,7 +415,7 @@ class TorchGenerator:
     def _score_with_teacher(self, tasks, ids, logps, extra_ids, extra_logps) -> list[OpdArrays]:
         """The [T][N] arrays of on-policy distillation, per sample (one teacher call); sample i
         is a completion of `tasks[i]`."""
-        from asyncrl.generators.opd import cache_arrays
+        from asyncrl.generators.opd import as_scoring, cache_arrays
 
         assert self._teacher is not None
         start = time.perf_counter()
@@ -422,8 +423,8 @@ class TorchGenerator:
         scores, version = self._teacher.score(tasks, [ids_TN for ids_TN, _ in caches])
         self.teacher_s += time.perf_counter() - start
         return [
-            OpdArrays(ids_TN.tolist(), behav_TN.tolist(), teacher_TN.tolist(), version)
-            for (ids_TN, behav_TN), teacher_TN in zip(caches, scores, strict=True)
+            OpdArrays.of(ids_TN, behav_TN, as_scoring(scored), version)
+            for (ids_TN, behav_TN), scored in zip(caches, scores, strict=True)
         ]
 
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:

@@ -8,18 +8,33 @@ sorted step. Token selection and the distillation weight are the objective's
 (`DistillationObjective.term`, `opd_mix.py`); what the step used of the teacher's scores is
 reported in the step's stats (`DistillStats.report`).
 
-Legend: B sequences, L packed length, N cached tokens per position.
+The teacher's cache of a position is the N ids the student drew (column 0 the sampled token) and,
+with opd.teacher_top_k = K > 0, the teacher's top-K ids after them: the union cache [B, L, N + K],
+scored by the student in one forward. Which columns each estimator reads (`estimator_columns`):
+reverse_kl and mc_reverse_kl the N draws only (Monte Carlo over draws from the student: the
+teacher's ids are not draws, so adding them would bias the estimate); forward_kl every distinct id
+of the union (the forward KL restricted to the union: exact at K = V); topk_forward_kl the K
+teacher ids only (`opd.topk_forward_kl`). The weights of `opd_control.DistillControl` (horizon,
+position, teachability, freshness) multiply each position's term; learner.kl_coef with pure
+distillation adds kl_coef x the KL to the initial model (`learner/kl.py`) at the sampled tokens.
+
+Legend: B sequences, L packed length, N cached tokens per position, K teacher top-K ids.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from asyncrl.learner.kl import kl_loss
 from asyncrl.learner.objective import DistillationObjective, DistillStats
+from asyncrl.learner.opd import topk_forward_kl
+from asyncrl.learner.opd_control import DistillControl
+from asyncrl.learner.opd_mix import select_tokens, selection_scores
 from asyncrl.learner.plans import TrainChunk, Unit
 from asyncrl.learner.state import StepState
 from asyncrl.learner.step import TrainSample, pack_opd
@@ -30,13 +45,16 @@ if TYPE_CHECKING:
 
 
 class OpdArrays(NamedTuple):
-    """The teacher's cache of a packed batch, aligned with its rows ([B, L, N]), on the learner's
-    device, and each trajectory's distillation gate (None: all 1)."""
+    """The teacher's cache of a packed batch, aligned with its rows ([B, L, N + K]: the student's N
+    draws, then the teacher's top-K), on the learner's device, each trajectory's distillation gate
+    (None: all 1), the number N of drawn columns (None: every column), and the run's control."""
 
     teacher_BLN: torch.Tensor
     ids_BLN: torch.Tensor
     behav_BLN: torch.Tensor
     gate_B: torch.Tensor | None = None
+    num_sampled: int | None = None
+    control: DistillControl | None = None
 
     def rows(self, sl: torch.Tensor, width: int) -> OpdArrays:
         """Rows `sl`, cut at `width` columns (a micro-batch of a whole-batch step)."""
@@ -45,32 +63,121 @@ class OpdArrays(NamedTuple):
             self.ids_BLN[sl, :width],
             self.behav_BLN[sl, :width],
             None if self.gate_B is None else self.gate_B[sl],
+            self.num_sampled,
+            self.control,
         )
 
 
 def opd_arrays(
     samples: Sequence[TrainSample], width: int, engine: Engine, gate_B: torch.Tensor | None = None
 ) -> OpdArrays:
-    """`pack_opd` of `samples` in the engine's dtype and on its device."""
+    """`pack_opd` of `samples` in the engine's dtype and on its device, with the engine's
+    `DistillControl` (`opd_control.install`; None: none installed)."""
     if any(s.teacher_logprobs is None for s in samples):
         raise ValueError("opd is enabled but a trajectory carries no teacher log-probs")
+    tops = {None if s.teacher_top_ids is None else int(s.teacher_top_ids.shape[1]) for s in samples}
+    if len(tops) > 1:
+        raise ValueError(
+            f"trajectories with different teacher top-K widths in one batch: {sorted(map(str, tops))}"
+        )
     teacher, ids, behav = (
         (x.to(engine.dtype) if x.is_floating_point() else x).to(engine.device)
         for x in pack_opd(samples, width)
     )
-    return OpdArrays(teacher, ids, behav, None if gate_B is None else gate_B.to(engine.device))
+    gate = None if gate_B is None else gate_B.to(engine.device)
+    return OpdArrays(
+        teacher, ids, behav, gate, int(samples[0].opd_ids.shape[1]), getattr(engine, "opd_control", None)
+    )
+
+
+def estimator_columns(estimator: str, num_sampled: int, width: int) -> slice:
+    """The union cache's columns `estimator` reads (module docstring)."""
+    if estimator in ("reverse_kl", "mc_reverse_kl"):
+        return slice(0, num_sampled)
+    if estimator == "topk_forward_kl":
+        if width == num_sampled:
+            raise ValueError(
+                "opd.estimator = 'topk_forward_kl' needs the teacher's top-K (opd.teacher_top_k > 0)"
+            )
+        return slice(num_sampled, width)
+    return slice(0, width)
 
 
 def distill_term(
     objective: DistillationObjective, logp_BLN: torch.Tensor, opd: OpdArrays, mask_BL: torch.Tensor
 ) -> tuple[torch.Tensor, DistillStats]:
-    return objective.term(logp_BLN, opd.teacher_BLN, opd.behav_BLN, opd.ids_BLN, mask_BL, opd.gate_B)
+    """kl_weight x the configured estimator on the selected, gated and control-weighted positions.
+    Without top-K columns or control weights it is `DistillationObjective.term` itself."""
+    width = opd.ids_BLN.shape[-1]
+    num = width if opd.num_sampled is None else opd.num_sampled
+    control = opd.control
+    if num == width and (control is None or not control.weighs):
+        return objective.term(logp_BLN, opd.teacher_BLN, opd.behav_BLN, opd.ids_BLN, mask_BL, opd.gate_B)
+    if objective.select == "all":
+        selected_BL = mask_BL
+    else:  # scores read the student's own draws, as without top-K
+        score_BL = selection_scores(
+            logp_BLN[..., :num], opd.teacher_BLN[..., :num], mask_BL, select=objective.select
+        )
+        selected_BL = select_tokens(score_BL, mask_BL, fraction=objective.select_fraction)
+    weight_BL = selected_BL.to(logp_BLN.dtype)
+    if opd.gate_B is not None:
+        weight_BL = weight_BL * opd.gate_B.to(logp_BLN.dtype)[:, None]
+    if control is not None and control.weighs:
+        weight_BL = weight_BL * control.weights(
+            mask_BL,
+            logp_BT=logp_BLN[..., 0],
+            behav_BT=opd.behav_BLN[..., 0],
+            logp_top_BTK=logp_BLN[..., num:],
+        ).to(logp_BLN.dtype)
+    used_BL = mask_BL & (weight_BL > 0)
+    cols = estimator_columns(objective.estimator, num, width)
+    teacher_BLN = opd.teacher_BLN[..., cols]
+    teacher_BLN = torch.where(used_BL[..., None] | teacher_BLN.isfinite(), teacher_BLN, 0.0)
+    if objective.estimator == "topk_forward_kl":
+        loss, stats = topk_forward_kl(
+            logp_BLN[..., cols], teacher_BLN, mask_BL, weight_BL, mode=objective.agg, **UNNORMALISED
+        )
+        kl = float(stats.kl)
+    else:
+        loss, kl = objective.loss(
+            logp_BLN[..., 0],
+            logp_BLN[..., cols],
+            teacher_BLN,
+            opd.behav_BLN[..., cols],
+            opd.ids_BLN[..., cols],
+            mask_BL,
+            weight_BL,
+        )
+    loss = objective.kl_weight * loss
+    return loss, DistillStats(
+        loss=float(loss.detach()),
+        kl=kl,
+        num_tokens=float(mask_BL.sum()),
+        num_selected=float(selected_BL.sum()),
+        num_distilled=float(used_BL.sum()),
+    )
+
+
+# An objective's terms are unnormalised sums: the trainer divides by the step's Z once.
+UNNORMALISED = dict(num_tokens_global=1.0, num_seqs_global=1.0, norm_constant=1.0)
 
 
 class DistillWork:
     def __init__(self, engine: Engine, objective: DistillationObjective) -> None:
         self.engine = engine
         self.objective = objective
+        self.control: DistillControl | None = None
+        # learner.kl_coef with pure distillation (StableOPD): the initial model, for the KL term.
+        self.reference = None
+        self._kl_ref = (0.0, 0.0)  # the step's token-weighted sum of the reference KL, and its tokens
+        self.attach(getattr(engine, "opd_control", None))
+
+    def attach(self, control: DistillControl | None) -> None:
+        """The run's control (`install_control`), and the reference model its KL term needs."""
+        self.control = control
+        if control is not None and control.kl_coef > 0 and self.reference is None:
+            self.reference = reference_copy(self.engine)
 
     def accumulator(self, group_size: int) -> StreamingAccumulator | None:
         return None  # no group buffers: every trajectory's gradient is complete on its own
@@ -85,7 +192,16 @@ class DistillWork:
                 raise TypeError(f"distillation work has no unit {type(unit).__name__}")
 
     def end(self, state: StepState) -> None:
-        """Before the update: nothing needs the whole step."""
+        """Before the update: the step's horizon goes into its stats, and the control sets the next
+        step's from this step's KL estimate over the distilled tokens."""
+        if self._kl_ref[1] > 0:
+            state.set_stat("opd_kl_ref", self._kl_ref[0] / self._kl_ref[1] * state.totals.stats_tokens)
+        self._kl_ref = (0.0, 0.0)
+        if self.control is None or not self.control.horizon:
+            return
+        state.set_stat("opd_horizon", self.control.horizon * state.totals.stats_tokens)
+        distill = state.totals.distill
+        self.control.end_step(None if distill is None else distill.kl)
 
     def whole(self, state: StepState, samples: Sequence[TrainSample]) -> None:
         mine = self.engine.share(samples)
@@ -116,13 +232,59 @@ class DistillWork:
         mask = batch.completion_mask_BL
         logp_BLN = e.candidate_logp(batch.input_ids_BL, opd.ids_BLN, batch.lengths_B)
         loss, stats = distill_term(self.objective, logp_BLN, opd, mask)
+        kl_ref = None
+        if self.reference is not None:
+            kl_part, kl_ref = self._reference_kl(batch, logp_BLN[..., 0], mask)
+            loss = loss + kl_part
+            stats = stats._replace(loss=stats.loss + float(kl_part.detach()))
 
         def accounted() -> None:
             if not account:
                 return
+            if kl_ref is not None:
+                tokens = float(mask.sum())
+                self._kl_ref = (self._kl_ref[0] + kl_ref * tokens, self._kl_ref[1] + tokens)
             state.add_loss(stats.loss)
             state.add_distill(stats)
             state.add_units(self.objective.units(mask))
             state.account(batch, samples, {}, tokens=float(mask.sum()), clipped=0.0)
 
         return loss, accounted
+
+    def _reference_kl(
+        self, batch, logp_BL: torch.Tensor, mask_BL: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
+        """kl_coef x the KL to the initial model at the sampled tokens (learner.kl_estimator,
+        unnormalised like every term), and its mean estimate."""
+        control = self.control
+        assert control is not None and self.reference is not None
+        with torch.no_grad():
+            logp_ref_BL = self.engine.logp(self.reference, batch.input_ids_BL, batch.lengths_B)
+        loss, stats = kl_loss(
+            logp_BL,
+            logp_ref_BL,
+            mask_BL,
+            estimator=control.kl_estimator,
+            mode=self.objective.agg,
+            **UNNORMALISED,
+        )
+        return control.kl_coef * loss, float(stats.kl)
+
+
+def install_control(trainer, config) -> DistillControl | None:
+    """The run's `DistillControl` on the trainer's engine (every `opd_arrays` reads it) and its
+    distillation work, when opd.enabled (`loop.build_trainer`, before the first step)."""
+    control = DistillControl.from_config(config) if config.opd.enabled else None
+    trainer.engine.opd_control = control
+    if isinstance(trainer.runner, DistillWork):
+        trainer.runner.attach(control)
+    return control
+
+
+def reference_copy(engine: Engine) -> torch.nn.Module:
+    """A frozen copy of the policy as it starts (sharded like it on lockstep ranks)."""
+    if engine.lockstep:
+        from asyncrl.learner.parallel import sharded_copy
+
+        return sharded_copy(engine.actor)
+    return copy.deepcopy(engine.actor).eval().requires_grad_(False)

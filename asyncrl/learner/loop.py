@@ -125,7 +125,7 @@ def build_trainer(config: Config, actor: PolicyLM, *, pad_token_id: int) -> Trai
     check_objective_config(config, policy)  # also at load; here for a config that skipped it
     objective = Objective.from_config(config)
     streams = not objective.fallback_reason(policy)
-    return Trainer(
+    trainer = Trainer(
         actor,
         objective,
         policy,
@@ -148,6 +148,10 @@ def build_trainer(config: Config, actor: PolicyLM, *, pad_token_id: int) -> Trai
         adaptive_threads=lrn.threads == "auto" and not (canonical_order(config) and streams),
         max_nonfinite_steps=lrn.max_nonfinite_steps,
     )
+    from asyncrl.learner.distill_work import install_control
+
+    install_control(trainer, config)  # opd: horizon, position and teachability weights (opd_control.py)
+    return trainer
 
 
 def max_open_groups(lrn: LearnerConfig, actor: PolicyLM, objective: Objective) -> int:

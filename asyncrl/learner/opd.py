@@ -202,6 +202,41 @@ def multi_sample_forward_kl(
     return loss, _stats(mask_BT, per_token_BT.detach())
 
 
+def topk_forward_kl(
+    logp_top_BTK: torch.Tensor,
+    logp_teacher_top_BTK: torch.Tensor,
+    mask_BT: torch.Tensor,
+    weight_BT: torch.Tensor | None = None,
+    *,
+    mode: str = "token-mean",
+    num_tokens_global: float | torch.Tensor | None = None,
+    num_seqs_global: float | torch.Tensor | None = None,
+    norm_constant: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, OpdStats]:
+    """Teacher-weighted sparse forward KL over the teacher's top-K ids (distinct per position):
+
+        sum_{y in topK_T} p_T(y) (log p_T(y) - log p_S(y)),   teacher detached.
+
+    p_T is the teacher's own probability, *not* renormalised over the K ids: the teacher's mass
+    outside its top-K is left out, so the term is a lower bound of the full forward KL's
+    contribution at the position, and with K = V it is the full forward KL (value and gradient:
+    -sum_y p_T(y) grad log p_S(y))."""
+    check_agg_mode(mode)
+    mask_BTK = mask_BT[..., None].expand_as(logp_top_BTK)
+    logp_BTK = fill_masked(logp_top_BTK, mask_BTK)
+    teacher_BTK = fill_masked(logp_teacher_top_BTK.detach(), mask_BTK)
+    per_token_BT = (teacher_BTK.exp() * (teacher_BTK - logp_BTK)).sum(dim=-1)
+    loss = aggregate(
+        apply_weight(per_token_BT, weight_BT, mask_BT),
+        mask_BT,
+        mode=mode,
+        num_tokens_global=num_tokens_global,
+        num_seqs_global=num_seqs_global,
+        norm_constant=norm_constant,
+    )
+    return loss, _stats(mask_BT, per_token_BT.detach())
+
+
 def _check_eps(clip_eps: float) -> None:
     if clip_eps <= 0.0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")

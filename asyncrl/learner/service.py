@@ -206,6 +206,7 @@ class LearnerService:
         problem = (
             _invalid(msg, ids, logps, versions, num_steps=self.cfg.steps)
             or _invalid_opd(ids, opd, self.ctx.config.opd)
+            or _invalid_top_k(ids, msg, tensors, self.ctx.config.opd)
             or _invalid_mask(ids, msg.loss_mask and tensors[msg.loss_mask.frame])
         )
         if problem:
@@ -533,6 +534,26 @@ def _invalid_opd(ids, opd: list, cfg: OpdConfig) -> str:
         return "opd_ids[:, 0] must be the sampled tokens"
     if not (bool(torch.isfinite(teacher).all()) and bool(torch.isfinite(behav).all())):
         return "OPD log-probs must be finite"
+    return ""
+
+
+def _invalid_top_k(ids, msg: Trajectory, tensors, cfg: OpdConfig) -> str:
+    """Why a trajectory's teacher top-K frames are unusable ("" if fine): [T, K] int64 ids in
+    the vocabulary's range and finite float log-probs, K = opd.teacher_top_k (none when 0)."""
+    refs = (msg.teacher_top_ids, msg.teacher_top_logprobs)
+    want = cfg.teacher_top_k if cfg.enabled else 0
+    if want == 0:
+        return "" if refs == (None, None) else "teacher top-K frames sent but opd.teacher_top_k is 0"
+    if None in refs:
+        return f"opd.teacher_top_k = {want}: expected the teacher's top-K ids and log-probs"
+    top_ids, top_logps = (tensors[r.frame] for r in refs)
+    shape = (len(ids), want)
+    if not (tuple(top_ids.shape) == tuple(top_logps.shape) == shape):
+        return f"teacher top-K arrays must be [T, K] = {list(shape)}, got {list(top_ids.shape)}, {list(top_logps.shape)}"
+    if top_ids.dtype != torch.int64 or not top_logps.is_floating_point() or bool((top_ids < 0).any()):
+        return "teacher top-K: int64 ids >= 0 and float log-probs expected"
+    if not bool(torch.isfinite(top_logps).all()):
+        return "teacher top-K log-probs must be finite"
     return ""
 
 

@@ -39,6 +39,9 @@ class TrainSample:
     opd_ids: torch.Tensor | None = None
     opd_behavior_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # bool [T]: False = not trained (e.g. tool output)
+    # opd.teacher_top_k = K > 0: the teacher's top-K ids and log-probs per position, [T, K] each.
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
     # Loss weight of the trajectory's group (buffer.action = "downweight" past a bound): its
     # advantages are scaled by it, which scales its policy-gradient terms exactly.
     weight: float = 1.0
@@ -66,7 +69,14 @@ class PackedBatch(NamedTuple):
 def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
     """A received `Trajectory` and its tensor frames (3, or 6 with OPD), copied out of the frames."""
     ids, logps, versions = tensors[:3]
-    names = ("teacher_logprobs", "opd_ids", "opd_behavior_logprobs", "loss_mask")
+    names = (
+        "teacher_logprobs",
+        "opd_ids",
+        "opd_behavior_logprobs",
+        "loss_mask",
+        "teacher_top_ids",
+        "teacher_top_logprobs",
+    )
     extra = {n: tensors[ref.frame].clone() for n in names if (ref := getattr(msg, n)) is not None}
     return TrainSample(
         traj_id=msg.traj_id,
@@ -140,16 +150,25 @@ def _spans(start_N: torch.Tensor, count_N: torch.Tensor) -> torch.Tensor:
 
 
 def pack_opd(samples: Sequence[TrainSample], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The OPD arrays of `samples` as [B, L, N] aligned with `pack`'s rows (zeros off-completion)."""
+    """The OPD arrays of `samples` as [B, L, N] aligned with `pack`'s rows (zeros off-completion).
+
+    With the teacher's top-K (opd.teacher_top_k = K > 0) the last K columns are its top-K ids and
+    log-probs: the union cache [B, L, N + K], whose behavior log-probs there are NaN (the student
+    did not draw them; no estimator reads them)."""
     num = samples[0].opd_ids.shape[1]
-    teacher = torch.zeros((len(samples), width, num), dtype=torch.float32)
-    ids = torch.zeros((len(samples), width, num), dtype=torch.long)
-    behav = torch.zeros((len(samples), width, num), dtype=torch.float32)
+    top = 0 if samples[0].teacher_top_ids is None else samples[0].teacher_top_ids.shape[1]
+    teacher = torch.zeros((len(samples), width, num + top), dtype=torch.float32)
+    ids = torch.zeros((len(samples), width, num + top), dtype=torch.long)
+    behav = torch.zeros((len(samples), width, num + top), dtype=torch.float32)
     for b, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        teacher[b, p : p + c] = s.teacher_logprobs
-        ids[b, p : p + c] = s.opd_ids
-        behav[b, p : p + c] = s.opd_behavior_logprobs
+        teacher[b, p : p + c, :num] = s.teacher_logprobs
+        ids[b, p : p + c, :num] = s.opd_ids
+        behav[b, p : p + c, :num] = s.opd_behavior_logprobs
+        if top:
+            teacher[b, p : p + c, num:] = s.teacher_top_logprobs
+            ids[b, p : p + c, num:] = s.teacher_top_ids
+            behav[b, p : p + c, num:] = float("nan")
     return teacher, ids, behav
 
 

@@ -196,6 +196,24 @@ def _opd_frames(
     return teacher, opd_ids, opd_logps
 
 
+def _top_k_frames(r: RolloutFields, *, where: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The teacher's top-K ids and log-probs ([T, K] each), when the rollout has them."""
+    import torch
+
+    top_ids = getattr(r, "teacher_top_ids", None)
+    top_logps = getattr(r, "teacher_top_logprobs", None)
+    if top_ids is None and top_logps is None:
+        return None
+    ids = torch.tensor(top_ids or [], dtype=torch.int64)
+    logps = torch.tensor(top_logps or [], dtype=torch.float32)
+    if ids.ndim != 2 or ids.shape != logps.shape or ids.shape[0] != len(r.completion_ids):
+        raise ValueError(
+            f"{where}: teacher_top_ids {list(ids.shape)} and teacher_top_logprobs {list(logps.shape)} "
+            f"must both be [T, K] with T = {len(r.completion_ids)}"
+        )
+    return ids, logps
+
+
 def _wire_array(values: Sequence[Any], code: str, dtype: torch.dtype) -> array.array | torch.Tensor:
     """A flat list as it goes on the wire: an `array.array` (`encode` sends its bytes; a tenth
     of the cost of a tensor for a short list), or a tensor when the values are not plain numbers
@@ -240,6 +258,13 @@ def trajectory_frames(
             "opd_ids": tensor_ref(4, opd_ids),
             "opd_behavior_logprobs": tensor_ref(5, opd_logps),
         }
+        top = _top_k_frames(r, where=f"generator {generator_id}: rollout of task {task.task_id}")
+        if top is not None:
+            tensors += top
+            opd_refs |= {
+                "teacher_top_ids": tensor_ref(6, top[0]),
+                "teacher_top_logprobs": tensor_ref(7, top[1]),
+            }
     mask_ref = {}
     if r.loss_mask is not None and not all(r.loss_mask):
         mask = torch.tensor(r.loss_mask, dtype=torch.bool)
