@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
 
 OPOB_ADVANTAGES = ("grpo", "dr_grpo")  # objective.OPOB_ADVANTAGES (this module imports no torch)
+GUIDED_ADVANTAGES = ("grpo", "dr_grpo")  # learner/guidance.py's (this module imports no torch)
 
 
 def check_staleness_policy(section: StalenessConfig):
@@ -69,6 +70,8 @@ def check_objective_config(config: Config, policy) -> None:
     """Raise `ConfigError` for an objective combination the learner cannot train exactly."""
     _check_reward_mixing(config, policy)
     _check_opob(config, policy)
+    _check_gdpo(config)
+    _check_guidance(config)
 
 
 def _check_reward_mixing(config: Config, policy) -> None:
@@ -138,4 +141,61 @@ def _check_opob(config: Config, policy) -> None:
         raise ConfigError(
             f"{where}: staleness policy {policy.name!r} weighs each trajectory by statistics of the whole "
             "batch, unknown when the trajectory trains; choose a policy with per-trajectory weights"
+        )
+
+
+def _check_gdpo(config: Config) -> None:
+    """learner.advantage = "gdpo" normalises each of task.rewards within its group (whole batches)."""
+    lrn = config.learner
+    if lrn.advantage != "gdpo":
+        return
+    where = "config error at learner.advantage: 'gdpo'"
+    if config.env.kind or len(config.task.rewards) < 2:
+        raise ConfigError(
+            f"{where} normalises each of several rewards (task.rewards) on its own; this run has "
+            f"{0 if config.env.kind else len(config.task.rewards)} (with one reward it is GRPO up to a "
+            "batch scale): configure two or more task.rewards, or use learner.advantage = 'grpo'"
+        )
+    if lrn.kl_coef > 0 and lrn.kl_placement == "reward":
+        raise ConfigError(
+            f"{where} normalises each reward apart, and a KL penalty in the reward has no column of its "
+            "own: set learner.kl_placement = 'loss' (or learner.kl_coef = 0)"
+        )
+    if config.sampling.guidance.enabled:
+        raise ConfigError(
+            f"{where} with sampling.guidance: guided members need a baseline from the unguided ones, "
+            "which the per-reward normalisation does not take; use learner.advantage = 'grpo'"
+        )
+
+
+def _check_guidance(config: Config) -> None:
+    """sampling.guidance: guided group members (learner/guidance.py), trained in whole batches."""
+    g, lrn = config.sampling.guidance, config.learner
+    if not g.enabled:
+        return
+    where = "config error at sampling.guidance"
+    if lrn.advantage not in GUIDED_ADVANTAGES:
+        raise ConfigError(
+            f"{where}: the guided members' baseline is the unguided members' mean, defined for "
+            f"learner.advantage = 'grpo' or 'dr_grpo', not {lrn.advantage!r}"
+        )
+    if g.samples >= lrn.samples_per_group:
+        raise ConfigError(
+            f"{where}.samples = {g.samples} leaves no unguided member in a group of "
+            f"learner.samples_per_group = {lrn.samples_per_group}, so no baseline: lower it"
+        )
+    if config.staleness.vcpo_baseline != "group_mean":
+        raise ConfigError(
+            f"{where} replaces the group mean by the unguided members' mean, and staleness.vcpo_baseline "
+            f"= {config.staleness.vcpo_baseline!r} replaces it too: use one of them"
+        )
+    if g.prefix_loss == "shaped" and lrn.agg == "seq-mean-token-mean":
+        raise ConfigError(
+            f"{where}.prefix_loss = 'shaped' adds the prefix tokens' terms to the token sums; "
+            "learner.agg = 'seq-mean-token-mean' averages each sequence apart: use another learner.agg"
+        )
+    if config.opd.enabled or config.env.kind:
+        raise ConfigError(
+            f"{where} forces solution tokens into single-turn RL samples; it does not combine with "
+            "opd.enabled or env.kind: turn one of them off"
         )

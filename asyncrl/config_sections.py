@@ -156,6 +156,22 @@ class TaskConfig(Section, frozen=True, kw_only=True):
     scoring: ScoringConfig = ScoringConfig()
 
 
+class GuidanceConfig(Section, frozen=True, kw_only=True):
+    """Guided rollouts for prompts nobody solves (docs/algorithms.md, "Guided rollouts")."""
+
+    enabled: bool = False
+    # A prompt is guided once this many of its groups in a row had no sample with reward >= pass_reward.
+    after_failures: PosInt = 2
+    pass_reward: float = 1.0
+    samples: PosInt = 1  # guided members of such a prompt's group (< learner.samples_per_group)
+    # The guided members' completion starts with this fraction of the worked solution's tokens
+    # (Problem.solution), forced; the policy samples the rest.
+    prefix_fraction: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    # The forced prefix tokens: "mask" (no gradient) or "shaped" (LUFFY: -A p / (p + gamma)).
+    prefix_loss: Literal["mask", "shaped"] = "mask"
+    gamma: PosFloat = 0.1
+
+
 class SamplingConfig(Section, frozen=True, kw_only=True):
     temperature: Annotated[float, Meta(ge=0)] = 1.0
     top_p: Probability = 1.0
@@ -164,6 +180,7 @@ class SamplingConfig(Section, frozen=True, kw_only=True):
     # length, as throughput benchmarks want. The verifier reads the answer up to its first eos;
     # the learner trains on every sampled token.
     ignore_eos: bool = False
+    guidance: GuidanceConfig = GuidanceConfig()
     # Which prompt each admitted group samples (scheduler/selection.py; docs/tasks.md, "Prompt
     # selection"), from a per-prompt Beta pass-rate record: "uniform" (the task's stream, the
     # default), "skip" (passes over prompts estimated solved or hopeless, re-checked), "priority"
@@ -315,7 +332,8 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
     weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     max_grad_norm: PosFloat = 1.0
     # The objective (docs/algorithms.md): advantage estimator, policy loss, aggregation, KL.
-    advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo"] = "grpo"
+    # gdpo: each of task.rewards normalised within its group, then weighted and summed (whole batches).
+    advantage: Literal["grpo", "dr_grpo", "rloo", "mc_grpo", "gdpo"] = "grpo"
     # A name in the policy-loss registry (asyncrl/learner/policy_losses.py; docs/algorithms.md),
     # checked when the config loads; loss_params are that loss's own hyperparameters beyond the
     # clip range (e.g. sapo's tau_pos, tau_neg), unset ones at the registry's defaults.

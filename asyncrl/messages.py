@@ -29,8 +29,10 @@ import msgspec
 # 2: PromptTasks and TasksDone; 3: DataEndpoint, Evaluated; 4: Join, files; 5: the shared teacher
 # (TeacherRequest, TeacherScores), self-distillation (PromptTask.privileged_ids, Trajectory.teacher_version);
 # 6: WeightsPublished split into ShardsPublished | BroadcastPublished, each with its own fields;
-# 7: the weight-load canary (WeightsPublished.canary, WeightsLoaded.canary, WorkerArgs.canary_ids)
-PROTOCOL_VERSION = 7
+# 7: the weight-load canary (WeightsPublished.canary, WeightsLoaded.canary, WorkerArgs.canary_ids);
+# 8: Trajectory.reward_parts (per-reward values, GDPO) and Trajectory.guided_prefix (guided samples),
+# Trajectory fields at their defaults omitted on the wire
+PROTOCOL_VERSION = 8
 
 Role = Literal["scheduler", "generator", "learner", "monitor"]
 
@@ -90,6 +92,9 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
     # opd.teacher = "self": the privileged prompt (`Task.privileged_render`: the problem with, e.g.,
     # its worked solution) under which the policy scores each completion; empty otherwise.
     privileged_ids: list[int] = []
+    # A generator's own guided variant (sampling.guidance, generators/guidance.py; never sent): the
+    # last `guided_prefix` of prompt_ids are a forced prefix of the worked solution. 0 otherwise.
+    guided_prefix: int = 0
 
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):
@@ -100,7 +105,7 @@ class PromptTasks(_Msg, frozen=True, kw_only=True):
     tasks: list[PromptTask]
 
 
-class Trajectory(_Msg, frozen=True, kw_only=True):
+class Trajectory(_Msg, frozen=True, kw_only=True, omit_defaults=True):
     """One sampled completion. Per-token arrays travel as tensor frames (see TensorRef).
 
     `behavior_logprobs` are log-probs of the sampled tokens under the distribution they were
@@ -138,6 +143,12 @@ class Trajectory(_Msg, frozen=True, kw_only=True):
     # log-probs, [T, K] each, frames after the OPD ones (docs/opd.md, "Teacher top-K").
     teacher_top_ids: TensorRef | None = None  # int64 [T, K]
     teacher_top_logprobs: TensorRef | None = None  # float32 [T, K]
+    # With task.rewards: each reward's unweighted value, in task.rewards order (a failed reward 0),
+    # for per-reward normalisation (learner.advantage = "gdpo"); empty without task.rewards.
+    reward_parts: list[float] = []
+    # A guided sample (sampling.guidance): its first `guided_prefix` completion tokens are the task's
+    # worked solution, forced, not sampled (off-policy); 0 = an ordinary, unguided sample.
+    guided_prefix: int = 0
 
 
 class Trajectories(_Msg, frozen=True, kw_only=True):
@@ -170,6 +181,8 @@ class TaskDone(_Msg, frozen=True, kw_only=True):
     num_regenerated: int = 0  # samples drawn again after a failed reward (scoring.on_failure)
     num_overlong: int = 0  # samples cut at sampling.max_new_tokens
     num_invalid: int = 0  # samples drawn again because the learner would reject them
+    num_guided: int = 0  # guided members (sampling.guidance): their rewards are not the policy's own
+    guided_reward_sum: float = 0.0  # ... their rewards' sum (mean_reward includes them)
 
 
 class TasksDone(_Msg, frozen=True, kw_only=True):

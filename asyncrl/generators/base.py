@@ -60,6 +60,10 @@ class Rollout:
     # until then: `RolloutBuilder` leaves the decoded texts here for it.
     prompt_text: str | None = None
     completion_text: str | None = None
+    # With task.rewards: each reward's unweighted value in task.rewards order (`Trajectory.reward_parts`).
+    reward_parts: list[float] | None = None
+    # Guided (sampling.guidance): the leading completion tokens that were forced (`Trajectory.guided_prefix`).
+    guided_prefix: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

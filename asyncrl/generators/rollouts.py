@@ -69,7 +69,8 @@ class RolloutBuilder:
         return tok.decode(answer_ids(completion_ids, tok.eos_token_id), skip_special_tokens=True)
 
     def prompt_text(self, task: PromptTask) -> str:
-        return self.tokenizer.decode(task.prompt_ids, skip_special_tokens=True)
+        """The student's prompt as text (a guided variant's forced prefix left out)."""
+        return self.tokenizer.decode(student_prompt(task), skip_special_tokens=True)
 
     def reward(self, prompt_text: str, completion_ids: Sequence[int], answer: str) -> float:
         """The task's score of a completion, decoded up to its first eos."""
@@ -88,9 +89,21 @@ class RolloutBuilder:
         prompt_text: str | None = None,
         opd: OpdArrays | None = None,
     ) -> Rollout:
-        """One scored Rollout; pass `prompt_text` when several samples share a prompt (decoded once)."""
+        """One scored Rollout; pass `prompt_text` when several samples share a prompt (decoded once).
+
+        A guided variant's sample (`PromptTask.guided_prefix` = P) comes back as the student's: its
+        prompt without the forced prefix, and a completion of the prefix then the sampled tokens,
+        the prefix behind a loss mask (behaviour log-probs 0 and the first sampled token's version
+        there: placeholders the learner never reads) and counted in `Rollout.guided_prefix`."""
         if prompt_text is None:
             prompt_text = self.prompt_text(task)
+        mask = None
+        if num := task.guided_prefix:
+            completion_ids = [*task.prompt_ids[-num:], *completion_ids]
+            behavior_logprobs = [0.0] * num + [float(x) for x in behavior_logprobs]
+            versions = [int(v) for v in token_versions]
+            token_versions = [versions[0] if versions else 0] * num + versions
+            mask = [False] * num + [True] * (len(completion_ids) - num)
         if self.task is None:
             reward, texts = (
                 math.nan,
@@ -110,7 +123,15 @@ class RolloutBuilder:
             opd_behavior_logprobs=None if opd is None else opd.behavior_logprobs,
             teacher_logprobs=None if opd is None else opd.teacher_logprobs,
             teacher_version=None if opd is None else opd.teacher_version,
+            loss_mask=mask,
+            guided_prefix=task.guided_prefix,
             teacher_top_ids=None if opd is None else opd.teacher_top_ids,
             teacher_top_logprobs=None if opd is None else opd.teacher_top_logprobs,
             **texts,
         )
+
+
+def student_prompt(task: PromptTask) -> list[int]:
+    """The prompt the student saw: `prompt_ids` without a guided variant's forced prefix."""
+    ids = list(task.prompt_ids)
+    return ids[: len(ids) - task.guided_prefix] if task.guided_prefix else ids

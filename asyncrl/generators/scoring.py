@@ -33,12 +33,14 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from asyncrl.generators.base import Rollout
 from asyncrl.generators.feed import Draw
+from asyncrl.generators.guidance import GuidanceBook
 from asyncrl.messages import PromptTask
 from asyncrl.rewards.base import RewardInput
 from asyncrl.rewards.scorer import make_scorer
@@ -60,6 +62,8 @@ class GroupCounts:
     num_regenerated: int = 0
     num_overlong: int = 0
     num_invalid: int = 0
+    num_guided: int = 0  # guided members (sampling.guidance)
+    guided_reward_sum: float = 0.0  # ... and their rewards' sum (so pass rates can leave them out)
 
     def as_fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,6 +80,7 @@ class _Group:
     invalid_redraws: dict[int, int] = field(default_factory=dict)
     failed_redraws: dict[int, int] = field(default_factory=dict)
     counts: GroupCounts = field(default_factory=GroupCounts)
+    guided: dict[int, PromptTask] = field(default_factory=dict)  # sample -> its guided variant
 
 
 class Verdict(NamedTuple):
@@ -89,8 +94,21 @@ class Verdict(NamedTuple):
 class SampleScorer:
     """The run's rewards and failure policy for one generator process, one sample at a time."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tokenizer: Any = None, report: Path | None = None) -> None:
         self.scoring = config.task.scoring
+        self.report = report  # where `close` writes the guidance book's summary (None: nowhere)
+        # Per-prompt failure counts; guided variants when sampling.guidance is on (`guidance.py`).
+        self.guidance = GuidanceBook(config.sampling.guidance)
+        if self.guidance.enabled:
+            from asyncrl.tasks.base import make_task
+
+            if tokenizer is None:
+                raise ValueError(
+                    "sampling.guidance needs the generator's tokenizer (a `tokenizer` attribute) to "
+                    "force solution prefixes; this generator has none: turn sampling.guidance off"
+                )
+
+            self.guidance.task, self.guidance.tokenizer = make_task(config.task), tokenizer
         self.max_new_tokens = config.sampling.max_new_tokens
         self.scorer = make_scorer(config.task)  # None: the backend scored with Task.score
         self.mask_overlong = self.scoring.overlong == "mask"
@@ -99,6 +117,18 @@ class SampleScorer:
     def open(self, task: PromptTask) -> None:
         """A task the launcher sent: every sample of it is awaited."""
         self.groups[task.task_id] = _Group(task, waiting=set(range(task.num_samples)))
+
+    def open_tasks(self, tasks: Sequence[PromptTask]) -> tuple[list[PromptTask], list[Draw]]:
+        """Open `tasks`; what the feed draws: the tasks (a guided one cut to its unguided members)
+        and the draws of guided members (`GuidanceBook.plan`)."""
+        plain, guided = [], []
+        for task in tasks:
+            self.open(task)
+            feed_task, draws = self.guidance.plan(task)
+            plain.append(feed_task)
+            guided += draws
+            self.groups[task.task_id].guided = {d.sample_index: d.task for d in draws}
+        return plain, guided
 
     def awaited(self) -> set[tuple[int, int]]:
         """(task_id, sample_index) of every sample whose rollout has not come back yet."""
@@ -124,7 +154,8 @@ class SampleScorer:
         g.num_draws[k] = g.num_draws.get(k, 0) + 1
         g.waiting.add(k)
         g.counts.num_regenerated += 1
-        return Draw(msgspec.structs.replace(g.task, attempt=g.task.attempt + g.num_draws[k]), k)
+        base = g.guided.get(k, g.task)  # a guided member is drawn again guided
+        return Draw(msgspec.structs.replace(base, attempt=g.task.attempt + g.num_draws[k]), k)
 
     async def take(self, rollouts: Sequence[Rollout]) -> Verdict:
         """Check, score and place `rollouts` (each one a sample the feed handed out)."""
@@ -165,9 +196,14 @@ class SampleScorer:
                     r = dataclasses.replace(r, loss_mask=[False] * len(r.completion_ids))
             g.final[r.sample_index] = r
             send.append((g.task, r))
+            if r.guided_prefix:
+                g.counts.num_guided += 1
+                g.counts.guided_reward_sum += float(r.reward)
             if len(g.final) == g.task.num_samples:
                 del self.groups[g.task.task_id]
-                done.append((g.task, [g.final[i] for i in range(g.task.num_samples)], g.counts))
+                group = [g.final[i] for i in range(g.task.num_samples)]
+                self.guidance.observe(g.task, group)
+                done.append((g.task, group, g.counts))
         return Verdict(send, redraw, done)
 
     async def _score(
@@ -193,10 +229,14 @@ class SampleScorer:
                     continue
             for name, value in score.parts.items():
                 c.reward_sums[name] = c.reward_sums.get(name, 0.0) + float(value)
-            scored.append((g, dataclasses.replace(r, reward=float(score.reward))))
+            # Each reward's unweighted value in task.rewards order (a failed one scored 0): GDPO's input.
+            parts = [float(score.parts.get(name, 0.0)) for name in self.scorer.names]
+            scored.append((g, dataclasses.replace(r, reward=float(score.reward), reward_parts=parts)))
         return scored
 
     async def close(self) -> None:
+        if self.report is not None and self.guidance.prompts:
+            self.guidance.write(self.report)
         if self.scorer is not None:
             await self.scorer.aclose()
 

@@ -92,7 +92,12 @@ class GeneratorService:
             )
         )
         self.num_opd_samples = cfg.opd.samples_per_position
-        self.scorer = SampleScorer(cfg)
+        # sampling.guidance: the guided prefixes' tokenizer, and where the per-prompt counts go at exit.
+        self.scorer = SampleScorer(
+            cfg,
+            tokenizer=getattr(self.gen, "tokenizer", None),
+            report=ctx.run_dir / f"guidance-{ctx.peer_id}.json",
+        )
         self.streams = streams(self.gen)  # else served batches through generate()
         self.data = Endpoint(ctx.zmq_ctx, zmq.PUSH, name=f"{ctx.peer_id}.data")
         # The learner's endpoint: on the command line when it was known at spawn, else the
@@ -136,9 +141,9 @@ class GeneratorService:
             _, msg, _ = await self.ctx.ctrl.recv()
             match msg:
                 case PromptTasks():
-                    for task in msg.tasks:
-                        self.scorer.open(task)
-                    self.feed.put(msg.tasks)
+                    tasks, guided = self.scorer.open_tasks(msg.tasks)  # sampling.guidance's draws apart
+                    self.feed.put(tasks)
+                    self.feed.redraw(guided)
                 case DataEndpoint():
                     self.connect_data(msg.endpoint)
                 case ShardsPublished() | BroadcastPublished():  # the WeightsPublished variants

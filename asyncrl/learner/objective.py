@@ -45,11 +45,13 @@ import torch
 
 from asyncrl.learner.advantages import (
     dr_grpo_advantages,
+    gdpo_advantages,
     grpo_advantages,
     k1_sequence_penalty,
     mc_grpo_advantages,
     rloo_advantages,
 )
+from asyncrl.learner.guidance import guided_advantages, shaped_loss
 from asyncrl.learner.kl import kl_loss
 from asyncrl.learner.losses import LossStats, aggregate
 from asyncrl.learner.opd import multi_sample_reverse_kl, pg_kl_loss
@@ -160,6 +162,9 @@ class Objective:
             kl_estimator=lrn.kl_estimator,
             kl_placement=lrn.kl_placement,
             baseline=config.staleness.vcpo_baseline,
+            reward_weights=tuple(float(r.weight) for r in config.task.rewards),
+            guidance=config.sampling.guidance.prefix_loss if config.sampling.guidance.enabled else "off",
+            guidance_gamma=config.sampling.guidance.gamma,
             **common,
         )
         if distill is None:
@@ -215,6 +220,12 @@ class RLObjective(Objective):
     kl_placement: str
     baseline: str = "group_mean"  # staleness.vcpo_baseline: group_mean, opob, opob_released
     loss_params: Mapping[str, float] = field(default_factory=dict)  # the loss's own hyperparameters
+    # task.rewards' weights, in order: GDPO (advantage "gdpo") normalises each reward, then weighs.
+    reward_weights: tuple[float, ...] = ()
+    # Guided samples (sampling.guidance, `guidance.py`): "off", or how their forced prefix trains:
+    # "mask" (no gradient) or "shaped" (LUFFY: -A f(pi), f(p) = p / (p + guidance_gamma)).
+    guidance: str = "off"
+    guidance_gamma: float = 0.1
 
     @property
     def policy(self) -> PolicyLoss:
@@ -228,22 +239,66 @@ class RLObjective(Objective):
 
     # -- advantages ----------------------------------------------------------------------------
 
-    def group_advantages(self, rewards_GN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(adv_GN, keep_GN): keep is False for MC-GRPO's pivot and for dropped degenerate groups."""
+    def group_advantages(
+        self,
+        rewards_GN: torch.Tensor,
+        parts_GNK: torch.Tensor | None = None,
+        guided_GN: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(adv_GN, keep_GN): keep is False for MC-GRPO's pivot and for dropped degenerate groups.
+
+        `parts_GNK`: each reward's unweighted value (task.rewards order), which "gdpo" needs (the
+        whole batch: it renormalises over it); `guided_GN`: the guided members, whose group's
+        baseline comes from its unguided members (`guidance.guided_advantages`)."""
         keep_GN = torch.ones_like(rewards_GN, dtype=torch.bool)
-        if self.advantage == "grpo":
+        if guided_GN is not None and bool(guided_GN.any()):
+            adv_GN = guided_advantages(rewards_GN, guided_GN, advantage=self.advantage)
+        elif self.advantage == "grpo":
             adv_GN = grpo_advantages(rewards_GN)
         elif self.advantage == "dr_grpo":
             adv_GN = dr_grpo_advantages(rewards_GN)
         elif self.advantage == "rloo":
             adv_GN = rloo_advantages(rewards_GN)
-        else:
+        elif self.advantage == "mc_grpo":
             mc = mc_grpo_advantages(rewards_GN)
             adv_GN, keep_GN = mc.adv_GN, ~mc.pivot_GN
+        elif self.advantage == "gdpo":
+            adv_GN = gdpo_advantages(self._gdpo_parts(rewards_GN, parts_GNK), self._weights_K())
+        else:
+            raise ValueError(
+                f"learner.advantage {self.advantage!r} is not an estimator the learner knows; "
+                "choose grpo, dr_grpo, rloo, mc_grpo or gdpo"
+            )
         if self.drop_degenerate_groups:
-            degenerate_G1 = (rewards_GN == rewards_GN[:, :1]).all(dim=1, keepdim=True)
+            flat = rewards_GN[..., None] if self.advantage != "gdpo" else parts_GNK
+            degenerate_G1 = (flat == flat[:, :1]).all(dim=2).all(dim=1, keepdim=True)
             keep_GN = keep_GN & ~degenerate_G1
         return adv_GN, keep_GN
+
+    def _weights_K(self) -> torch.Tensor:
+        return torch.tensor(self.reward_weights, dtype=torch.float64)
+
+    def _gdpo_parts(self, rewards_GN: torch.Tensor, parts_GNK: torch.Tensor | None) -> torch.Tensor:
+        """The per-reward values GDPO normalises; ValueError when trajectories came without them."""
+        want = len(self.reward_weights)
+        if parts_GNK is None or parts_GNK.shape != (*rewards_GN.shape, want):
+            got = "none" if parts_GNK is None else f"shape {tuple(parts_GNK.shape)}"
+            raise ValueError(
+                f"learner.advantage = 'gdpo' needs each trajectory's {want} reward values (task.rewards, "
+                f"Trajectory.reward_parts) for rewards {tuple(rewards_GN.shape)}, got {got}"
+            )
+        return parts_GNK.to(torch.float64)
+
+    @property
+    def shapes_guided(self) -> bool:
+        """Whether guided prefix tokens train under LUFFY's shaped loss (else they carry no gradient)."""
+        return self.guidance == "shaped"
+
+    def guided_prefix_loss(
+        self, logp_BT: torch.Tensor, adv_BT: torch.Tensor, prefix_BT: torch.Tensor
+    ) -> torch.Tensor:
+        """Unnormalised loss of guided prefix tokens `prefix_BT` (`guidance.shaped_loss`)."""
+        return shaped_loss(logp_BT, adv_BT, prefix_BT, gamma=self.guidance_gamma)
 
     @property
     def uses_reference(self) -> bool:
@@ -317,8 +372,12 @@ class RLObjective(Objective):
         reason = super().fallback_reason(policy)
         if reason is not None:
             return reason
+        if self.advantage == "gdpo":
+            return "advantage 'gdpo' normalises each reward over its group, then the sum over the whole batch"
         if self.stream_estimator is None:
             return f"advantage {self.advantage!r} needs the whole group (median pivot)"
+        if self.guidance != "off":
+            return "guided samples (sampling.guidance) take their group's baseline from its unguided members"
         if self.uses_reference:
             return "a KL term needs the reference model's log-probs and a second weighting of the scores"
         if policy.batch_global and not (self.opob and batch_global_lr_only(policy)):

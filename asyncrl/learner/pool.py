@@ -78,7 +78,9 @@ class PoolLoop(StepLoop):
         self.replays_dropped = 0  # groups dropped with replays left (trained at least once)
         self.drop_degenerate = config.learner.drop_degenerate_groups
         self.max_degenerate = config.learner.max_degenerate_per_step * self.groups_per_step
-        self._rewards: dict[int, list[float]] = {}  # group -> rewards so far (dynamic sampling)
+        self._rewards: dict[int, list] = {}  # group -> rewards so far (dynamic sampling)
+        # GDPO: a group is degenerate when every reward is constant in it, not its weighted sum.
+        self.per_reward = config.learner.advantage == "gdpo"
         self.num_degenerate = 0  # groups dropped as degenerate, in all
         self.degenerate_this_step = 0
         self._report = _empty_report()
@@ -122,7 +124,7 @@ class PoolLoop(StepLoop):
     def _completes_degenerate(self, sample: TrainSample) -> bool:
         """Whether `sample` completes a group whose rewards are all equal (then it is counted)."""
         rewards = self._rewards.setdefault(sample.group_id, [])
-        rewards.append(sample.reward)
+        rewards.append(tuple(sample.reward_parts) if self.per_reward else sample.reward)
         if len(rewards) < self.group_size:
             return False
         del self._rewards[sample.group_id]

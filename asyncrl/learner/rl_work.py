@@ -35,6 +35,7 @@ from asyncrl.learner.advantages import GRPO_EPS, group_rewards
 from asyncrl.learner.distill_work import OpdArrays, distill_term, opd_arrays
 from asyncrl.learner.engine import Engine
 from asyncrl.learner.ghost import GhostNorms
+from asyncrl.learner.guidance import prefix_mask
 from asyncrl.learner.objective import CombinedObjective, DistillStats, RLObjective
 from asyncrl.learner.opob import (
     baseline_scale,
@@ -205,6 +206,9 @@ class RLWork:
         the streamed members' loss values now that their advantages are known."""
         adv_of: dict[int, float] = {}
         keep_of: dict[int, bool] = {}
+        if self.objective.advantage == "gdpo" or self.objective.guidance != "off":
+            # objective.fallback_reason sends both to `whole`: GDPO's batch scale, guided baselines.
+            raise RuntimeError("learner.advantage = 'gdpo' and sampling.guidance train whole batches only")
         for g in gids:
             members = state.sorted_members(g)
             rewards_1N = torch.tensor([[s.reward for s in members]], dtype=torch.float64)
@@ -287,7 +291,9 @@ class RLWork:
             logp_now_BL = logp_BL.detach()
         else:
             logp_now_BL = self._anchor_logp(ids, parts, opd)
-        adv_GN, keep_GN = self._batch_advantages(state, whole, rows, parts, logp_now_BL, logp_ref_BL, batch)
+        adv_GN, keep_GN = self._batch_advantages(
+            state, whole, rows, parts, logp_now_BL, logp_ref_BL, batch, samples=samples
+        )
         adv_all_B = adv_GN[whole.group_B, whole.slot_B].to(e.dtype)
         if any(s.weight != 1.0 for s in samples):
             adv_all_B = adv_all_B * torch.tensor([s.weight for s in samples], dtype=e.dtype)
@@ -299,14 +305,14 @@ class RLWork:
         rows_t = torch.tensor(rows, dtype=torch.long)
         g_B, n_B = whole.group_B[rows_t], whole.slot_B[rows_t]
         adv_B = adv_all_B[rows_t].to(e.device)
-        mask = batch.completion_mask_BL & keep_GN[g_B, n_B].to(e.device)[:, None]
+        keep_B = keep_GN[g_B, n_B].to(e.device)
+        mask = batch.completion_mask_BL & keep_B[:, None]
+        mask, valid_BL, shaped = self._guided_rows(mine, mask, keep_B, adv_B, batch.completion_mask_BL)
         adv_BL = torch.where(mask, adv_B[:, None], 0.0)
-        plan = WholeRows(
-            ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, batch.completion_mask_BL, batch.lengths_B
-        )
+        plan = WholeRows(ids, corr, adv_BL, mask, logp_ref_BL, parts, opd, valid_BL, batch.lengths_B, shaped)
         if self.objective.epochs > 1:
             state.add_rerun(functools.partial(self._rows_backward, plan))
-        units = self.objective.units(mask)
+        units = self.objective.units(plan.trained_BL)
         if self.objective.minibatches > 1:  # the first now; the others after each update before
             (plan, units), *later = self._minibatch_parts(whole, rows, mine, plan)
             for plan_m, units_m in later:
@@ -321,6 +327,21 @@ class RLWork:
         if sums.distill is not None:
             state.add_distill(sums.distill)
         state.account(batch, mine, stats, tokens=float(mask.sum()), clipped=sums.clipped)
+
+    def _guided_rows(self, mine, mask, keep_B: torch.Tensor, adv_B: torch.Tensor, valid_BL: torch.Tensor):
+        """Guided rows (`guidance.py`): their forced prefix tokens leave the policy loss's mask (the
+        learner's own rule, whatever loss mask came); with `prefix_loss = "shaped"` they train
+        under the shaped loss instead: (prefix mask of kept rows, advantages there). Returns the
+        policy mask, the rows' valid-token mask (prefix included when shaped) and that pair."""
+        prefix_BL = prefix_mask(mine, mask.shape[1])
+        if prefix_BL is None:
+            return mask, valid_BL, None
+        prefix_BL = prefix_BL.to(mask.device)
+        policy_mask = mask & ~prefix_BL
+        if not self.objective.shapes_guided:
+            return policy_mask, valid_BL & ~prefix_BL, None
+        shaped_BL = prefix_BL & keep_B[:, None]
+        return policy_mask, valid_BL | prefix_BL, (shaped_BL, torch.where(shaped_BL, adv_B[:, None], 0.0))
 
     def _minibatch_parts(
         self, whole, rows: list[int], mine: list[TrainSample], plan: WholeRows | None
@@ -339,7 +360,7 @@ class RLWork:
             index = torch.nonzero(minibatch_B == m).flatten().tolist()
             parts = e.microbatches([mine[i] for i in index])
             parts = [None if p is None else [index[j] for j in p] for p in parts]
-            mask = plan.mask_BL[torch.tensor(index, dtype=torch.long)] if index else None
+            mask = plan.trained_BL[torch.tensor(index, dtype=torch.long)] if index else None
             units.append(self.objective.units(mask) if index else 0.0)
             out.append(parts)
         units_t = torch.tensor(units, dtype=torch.float64, device=e.device)
@@ -384,10 +405,11 @@ class RLWork:
             )
 
     def _batch_advantages(
-        self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch
+        self, state: StepState, whole, rows, parts, logp_now_BL, logp_ref_BL, batch, *, samples=()
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(adv_GN, keep_GN) of the whole batch, rewards with the KL penalty where it is placed
-        (each rank's rows' penalties, summed over the lockstep ranks into the whole batch's)."""
+        (each rank's rows' penalties, summed over the lockstep ranks into the whole batch's); the
+        per-reward values (GDPO) and guided members of `samples` (the batch's, in its row order)."""
         rewards_B = whole.reward_B.double()
         if self.reference is not None and self.objective.kl_placement == "reward":
             penalty_B = torch.zeros_like(rewards_B)
@@ -400,10 +422,22 @@ class RLWork:
                 dist.all_reduce(penalty_B)  # each row is one rank's: the others add zeros
                 penalty_B = penalty_B.cpu()
             rewards_B = rewards_B + penalty_B
-        rewards_GN = group_rewards(
-            rewards_B, whole.group_B, whole.slot_B, num_groups=whole.num_groups, group_size=whole.group_size
-        )
-        return self.objective.group_advantages(rewards_GN)
+        shape = {"num_groups": whole.num_groups, "group_size": whole.group_size}
+        rewards_GN = group_rewards(rewards_B, whole.group_B, whole.slot_B, **shape)
+        parts_GNK = guided_GN = None
+        if self.objective.advantage == "gdpo":
+            parts_BK = reward_parts_BK(samples)
+            parts_GNK = torch.stack(
+                [
+                    group_rewards(parts_BK[:, k], whole.group_B, whole.slot_B, **shape)
+                    for k in range(parts_BK.shape[1])
+                ],
+                dim=2,
+            )
+        if any(s.guided_prefix for s in samples):
+            guided_B = torch.tensor([s.guided_prefix > 0 for s in samples])
+            guided_GN = group_rewards(guided_B, whole.group_B, whole.slot_B, **shape)
+        return self.objective.group_advantages(rewards_GN, parts_GNK, guided_GN)
 
     def _rows_backward(
         self, plan: WholeRows, logp_BL: torch.Tensor | None = None, logp_BLN: torch.Tensor | None = None
@@ -435,7 +469,7 @@ class RLWork:
         self, plan: WholeRows, sums: RowSums, sl: torch.Tensor, width: int, logp_BL=None, logp_BLN=None
     ):
         """The loss of rows `sl` of a packed batch (cut at `width`), and what adds its figures."""
-        ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL, lengths_B = plan
+        ids, corr, adv_BL, mask, logp_ref_BL, _, opd, valid_BL, lengths_B, shaped = plan
         opd = None if opd is None else opd.rows(sl, width)
         if logp_BL is None:
             lengths = lengths_B[sl].clamp(max=width)
@@ -446,6 +480,11 @@ class RLWork:
             mask_BT=corr.mask_BT[sl, :width],
         )
         loss, stats = self.objective.policy_loss(logp_BL, part_corr, adv_BL[sl, :width], mask[sl, :width])
+        if shaped is not None:
+            prefix_BL, prefix_adv_BL = shaped
+            loss = loss + self.objective.guided_prefix_loss(
+                logp_BL, prefix_adv_BL[sl, :width], prefix_BL[sl, :width]
+            )
         kl_value = None
         if logp_ref_BL is not None:
             kl, kl_value = self.objective.kl_term(
@@ -698,6 +737,13 @@ class WholeRows(NamedTuple):
     opd: OpdArrays | None  # a combined objective's teacher arrays and gates
     valid_BL: torch.Tensor | None  # every trained completion token (the distillation term's mask)
     lengths_B: torch.Tensor | None  # real tokens per row (prompt + completion)
+    # Guided prefix tokens under the shaped loss (`guidance.py`): (their mask, advantages there).
+    shaped: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def trained_BL(self) -> torch.Tensor:
+        """Every token with a loss term: the policy loss's, and the shaped guided prefixes'."""
+        return self.mask_BL if self.shaped is None else self.mask_BL | self.shaped[0]
 
 
 def _rows(part: list[int], mask_BL: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -724,6 +770,19 @@ def _by_parts(fn, ids_BL: torch.Tensor, parts: list, engine: Engine, model=None)
             out = values.new_zeros(ids_BL.shape)
         out[sl] = values
     return out
+
+
+def reward_parts_BK(samples: Sequence[TrainSample]) -> torch.Tensor:
+    """[B, K] float64: each sample's per-reward values (`TrainSample.reward_parts`); ValueError
+    naming a trajectory that came without them or with another count."""
+    counts = {len(s.reward_parts) for s in samples}
+    if len(counts) != 1 or 0 in counts:
+        bad = next((s for s in samples if len(s.reward_parts) != max(counts)), samples[0])
+        raise ValueError(
+            f"learner.advantage = 'gdpo' needs every trajectory's per-reward values (task.rewards), and "
+            f"trajectory {bad.traj_id} carries {len(bad.reward_parts)} (others {sorted(counts)})"
+        )
+    return torch.tensor([list(s.reward_parts) for s in samples], dtype=torch.float64)
 
 
 def trained_tokens(sample: TrainSample) -> int:

@@ -45,6 +45,10 @@ class TrainSample:
     # Loss weight of the trajectory's group (buffer.action = "downweight" past a bound): its
     # advantages are scaled by it, which scales its policy-gradient terms exactly.
     weight: float = 1.0
+    # Each reward's unweighted value in task.rewards order (`Trajectory.reward_parts`; GDPO).
+    reward_parts: Sequence[float] = ()
+    # Guided (sampling.guidance): this many leading completion tokens were forced, not sampled.
+    guided_prefix: int = 0
 
 
 class PackedBatch(NamedTuple):
@@ -78,6 +82,10 @@ def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
         "teacher_top_logprobs",
     )
     extra = {n: tensors[ref.frame].clone() for n in names if (ref := getattr(msg, n)) is not None}
+    if msg.guided_prefix:  # a guided sample's forced prefix is never trained as sampled (the learner's rule)
+        mask = extra.get("loss_mask", torch.ones(len(ids), dtype=torch.bool)).bool()
+        mask[: msg.guided_prefix] = False
+        extra["loss_mask"] = mask
     return TrainSample(
         traj_id=msg.traj_id,
         group_id=msg.group_id,
@@ -87,6 +95,8 @@ def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
         behavior_logprobs=logps.clone(),
         token_versions=versions.clone(),
         reward=msg.reward,
+        reward_parts=list(msg.reward_parts),
+        guided_prefix=msg.guided_prefix,
         **extra,
     )
 

@@ -291,6 +291,8 @@ def trajectory_frames(
         generator_id=generator_id,
         generate_s=generate_s,
         teacher_version=r.teacher_version if num_opd_samples > 0 else None,
+        reward_parts=list(r.reward_parts or ()),
+        guided_prefix=r.guided_prefix,
         **opd_refs,
         **mask_ref,
     )

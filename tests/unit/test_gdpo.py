@@ -103,3 +103,169 @@ def test_shape_errors_name_the_mismatch():
         gdpo_advantages(t([[1.0, 0.0]]), t([1.0]))
     with pytest.raises(ValueError, match="2 rewards per sample but 3 weights"):
         gdpo_advantages(t([[[1.0, 0.0], [0.0, 1.0]]]), t([1.0, 1.0, 1.0]))
+
+
+# -- selectable: learner.advantage = "gdpo" in a learner step ---------------------------------
+
+
+def _two_reward_samples(model, parts):
+    """One trajectory per (group, slot) of `parts` [G][N][K], with random tokens and the model's
+    own behaviour log-probs; `reward` is the plain sum of the parts (weights 1)."""
+    from asyncrl.kernels.logprobs import causal_lm_logprobs
+    from asyncrl.learner.step import TrainSample
+
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for grp, group in enumerate(parts):
+        prompt = [1] + torch.randint(4, 20, (3,), generator=g).tolist()
+        for k, values in enumerate(group):
+            ids = torch.randint(4, 20, (3 + k,), generator=g)
+            with torch.no_grad():
+                logp = causal_lm_logprobs(model, torch.tensor([prompt + ids.tolist()])).logp[0, len(prompt) :]
+            out.append(
+                TrainSample(
+                    traj_id=grp * len(group) + k,
+                    group_id=grp,
+                    sample_index=k,
+                    prompt_ids=prompt,
+                    completion_ids=ids,
+                    behavior_logprobs=logp.float(),
+                    token_versions=torch.full((len(ids),), 6),
+                    reward=float(sum(values)),
+                    reward_parts=[float(v) for v in values],
+                )
+            )
+    return out
+
+
+def _step(tiny_model_dir, samples, advantage, weights=()):
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config_load import load_config
+    from asyncrl.config_objective import check_staleness_policy
+    from asyncrl.learner.objective import Objective
+    from asyncrl.learner.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=F64)
+    cfg = load_config(
+        overrides=["learner.samples_per_group=2", "staleness.max_staleness=2", "learner.streaming=off"]
+    )
+    objective = dataclasses.replace(Objective.from_config(cfg), advantage=advantage, reward_weights=weights)
+    trainer = Trainer(
+        model, objective, check_staleness_policy(cfg.staleness), lr=1e-2, weight_decay=0.0,
+        max_grad_norm=1e9, temperature=1.0, pad_token_id=0, group_size=2, micro_batch_size=256,
+        max_open_groups=4, max_staleness=2,
+    )  # fmt: skip
+    trainer.begin_step(6)
+    trainer.batch_backward(samples)
+    result = trainer.finish_step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), result, trainer
+
+
+def test_learner_step_with_gdpo_normalises_each_reward(tiny_model_dir):
+    # The collapse example as a batch: group 0 parts (1, 0), (0, 0); group 1 (1, 1), (0, 0); sums
+    # (1, 0) and (2, 0). GRPO of the sums gives both groups -+1/sqrt(2); GDPO gives +-a and +-2a,
+    # and after the batch std +-sqrt(3/10) and +-sqrt(6/5) (hand-computed above). Dr. GRPO
+    # (A = r - mean) on rewards +-sqrt(3/10), +-sqrt(6/5) has exactly those advantages, so its step
+    # is the reference; GRPO of the sums is a different step.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=F64)
+    parts = [[[1, 0], [0, 0]], [[1, 1], [0, 0]]]
+    samples = _two_reward_samples(model, parts)
+    gdpo, result, trainer = _step(tiny_model_dir, samples, "gdpo", (1.0, 1.0))
+    a, b = math.sqrt(3 / 10), math.sqrt(6 / 5)
+    expected = [a, -a, b, -b]
+    reference = [dataclasses_replace(s, reward=expected[i]) for i, s in enumerate(samples)]
+    ref, ref_result, _ = _step(tiny_model_dir, reference, "dr_grpo")
+    # (equal up to GDPO's eps = 1e-6 in each std)
+    assert result.loss == pytest.approx(ref_result.loss, rel=1e-5)
+    assert result.grad_norm == pytest.approx(ref_result.grad_norm, rel=1e-5)
+    torch.testing.assert_close(gdpo, ref, rtol=1e-5, atol=1e-7)
+    summed, summed_result, _ = _step(tiny_model_dir, samples, "grpo")
+    assert summed_result.grad_norm != pytest.approx(result.grad_norm, rel=1e-2)  # another update
+
+
+def test_gdpo_step_refuses_trajectories_without_reward_parts(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=F64)
+    samples = [
+        dataclasses_replace(s, reward_parts=()) for s in _two_reward_samples(model, [[[1, 0], [0, 0]]])
+    ]
+    with pytest.raises(ValueError, match="per-reward values"):
+        _step(tiny_model_dir, samples, "gdpo", (1.0, 1.0))
+
+
+def test_gdpo_keeps_groups_whose_sum_is_flat_but_parts_are_not():
+    # drop_degenerate_groups: under GDPO a group is degenerate when every reward is constant in it,
+    # not when the weighted sums are: (1, 0), (0, 1) sums to (1, 1) yet carries signal per reward.
+    from asyncrl.learner.objective import RLObjective
+
+    objective = RLObjective(
+        agg="token-mean", norm_constant=1.0, streaming="off", advantage="gdpo", loss="ppo", clip_low=0.2,
+        clip_high=0.2, dual_clip=None, drop_degenerate_groups=True, kl_coef=0.0, kl_estimator="k3",
+        kl_placement="loss", reward_weights=(1.0, 2.0),
+    )  # fmt: skip
+    parts = t([[[1, 0], [0, 1]], [[1, 1], [1, 1]]])
+    adv, keep = objective.group_advantages(parts @ t([1.0, 2.0]), parts)
+    assert keep[0].all() and not keep[1].any()
+    assert adv[0, 0] != 0 and adv[1].eq(0).all()
+    with pytest.raises(ValueError, match="reward values"):
+        objective.group_advantages(parts.sum(dim=2))
+    # It never streams: its std is the whole batch's.
+    from asyncrl.staleness.registry import make_policy
+
+    streaming = dataclasses_replace(objective, streaming="auto")
+    assert "gdpo" in streaming.fallback_reason(make_policy("none"))
+
+
+def test_unknown_advantage_name_raises_instead_of_running_mc_grpo():
+    import dataclasses
+
+    from asyncrl.learner.objective import RLObjective
+
+    objective = RLObjective(
+        agg="token-mean", norm_constant=1.0, streaming="off", advantage="grpo", loss="ppo", clip_low=0.2,
+        clip_high=0.2, dual_clip=None, drop_degenerate_groups=False, kl_coef=0.0, kl_estimator="k3",
+        kl_placement="loss",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="not an estimator"):
+        dataclasses.replace(objective, advantage="mc_grpo2").group_advantages(t([[1.0, 0.0]]))
+
+
+def _config(*sets):
+    from asyncrl.config_load import load_config
+
+    return load_config(overrides=list(sets))
+
+
+def test_gdpo_is_refused_at_load_where_it_cannot_be_exact(tmp_path):
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
+
+    with pytest.raises(ConfigError, match="two or more task.rewards"):
+        _config("learner.advantage=gdpo")
+    two = tmp_path / "two.toml"
+    two.write_text(
+        '[[task.rewards]]\nkind = "exact_match"\n[[task.rewards]]\nkind = "length_penalty"\nweight = 0.5\n'
+        '[learner]\nadvantage = "gdpo"\n'
+    )
+    cfg = load_config(two)
+    assert cfg.learner.advantage == "gdpo"
+    for sets, match in [
+        (["learner.kl_coef=0.1", "learner.kl_placement=reward"], "kl_placement"),
+        (["staleness.vcpo_baseline=opob"], "vcpo_baseline"),
+        (["sampling.guidance.enabled=true"], "sampling.guidance"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(two, overrides=sets)
+
+
+def dataclasses_replace(sample, **changes):
+    import dataclasses
+
+    return dataclasses.replace(sample, **changes)
