@@ -389,8 +389,8 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
     cpu_offload: bool = False  # fsdp: keep sharded parameters and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each transformer block in the backward
     micro_batch_size: PosInt = 256  # sequences per forward/backward (at most)
-    # Tokens (prompt + completion, padded) per forward/backward, at most; 0 = no token bound.
-    # A longer sequence trains alone.
+    # Tokens (prompt + completion) per forward/backward, at most: real ones when the forward
+    # packs (shared_prefix), else padded; 0 = no token bound. A longer sequence trains alone.
     max_tokens_per_microbatch: NonNegInt = 0
     # Tokens per chunk of [tokens, vocab] logits in every learner forward (training, entropy,
     # the distillation teacher's scores): the full-vocabulary logits of a micro-batch never exist.

@@ -12,6 +12,13 @@ The rule: walk the samples in order and extend the current micro-batch while it 
 both bounds; otherwise start a new one. A sample longer than `max_tokens` on its own trains
 alone (it cannot be split: the forward needs the whole sequence).
 
+With packing (`learner.shared_prefix`, the flat layout of `models/shared_prefix.py`: no padding,
+attention confined to each row), a micro-batch costs its real tokens, sum_i n_i, and `packed=True`
+bounds that instead; where its flat layout's attention mask could pass the layout's bound
+(rows x 2 longest^2 > `MAX_MASK_ELEMENTS`, when it runs padded) the padded cost still applies, so
+the bound holds whichever forward runs. (A layout that saves under 10% also runs padded, at most
+1/0.9 of its real tokens.)
+
 Why in order, not sorted by length: sorting would pad less, but it would reorder the gradient
 sums (a different float result from the unsplit batch), scatter a group's samples over
 micro-batches and make the split depend on every other sample of the step. In order, each
@@ -27,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncrl.learner.step import TrainSample
+from asyncrl.models.shared_prefix import MAX_MASK_ELEMENTS
 
 
 def sample_tokens(sample: TrainSample) -> int:
@@ -34,35 +42,50 @@ def sample_tokens(sample: TrainSample) -> int:
     return len(sample.prompt_ids) + len(sample.completion_ids)
 
 
-def split_lengths(lengths: Sequence[int], *, max_seqs: int, max_tokens: int) -> list[list[int]]:
+def part_cost(rows: int, longest: int, total: int, *, packed: bool) -> int:
+    """Tokens a micro-batch of `rows` rows (the longest `longest`, `total` real tokens) runs:
+    padded, rows x longest; packed, its real tokens unless its layout may run padded."""
+    if packed and rows * 2 * longest * longest <= MAX_MASK_ELEMENTS:
+        return total
+    return rows * longest
+
+
+def split_lengths(
+    lengths: Sequence[int], *, max_seqs: int, max_tokens: int, packed: bool = False
+) -> list[list[int]]:
     """Indices into `lengths`, as contiguous micro-batches of at most `max_seqs` rows and
-    `rows * longest <= max_tokens` padded tokens (0 = no token bound); a row longer than
-    `max_tokens` goes alone."""
+    `max_tokens` tokens as they run (`part_cost`: padded, rows x longest; `packed`, their real
+    tokens; 0 = no token bound); a row longer than `max_tokens` goes alone."""
     if max_seqs < 1:
         raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0 (0 = no token bound), got {max_tokens}")
     parts: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for index, length in enumerate(lengths):
         if length < 0:
             raise ValueError(f"sample {index} has a negative length {length}")
         grown = max(longest, length)
-        fits = len(current) < max_seqs and (max_tokens == 0 or (len(current) + 1) * grown <= max_tokens)
+        cost = part_cost(len(current) + 1, grown, total + length, packed=packed)
+        fits = len(current) < max_seqs and (max_tokens == 0 or cost <= max_tokens)
         if current and not fits:
             parts.append(current)
-            current, grown = [], length
+            current, grown, total = [], length, 0
         current.append(index)
         longest = grown
+        total += length
     if current:
         parts.append(current)
     return parts
 
 
-def split_microbatches(samples: Sequence[TrainSample], *, max_seqs: int, max_tokens: int) -> list[list[int]]:
+def split_microbatches(
+    samples: Sequence[TrainSample], *, max_seqs: int, max_tokens: int, packed: bool = False
+) -> list[list[int]]:
     """Indices into `samples`, one list per micro-batch, in input order (see the module docstring)."""
-    return split_lengths([sample_tokens(s) for s in samples], max_seqs=max_seqs, max_tokens=max_tokens)
+    lengths = [sample_tokens(s) for s in samples]
+    return split_lengths(lengths, max_seqs=max_seqs, max_tokens=max_tokens, packed=packed)
 
 
 def padded_tokens(lengths: Sequence[int], part: Sequence[int]) -> int:

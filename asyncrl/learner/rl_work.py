@@ -575,6 +575,10 @@ class OpobBatchWork(RLWork):
 
     trains_on_anchor_forward = False  # the anchor forward is the norms' forward (padded rows)
 
+    def __init__(self, engine: Engine, objective: RLObjective, **kwargs) -> None:
+        super().__init__(engine, objective, **kwargs)
+        engine.pads = True  # the norms' forwards run on padded rows: bound those micro-batches
+
     def _one_pass(self) -> bool:
         """Whether the norms' backward is also the step's (one plain rank, one update on the
         step-start model, no second loss term)."""

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.learner.microbatch import padded_tokens, split_lengths, split_microbatches
+from asyncrl.learner.microbatch import padded_tokens, part_cost, split_lengths, split_microbatches
 from asyncrl.learner.step import TrainSample
 
 
@@ -96,3 +96,38 @@ def test_samples_cost_prompt_plus_completion(shapes):
     assert split_microbatches(samples, max_seqs=3, max_tokens=30) == split_lengths(
         lengths, max_seqs=3, max_tokens=30
     )
+
+
+def test_packed_micro_batches_are_bounded_by_real_tokens():
+    """Packing: a micro-batch costs its real tokens (no row pads to the longest), so a long
+    row shares its micro-batch with short ones up to the bound, which padded splits cannot do."""
+    lengths = [100, 4, 4, 4, 4, 30, 30]
+    assert split_lengths(lengths, max_seqs=8, max_tokens=120) == [[0], [1, 2, 3, 4], [5, 6]]
+    packed = split_lengths(lengths, max_seqs=8, max_tokens=120, packed=True)
+    assert packed == [[0, 1, 2, 3, 4], [5, 6]]
+    assert all(sum(lengths[i] for i in p) <= 120 for p in packed)
+    assert split_lengths(lengths, max_seqs=2, max_tokens=120, packed=True) == [[0, 1], [2, 3], [4, 5], [6]]
+
+
+def test_packed_bound_keeps_the_padded_cost_where_the_layout_may_run_padded():
+    """Rows so long that the flat layout's attention mask could pass its bound run padded:
+    those micro-batches are bounded by rows x longest, as without packing."""
+    long = 1500  # 2 rows: 2 x 2 x 1500^2 > MAX_MASK_ELEMENTS
+    assert part_cost(2, long, long + 10, packed=True) == 2 * long
+    assert part_cost(2, 40, 50, packed=True) == 50
+    assert split_lengths([long, 10], max_seqs=8, max_tokens=long + 10, packed=True) == [[0], [1]]
+    assert split_lengths([100, 10], max_seqs=8, max_tokens=110, packed=True) == [[0, 1]]
+
+
+def test_the_engine_packs_micro_batches_unless_a_unit_pads(tiny_model_dir):
+    """The trainer's engine bounds real tokens with `learner.shared_prefix`, padded tokens
+    without it and under the optimal baseline's batched norms (padded rows)."""
+    from tests.unit.test_trainer import _model, _trainer
+
+    model = _model(tiny_model_dir)
+    engine = _trainer(model, "learner.streaming=off").engine
+    assert engine.packed_microbatches
+    engine.actor.share_prefixes = False  # what learner.shared_prefix = false builds
+    assert not engine.packed_microbatches
+    opob = _trainer(model, "staleness.policy=vcpo", "staleness.vcpo_baseline=opob")
+    assert not opob.engine.packed_microbatches
