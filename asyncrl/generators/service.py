@@ -187,6 +187,17 @@ class GeneratorService:
             for t in self.taking:
                 t.cancel()
 
+    def by_group(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+        """An arrival in the parts scored (and sent) on their own: one per group when rewards are
+        scored here, so a hung reward holds its own group's samples only, not the other groups
+        that finished in the same decode step; else the whole arrival (one message)."""
+        if self.scorer.scorer is None or not rollouts:
+            return [rollouts] if rollouts else []
+        groups: dict[int, list[Rollout]] = {}
+        for r in rollouts:
+            groups.setdefault(r.task_id, []).append(r)
+        return list(groups.values())
+
     def start_take(self, rollouts: list[Rollout]) -> None:
         """Score and send `rollouts` in a task of their own; its end wakes the work loop (a
         redraw to sample, a failure to raise)."""
@@ -238,8 +249,8 @@ class GeneratorService:
                         break
                     item = arrived.get_nowait()
                 self.reap_taken()  # raises what scoring or sending raised
-                if rollouts:
-                    self.start_take(rollouts)
+                for part in self.by_group(rollouts):
+                    self.start_take(part)
             await pumping  # raises what the generator raised
             if getattr(self.gen, "env_counters", None):  # episode counters complete at every idle point
                 await self.send_metrics()
@@ -350,6 +361,7 @@ class GeneratorService:
                     teacher_s=float(getattr(self.gen, "teacher_s", 0.0)),
                     teacher_version=int(getattr(self.gen, "teacher_version", -1)),
                     env=dict(getattr(self.gen, "env_counters", {})),
+                    opd=self.gen.opd_metrics() if hasattr(self.gen, "opd_metrics") else {},
                 ),
             )
         )

@@ -217,28 +217,31 @@ class Texted:
         ]
 
 
-def test_a_hung_reward_holds_only_its_group_not_the_next_stream():
-    """The stream ends while task 0's scoring hangs: the generator is free (the next stream runs,
-    the next task goes out), and task 0 goes out, after its samples, once its scoring ends."""
+def test_a_hung_reward_holds_only_its_group_not_its_arrival_nor_the_next_stream():
+    """Tasks 0 and 1 come back in one arrival and task 0's scoring hangs: task 1 goes out at once,
+    the stream ends without waiting (the next stream runs, task 2 goes out), and task 0 goes out,
+    after its samples, once its scoring ends."""
     sockets = Sockets()
     svc = service(sockets, Texted())
     hung = HungFirst()
     svc.scorer.scorer = hung
 
     async def go() -> None:
-        svc.scorer.open(task(0))
-        svc.feed.put([task(0)])
+        for t in (task(0), task(1)):
+            svc.scorer.open(t)
+        svc.feed.put([task(0), task(1)])
         await asyncio.wait_for(svc.run_stream(), DEADLINE_S)  # returns with task 0 being scored
         await asyncio.wait_for(hung.hung.wait(), DEADLINE_S)
-        assert svc.taking and not sockets.trajectories
-        svc.scorer.open(task(1))
-        svc.feed.put([task(1)])
-        await asyncio.wait_for(svc.run_stream(), DEADLINE_S)
         await sent(sockets, (1, 2))
-        assert sockets.done == [[(1, 3, 0, 0)]]  # task 1 done while task 0 still hangs
+        assert svc.taking and sockets.done == [[(1, 3, 0, 0)]]  # not held by task 0's samples
+        svc.scorer.open(task(2))
+        svc.feed.put([task(2)])
+        await asyncio.wait_for(svc.run_stream(), DEADLINE_S)
+        await sent(sockets, (2, 2))
+        assert sockets.done == [[(1, 3, 0, 0)], [(2, 3, 0, 0)]]  # while task 0 still hangs
         hung.release.set()
         await drain(svc)
 
     asyncio.run(go())
-    assert sockets.trajectories[3:] == [(0, 0), (0, 1), (0, 2)]
-    assert sockets.done == [[(1, 3, 0, 0)], [(0, 3, 0, 0)]] and not svc.taking and not svc.scorer.groups
+    assert sockets.trajectories[6:] == [(0, 0), (0, 1), (0, 2)]
+    assert sockets.done[2:] == [[(0, 3, 0, 0)]] and not svc.taking and not svc.scorer.groups
