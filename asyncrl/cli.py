@@ -445,6 +445,42 @@ def slurm(
         _fail(str(exc))
 
 
+opd_app = typer.Typer(help="On-policy distillation tools (docs/opd.md).", no_args_is_help=True)
+app.add_typer(opd_app, name="opd")
+
+
+@opd_app.command("prescore")
+def opd_prescore(
+    config: ConfigArg = None,
+    set_: SetOption = None,
+    prompts: Annotated[
+        int,
+        typer.Option(
+            "--prompts", help="Training prompts to score (0: a dataset's rows, else steps x groups_per_step)"
+        ),
+    ] = 0,
+) -> None:
+    """Score the task's reference completions with the run's teacher(s) into opd.cache_dir, once,
+    before training (docs/opd.md, "Teacher-score cache")."""
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
+    from asyncrl.models.hf import quiet_offline
+
+    quiet_offline()
+    try:
+        cfg = load_config(config, set_ or [])
+        from asyncrl.generators.prescore import check_prescore_config, prescore
+
+        check_prescore_config(cfg)
+        result = prescore(cfg, num_prompts=prompts)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"pre-scored {result.prompts} reference completions ({result.tokens} tokens): {result.scored} by the "
+        f"teacher, {result.already_cached} already cached, in {result.seconds:.1f} s; cache {result.cache_dir}"
+    )
+
+
 def _add_bench() -> None:
     from asyncrl.benchmarks.cli import bench_app
 

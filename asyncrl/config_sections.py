@@ -10,6 +10,7 @@ its own section from here.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -453,6 +454,20 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
         )
 
 
+class TeacherSpec(Section, frozen=True, kw_only=True):
+    """One of several distillation teachers (`opd.teachers`, docs/opd.md "Several teachers")."""
+
+    # Its id on every trajectory it scores (Trajectory.teacher_id) and in the metrics: letters,
+    # digits, "_", "-" or ".".
+    name: str
+    # A local Hugging Face directory; "" = the shipped teacher checkpoint; "self" = the policy on
+    # the task's privileged prompts (opd.self_weights applies).
+    path: TeacherPath = ""
+    # The task domains it scores: the values of the prompt's field `opd.route_field`
+    # (PromptTask.extras). [] = every domain no other teacher names (at most one such teacher).
+    domains: list[str] = []
+
+
 class OpdConfig(Section, frozen=True, kw_only=True):
     """On-policy distillation: a teacher scores the student's tokens (docs/algorithms.md)."""
 
@@ -509,13 +524,30 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     position_decay: Probability = 1.0
     # "overlap": weight each position by the student's mass on the teacher's top-K (teacher_top_k > 0).
     teachability: Literal["off", "overlap"] = "off"
+    # The offline teacher-score cache (docs/opd.md "Teacher-score cache"): every teacher score is
+    # kept on disk, keyed by a content hash of the teacher, the scoring settings and the exact
+    # tokens scored, and reused instead of a teacher forward (epochs, resumed and repeated runs,
+    # `asyncrl opd prescore`). cache_dir "" = <run>/teacher_cache.
+    cache: bool = False
+    cache_dir: PathStr = ""
+    # Several teachers, routed by the task's domain (docs/opd.md "Several teachers"); [] = the one
+    # teacher of opd.teacher. route_field: the prompt's field (task.dataset.extra_fields, a task
+    # plugin's Problem.extras) whose value is its domain.
+    teachers: list[TeacherSpec] = []
+    route_field: str = "domain"
 
     # What the run's distillation asks of each role, described once (roles read these, not the
     # flags they combine).
     @property
     def self_teacher(self) -> bool:
-        """Self-distillation: prompts carry privileged ids, the policy scores under them."""
-        return self.enabled and self.teacher == "self"
+        """Self-distillation: prompts carry privileged ids, the policy scores under them (the
+        teacher, or one of several)."""
+        return self.enabled and "self" in self.teacher_paths
+
+    @property
+    def teacher_paths(self) -> list[str]:
+        """Every teacher's path ("" = the shipped teacher, "self"), opd.teachers' or opd.teacher."""
+        return [t.path for t in self.teachers] if self.teachers else [self.teacher]
 
     @property
     def teacher_service(self) -> bool:
@@ -530,6 +562,8 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         self._check_mixing()
         self._check_teacher()
+        self._check_teachers()
+        self._check_cache()
         self._check_control()
 
     def _check_control(self) -> None:
@@ -600,15 +634,16 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     def _check_teacher(self) -> None:
         """The self-distillation and teacher-placement keys (the task's side: `tasks.base.check_privileged`)."""
         changed = {f.name for f in msgspec.structs.fields(self) if getattr(self, f.name) != f.default}
-        if self.teacher == "self":
-            if self.placement == "service":
+        if "self" in self.teacher_paths:
+            if self.placement == "service" and not self.teachers:
                 raise ValueError(
                     "opd.teacher = 'self' scores with the policy's own weights inside each generator, and "
                     "opd.placement = 'service' holds one fixed teacher: set opd.placement = 'generator'"
                 )
         elif stray := sorted(changed & {"self_weights", "self_lag", "self_ewma_decay"}):
             raise ValueError(
-                f"opd.{stray[0]} applies with opd.teacher = 'self' only; set it or remove the key"
+                f"opd.{stray[0]} applies with opd.teacher = 'self' only (or a 'self' entry of opd.teachers); "
+                "set it or remove the key"
             )
         if self.self_weights != "lagged" and "self_lag" in changed:
             raise ValueError("opd.self_lag applies with opd.self_weights = 'lagged' only")
@@ -619,6 +654,65 @@ class OpdConfig(Section, frozen=True, kw_only=True):
         ):
             raise ValueError(
                 f"opd.{stray[0]} applies with opd.placement = 'service' only; set it or remove the key"
+            )
+
+    def _check_teachers(self) -> None:
+        """opd.teachers: names, domains and routing (teacher_routing.py reads them as checked)."""
+        if not self.teachers:
+            if self.route_field != "domain":
+                raise ValueError("opd.route_field routes between opd.teachers: set opd.teachers or remove it")
+            return
+        if not self.enabled:
+            raise ValueError("opd.teachers needs opd.enabled = true; enable it or remove the key")
+        if self.teacher:
+            raise ValueError(
+                "opd.teacher and opd.teachers both name teachers: keep opd.teachers (one entry per teacher)"
+            )
+        names = [t.name for t in self.teachers]
+        for name in names:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(
+                    f"opd.teachers: name {name!r} must be letters, digits, '_', '-' or '.' (it names metrics)"
+                )
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"opd.teachers: the name {dup[0]!r} is given twice; each teacher needs its own")
+        owner: dict[str, str] = {}
+        for t in self.teachers:
+            for domain in t.domains:
+                if domain in owner:
+                    raise ValueError(
+                        f"opd.teachers: domain {domain!r} is routed to both {owner[domain]!r} and {t.name!r}; "
+                        "give each domain one teacher"
+                    )
+                owner[domain] = t.name
+        if len(fallbacks := [t.name for t in self.teachers if not t.domains]) > 1:
+            raise ValueError(
+                f"opd.teachers: {fallbacks[0]!r} and {fallbacks[1]!r} both have no domains (each would "
+                "score every unclaimed domain); give all but one of them domains"
+            )
+        if self.teacher_paths.count("self") > 1:
+            raise ValueError("opd.teachers: 'self' is the path of one teacher at most")
+        if self.placement == "service" and self.teacher_paths == ["self"]:
+            raise ValueError(
+                "opd.placement = 'service' shares teacher directories, and opd.teachers has only 'self': "
+                "set opd.placement = 'generator'"
+            )
+        if not self.route_field:
+            raise ValueError("opd.route_field is empty: name the prompt field that holds the domain")
+
+    def _check_cache(self) -> None:
+        """opd.cache: a teacher that follows the policy's weights cannot be cached."""
+        if self.cache_dir and not self.cache:
+            raise ValueError("opd.cache_dir applies with opd.cache = true; set it or remove the key")
+        if not self.cache:
+            return
+        if not self.enabled:
+            raise ValueError("opd.cache needs opd.enabled = true; enable it or remove the key")
+        if "self" in self.teacher_paths and self.self_weights != "initial":
+            raise ValueError(
+                f"opd.cache with a 'self' teacher needs opd.self_weights = 'initial' (got {self.self_weights!r}): "
+                "a teacher that follows the policy scores differently at every version, and its version-v "
+                "weights differ between runs, so its scores are never reused; turn opd.cache off"
             )
 
 

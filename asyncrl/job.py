@@ -19,6 +19,7 @@ import uvloop
 
 from asyncrl.config import Config
 from asyncrl.config_load import write_resolved_config
+from asyncrl.generators.teacher_routing import read_cache_counts
 from asyncrl.lint import Finding, lint
 from asyncrl.runtime import check_cpus
 from asyncrl.scheduler.records import Reporter, RunState
@@ -410,6 +411,7 @@ def build_summary(
         run_dir=str(run_dir),
         dataset_position=dataset_position(task, next_group=launcher.mode.admission.num_admitted),
         canary=launcher.canary.summary() if launcher.canary_ids else None,
+        teacher_cache=read_cache_counts(run_dir) if config.opd.cache else {},
         error=failure or None,
     )
 

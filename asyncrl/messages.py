@@ -143,6 +143,9 @@ class Trajectory(_Msg, frozen=True, kw_only=True, omit_defaults=True):
     # log-probs, [T, K] each, frames after the OPD ones (docs/opd.md, "Teacher top-K").
     teacher_top_ids: TensorRef | None = None  # int64 [T, K]
     teacher_top_logprobs: TensorRef | None = None  # float32 [T, K]
+    # opd.teachers: the name of the teacher that scored it (its domain's, docs/opd.md "Several
+    # teachers"); "" = the one teacher of opd.teacher (omitted on the wire).
+    teacher_id: str = ""
     # With task.rewards: each reward's unweighted value, in task.rewards order (a failed reward 0),
     # for per-reward normalisation (learner.advantage = "gdpo"); empty without task.rewards.
     reward_parts: list[float] = []
@@ -406,6 +409,9 @@ class GeneratorMetrics(_MetricRecord, frozen=True, kw_only=True, tag="generator"
     inflight_updates: int
     teacher_s: float
     teacher_version: int  # -1: no self-distillation teacher
+    # OPD: the teacher-score cache's counters (`teacher_cache/hits`, ...; per teacher with
+    # opd.teachers) and the gap per teacher and domain (`opd/kl/domain/<d>`, docs/opd.md).
+    opd: dict[str, float] = {}
     # Agentic episodes (env.kind): the episode runner's counters by their own flat names
     # ("env/turns", "env/failures_timeout", "env/budget_tokens", ...; docs/environments.md).
     env: dict[str, float] = {}
@@ -487,7 +493,10 @@ class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     # generator
     index: int = 0  # its slot's index (seeds its sampling)
     data: str = ""  # the learner's trajectory endpoint; "" until known (a DataEndpoint brings it)
-    teacher: str = ""  # the shared OPD teacher's address (opd.placement = "service")
+    # the shared OPD teacher's address (opd.placement = "service"); with opd.teachers, every shared
+    # teacher's as "name=address;..." (teacher_routing.join_endpoints). A teacher process: the
+    # name of the opd.teachers entry it serves ("" = opd.teacher).
+    teacher: str = ""
     files: str = ""  # the launcher's file socket, for a worker on a host without the weights root
     # learner
     generators: tuple[str, ...] = ()  # the generator slots (its weights retention pins versions per slot)

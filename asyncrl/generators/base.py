@@ -56,6 +56,8 @@ class Rollout:
     # [T][K] each (docs/opd.md, "Teacher top-K"); None otherwise.
     teacher_top_ids: list[list[int]] | None = None
     teacher_top_logprobs: list[list[float]] | None = None
+    # opd.teachers: the name of the teacher that scored it (its domain's); "" = the one teacher.
+    teacher_id: str = ""
     # With task.rewards configured, the service scores (asyncrl/rewards/) and `reward` is NaN
     # until then: `RolloutBuilder` leaves the decoded texts here for it.
     prompt_text: str | None = None

@@ -109,14 +109,16 @@ def prescore(cfg: Any, *, num_prompts: int = 0, on_progress=None) -> PrescoreRes
         num_prompts = getattr(task, "num_train", None) or cfg.learner.steps * cfg.learner.groups_per_step
     tasks = reference_tasks(cfg, task, tokenizer, range(num_prompts))
     dtype = cfg.learner.publish_dtype
-    top_k = getattr(opd, "teacher_top_k", 0)
+    extra = (
+        {"top_k": opd.teacher_top_k} if getattr(opd, "teacher_top_k", 0) else {}
+    )  # what a generator passes
     pad = tokenizer.pad_token_id
 
     def make_one(path: str, name: str):
         if path == "self":
             policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=getattr(torch, dtype)).eval()
-            return SelfTeacher(policy, weights=opd.self_weights, pad_token_id=pad, top_k=top_k)
-        return ModelTeacher(load_teacher(path, tokenizer, dtype=dtype), pad_token_id=pad, top_k=top_k)
+            return SelfTeacher(policy, weights=opd.self_weights, pad_token_id=pad, **extra)
+        return ModelTeacher(load_teacher(path, tokenizer, dtype=dtype), pad_token_id=pad, **extra)
 
     ctx = GeneratorContext(
         generator_id="prescore",

@@ -33,6 +33,7 @@ class OpdArrays(NamedTuple):
     # opd.teacher_top_k = K > 0: the teacher's K most likely ids per position and their log-probs.
     teacher_top_ids: list[list[int]] | None = None
     teacher_top_logprobs: list[list[float]] | None = None
+    teacher_id: str = ""  # opd.teachers: the name of the teacher that scored it ("" = the one teacher)
 
     @classmethod
     def of(cls, ids_TN, behav_TN, scored, version: int | None) -> OpdArrays:
@@ -127,6 +128,7 @@ class RolloutBuilder:
             guided_prefix=task.guided_prefix,
             teacher_top_ids=None if opd is None else opd.teacher_top_ids,
             teacher_top_logprobs=None if opd is None else opd.teacher_top_logprobs,
+            teacher_id="" if opd is None else opd.teacher_id,
             **texts,
         )
 

@@ -48,6 +48,7 @@ from asyncrl.generators.base import GeneratorContext, Rollout
 from asyncrl.generators.feed import Draw, SampleFeed
 from asyncrl.generators.refill import RefillPolicy
 from asyncrl.generators.rollouts import OpdArrays, RolloutBuilder
+from asyncrl.generators.teacher_routing import GapTally
 from asyncrl.messages import CanaryScores, PromptTask
 
 if TYPE_CHECKING:  # at run time in `_make_teacher`: resolving the class must not import torch
@@ -109,6 +110,8 @@ class TorchGenerator:
         self._teacher: Teacher | None = None
         self._opd_samples = 0  # N cached ids per position; 0 = OPD off
         self.teacher_s = 0.0  # time spent in teacher forwards
+        self._router = None  # opd.teachers: the domain -> teacher routing (teacher_routing.Router)
+        self._gap = GapTally()  # ... and the gap per teacher and domain since the last report
         self._refill: RefillPolicy | None = None  # continuous batching: when to take samples
         self._refill_key: tuple | None = None
         self._turns = None  # env.kind set: the TorchTurnServer that decodes episodes' turns
@@ -139,7 +142,11 @@ class TorchGenerator:
         self._inflight = ctx.inflight
         self._rollouts = RolloutBuilder.for_task(ctx.task, self._tokenizer)
         if ctx.opd is not None and ctx.opd.samples_per_position:
-            self._teacher = self._make_teacher(ctx, device)
+            from asyncrl.generators.teacher_routing import Router, build_teacher
+
+            # One teacher, or several routed by domain (opd.teachers), each cached with opd.cache.
+            self._teacher = build_teacher(ctx, lambda path, name: self._make_teacher(ctx, device, path, name))
+            self._router = Router.from_config(ctx.opd) if ctx.opd.teachers else None
             self._opd_samples = ctx.opd.samples_per_position
         if ctx.env is not None and ctx.env.kind:
             self._setup_episodes(ctx)
@@ -176,11 +183,12 @@ class TorchGenerator:
         finally:
             await asyncio.to_thread(self._turns.stop)
 
-    def _make_teacher(self, ctx: GeneratorContext, device) -> Teacher:
+    def _make_teacher(self, ctx: GeneratorContext, device, path: str, name: str) -> Teacher:
+        """The teacher at `path` (opd.teacher, or the entry `name` of opd.teachers)."""
         from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
 
         opd, pad = ctx.opd, self._tokenizer.pad_token_id
-        if opd.teacher == "self":
+        if path == "self":
             return SelfTeacher(
                 self._model,
                 weights=opd.self_weights,
@@ -195,8 +203,8 @@ class TorchGenerator:
                     "opd.placement = 'service': this generator was given no shared teacher "
                     "(GeneratorContext.teacher); `asyncrl launch` starts one and connects every generator"
                 )
-            return ctx.teacher
-        model = load_teacher(opd.teacher, self._tokenizer, device=str(device), dtype=ctx.dtype)
+            return ctx.teacher[name] if name else ctx.teacher
+        model = load_teacher(path, self._tokenizer, device=str(device), dtype=ctx.dtype)
         return ModelTeacher(model, pad_token_id=pad, top_k=opd.teacher_top_k)
 
     @property
@@ -416,16 +424,29 @@ class TorchGenerator:
         """The [T][N] arrays of on-policy distillation, per sample (one teacher call); sample i
         is a completion of `tasks[i]`."""
         from asyncrl.generators.opd import as_scoring, cache_arrays
+        from asyncrl.generators.teacher_routing import gap_keys, score_routed
 
         assert self._teacher is not None
         start = time.perf_counter()
         caches = [cache_arrays(*sample) for sample in zip(ids, logps, extra_ids, extra_logps, strict=True)]
-        scores, version = self._teacher.score(tasks, [ids_TN for ids_TN, _ in caches])
+        scores, versions, teacher_ids = score_routed(self._teacher, tasks, [ids_TN for ids_TN, _ in caches])
         self.teacher_s += time.perf_counter() - start
-        return [
-            OpdArrays.of(ids_TN, behav_TN, as_scoring(scored), version)
-            for (ids_TN, behav_TN), scored in zip(caches, scores, strict=True)
-        ]
+        out = []
+        for task, (ids_TN, behav_TN), scored, version, teacher_id in zip(
+            tasks, caches, scores, versions, teacher_ids, strict=True
+        ):
+            scored = as_scoring(scored)
+            keys = gap_keys(self._router, task, teacher_id)
+            self._gap.add(keys, behav_TN[:, 0], scored.logprobs[:, 0])
+            out.append(OpdArrays.of(ids_TN, behav_TN, scored, version)._replace(teacher_id=teacher_id))
+        return out
+
+    def opd_metrics(self) -> dict[str, float]:
+        """The teacher cache's counters and, with several teachers, the gap per teacher and per
+        domain since the last call (`teacher_routing.GapTally`)."""
+        from asyncrl.generators.teacher_routing import cache_counters
+
+        return {} if self._teacher is None else cache_counters(self._teacher) | self._gap.take()
 
     async def generate(self, tasks: Sequence[PromptTask]) -> list[Rollout]:
         if self._episodes is not None:  # whole groups of episodes, through the same stream

@@ -42,6 +42,7 @@ import msgspec
 import zmq
 
 from asyncrl.config import Config
+from asyncrl.generators.teacher_routing import join_endpoints, service_teachers
 from asyncrl.messages import (
     PROTOCOL_VERSION,
     BroadcastPublished,
@@ -175,9 +176,9 @@ class Launcher:
         # The weight-load canary (canary.py): built once from the task, judged at every ack.
         self.canary_ids, self.canary = canary_for_run(config, task, tokenizer)
         self.ctrl_address = ""
-        # opd.placement = "service": the shared teacher's worker and the address it scores on.
-        self.teacher: Child | None = None
-        self.teacher_endpoint = ""
+        # opd.placement = "service": the shared teachers' workers and addresses, by teacher name.
+        self.teachers: dict[str, Child] = {}
+        self.teacher_endpoints: dict[str, str] = {}
         self.rejected_by_reason: dict[str, int] = {}
         self.learner_endpoint = ""
         # The learner's held-out evaluations (`Config.evaluates_in_learner`): phase -> (accuracy, means).
@@ -250,7 +251,7 @@ class Launcher:
             model=str(self.model_path),
             data=self.learner_endpoint,
             index=inc.index,
-            teacher=self.teacher_endpoint,
+            teacher=join_endpoints(self.teacher_endpoints),
         )
         child = self.workers.spawn(inc.peer_id, "generator", ctrl_address=self.ctrl_address, args=args)
         child.slot = inc.slot
@@ -600,7 +601,8 @@ class Launcher:
             raise ValueError(f"{peer} said Hello twice")
         child.ready = True
         if child.role == "teacher":
-            self.teacher_endpoint = msg.endpoint
+            name = next(n for n, c in self.teachers.items() if c is child)
+            self.teacher_endpoints[name] = msg.endpoint
         elif child.role == "learner":
             self.learner_endpoint = msg.endpoint
             if msg.note:
@@ -802,12 +804,13 @@ class Launcher:
         """The shared teacher (if any) first, then the learner and the generators together, until
         the learner said Hello and every generator serves (or the run failed meanwhile)."""
         self.set_phase("starting learner")
-        if self.cfg.opd.teacher_service:  # first: the generators need it
-            self.teacher = self.workers.spawn(
-                TEACHER_PEER,
+        # The shared teachers first: the generators need them.
+        for peer, name in service_teachers(self.cfg.opd, peer=TEACHER_PEER).items():
+            self.teachers[name] = self.workers.spawn(
+                peer,
                 "teacher",
                 ctrl_address=self.ctrl_address,
-                args=WorkerArgs(model=str(self.model_path)),
+                args=WorkerArgs(model=str(self.model_path), teacher=name),
             )
         learner_args = WorkerArgs(
             model=str(self.model_path),
@@ -823,12 +826,13 @@ class Launcher:
             )
         # The generators start with the learner (imports and model loads overlap); they get the
         # learner's endpoint once it says Hello, and the shared teacher's on their command line.
-        if self.teacher is not None and not await inbox.wait_until(
-            lambda: self.teacher.ready, timeout_s=STARTUP_TIMEOUT_S
-        ):
-            self.fail(
-                f"the OPD teacher did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; see {self.teacher.log_path}"
-            )
+        for teacher in self.teachers.values():
+            if not await inbox.wait_until(lambda t=teacher: t.ready, timeout_s=STARTUP_TIMEOUT_S):
+                self.fail(
+                    f"the OPD teacher {teacher.peer_id} did not say Hello within {STARTUP_TIMEOUT_S:.0f} s; "
+                    f"see {teacher.log_path}"
+                )
+                break
         for g in [] if self.finished.is_set() else self.generator_ids:
             self.spawn_generator(self.pool.start(g))
         startup_s = self.cfg.learner.startup_timeout_s

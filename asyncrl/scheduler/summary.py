@@ -109,6 +109,10 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # tolerance in force, versions checked / refused / unchecked, max |delta log-prob| overall and
     # per generator (each version's figures are the `canary` records of metrics.jsonl)
     canary: CanarySummary | None = None
+    # opd.cache: the teacher-score cache's counters over the run's generator processes (hits and
+    # hit_tokens: samples and tokens whose teacher forward was saved; misses, miss_tokens: scored
+    # by a teacher; teacher_calls, calls_saved), generators/teacher_routing.read_cache_counts.
+    teacher_cache: dict[str, int] = {}
     error: str | None = None  # a failed run: why
 
 

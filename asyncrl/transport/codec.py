@@ -291,6 +291,7 @@ def trajectory_frames(
         generator_id=generator_id,
         generate_s=generate_s,
         teacher_version=r.teacher_version if num_opd_samples > 0 else None,
+        teacher_id=getattr(r, "teacher_id", "") if num_opd_samples > 0 else "",
         reward_parts=list(r.reward_parts or ()),
         guided_prefix=r.guided_prefix,
         **opd_refs,

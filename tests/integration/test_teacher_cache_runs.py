@@ -51,14 +51,21 @@ def test_a_repeated_run_reuses_every_teacher_score_bitwise(tiny_model_dir, teach
     first = json.loads((tmp_path / "first" / "summary.json").read_text())
     again = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert first["teacher_cache"]["misses"] > 0
-    assert first["teacher_cache"]["hits"] + first["teacher_cache"]["misses"] == first["trajectories_generated"]
+    assert (
+        first["teacher_cache"]["hits"] + first["teacher_cache"]["misses"] == first["trajectories_generated"]
+    )
     assert again["teacher_cache"]["misses"] == 0 and again["teacher_cache"]["teacher_calls"] == 0
-    assert again["teacher_cache"]["hits"] == again["trajectories_generated"] == first["trajectories_generated"]
+    assert (
+        again["teacher_cache"]["hits"] == again["trajectories_generated"] == first["trajectories_generated"]
+    )
     assert steps(tmp_path / "again") == steps(tmp_path / "first")  # bitwise: JSON floats round-trip exactly
 
 
 def test_two_teacher_services_score_their_domains(tiny_model_dir, teacher_dir, tmp_path):
-    rows = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1), "domain": "low" if a < 5 else "high"} for a in range(10)]
+    rows = [
+        {"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1), "domain": "low" if a < 5 else "high"}
+        for a in range(10)
+    ]
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = short_job_args(
@@ -85,6 +92,8 @@ def test_two_teacher_services_score_their_domains(tiny_model_dir, teacher_dir, t
     counts = summary["teacher_cache"]
     assert counts["hits"] + counts["misses"] == summary["trajectories_generated"]
     served = {
-        r["source"]: r["teacher/sequences"] for r in read_records(run_dir, "metrics") if r["source"].startswith("opd-")
+        r["source"]: r["teacher/sequences"]
+        for r in read_records(run_dir, "metrics")
+        if r["source"].startswith("opd-")
     }
     assert set(served) <= {"opd-teacher-lo", "opd-teacher-hi"} and sum(served.values()) <= counts["misses"]
