@@ -22,6 +22,11 @@ TaskDones arrive in, and a resumed run rebuilds it bit for bit. `last_seen` is t
 window (training step) a group of the prompt was admitted for, and `index` the largest stream
 index admitted in it, also order-free.
 
+Checkpoints: the saved record holds only the groups the learner has trained (`groups_trained`,
+from the launcher's StepDones). A group admitted and not trained, finished or not, is admitted
+again by a resume and counted when it finishes again, so a resumed record equals the
+uninterrupted run's instead of counting such a group twice.
+
 A group is degenerate (no learning signal in the pass rate) when s == 0 or s == n: every sample
 failed or every sample succeeded. For rewards in [0, 1] these are exactly the groups whose primary
 reward is all-equal at 0 or at 1; a group all-equal at an interior value is not counted (the
@@ -31,7 +36,7 @@ launcher receives the group's sum, not each sample's reward).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -59,17 +64,39 @@ class PromptRecord(msgspec.Struct, array_like=True):
     index: int = 0
 
 
+class Observation(msgspec.Struct, array_like=True, frozen=True):
+    """One finished group: its prompt, successes, samples, window and stream index."""
+
+    key: str
+    successes: float
+    num_samples: int
+    window: int
+    index: int
+
+
 class StatsState(msgspec.Struct, kw_only=True, frozen=True):
-    """What a launcher checkpoint saves (JSON)."""
+    """What a launcher checkpoint saves (JSON): the record of the trained groups only. A group
+    admitted and not trained is admitted again by a resume and observed again then, so counting
+    it here would count it twice."""
 
     records: dict[str, PromptRecord]
-    open: dict[int, tuple[int, str, int]]  # group id -> (stream index, prompt key, window)
+    open: dict[int, tuple[int, str, int]]  # group id -> (stream index, prompt key, window), for the record
 
 
 def group_successes(total: float, num_samples: int) -> float:
     """A group's successes: its primary reward's sum, clipped to [0, n], on the 2**-20 grid."""
     clipped = min(max(total, 0.0), float(num_samples))
     return round(clipped / QUANTUM) * QUANTUM
+
+
+def add(records: dict[str, PromptRecord], obs: Observation) -> None:
+    """`obs` into its prompt's record (exact sums; last_seen and index the largest, order-free)."""
+    rec = records.setdefault(obs.key, PromptRecord())
+    rec.successes += obs.successes
+    rec.failures += obs.num_samples - obs.successes
+    rec.groups += 1
+    if (obs.window, obs.index) > (rec.last_seen, rec.index):
+        rec.last_seen, rec.index = obs.window, obs.index
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -81,10 +108,15 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 
 
 class PromptStats:
-    """Every prompt's record, and the groups admitted and not yet observed (`open`)."""
+    """Every prompt's record (`records`: every group observed, what selection reads; `trained`:
+    the groups the learner trained, what a checkpoint saves), and the groups admitted and not yet
+    observed (`open`)."""
 
     def __init__(self) -> None:
         self.records: dict[str, PromptRecord] = {}
+        self.trained: dict[str, PromptRecord] = {}
+        self.untrained: dict[int, Observation] = {}  # observed, not trained yet
+        self.trained_early: set[int] = set()  # trained before their TaskDone arrived
         self.open: dict[int, tuple[int, str, int]] = {}
         self.step_groups = 0  # groups observed since the last step record
         self.step_degenerate = 0
@@ -101,16 +133,26 @@ class PromptStats:
             raise ValueError(f"prompt record: group {group_id} was not admitted, or was observed already")
         index, key, window = self.open.pop(group_id)
         s = group_successes(total, num_samples)
-        rec = self.records.setdefault(key, PromptRecord())
-        rec.successes += s
-        rec.failures += num_samples - s
-        rec.groups += 1
-        if (window, index) > (rec.last_seen, rec.index):  # the largest: whatever the arrival order
-            rec.last_seen, rec.index = window, index
+        obs = Observation(key=key, successes=s, num_samples=num_samples, window=window, index=index)
+        add(self.records, obs)
+        if group_id in self.trained_early:
+            self.trained_early.discard(group_id)
+            add(self.trained, obs)
+        else:
+            self.untrained[group_id] = obs
         degenerate = num_samples > 0 and s in (0.0, float(num_samples))
         self.step_groups += 1
         self.step_degenerate += degenerate
         return degenerate
+
+    def groups_trained(self, groups: Iterable[int]) -> None:
+        """The learner trained these groups: their observations go into the saved record (one
+        whose TaskDone has not arrived yet goes in when it does)."""
+        for group_id in groups:
+            if (obs := self.untrained.pop(group_id, None)) is not None:
+                add(self.trained, obs)
+            elif group_id in self.open:
+                self.trained_early.add(group_id)
 
     # -- reading --------------------------------------------------------------------------------
     def posterior(self, key: str) -> tuple[float, float]:
@@ -150,10 +192,13 @@ class PromptStats:
     # -- checkpoint -----------------------------------------------------------------------------
     def state(self) -> StatsState:
         return StatsState(
-            records={k: msgspec.structs.replace(r) for k, r in sorted(self.records.items())},
+            records={k: msgspec.structs.replace(r) for k, r in sorted(self.trained.items())},
             open=dict(sorted(self.open.items())),
         )
 
     def restore(self, state: StatsState) -> None:
-        self.records = dict(state.records)
-        self.open = {int(g): (int(i), str(k), int(w)) for g, (i, k, w) in state.open.items()}
+        """Resume: the trained groups' record; the groups the resume admits again are observed
+        again when they finish (`open` starts empty: the dispatcher re-admits them)."""
+        self.trained = {k: msgspec.structs.replace(r) for k, r in state.records.items()}
+        self.records = {k: msgspec.structs.replace(r) for k, r in state.records.items()}
+        self.untrained, self.trained_early, self.open = {}, set(), {}

@@ -295,8 +295,10 @@ class Selection:
 
     def trained(self, groups: Iterable[int]) -> None:
         """Groups the learner trained: a resume never admits them again."""
+        groups = list(groups)
         for group_id in groups:
             self.indices.pop(group_id, None)
+        self.stats.groups_trained(groups)
 
     def step_fields(self) -> dict:
         return {"selection": self.strategy, **self.stats.step_fields()}
@@ -320,8 +322,7 @@ class Selection:
                 f"{self.strategy!r}; resume with the run's own config"
             )
         self.selector.restore(state.selector)
-        self.stats.restore(state.stats)
-        self.stats.open.clear()  # admitted again by the resume, with their saved indices
+        self.stats.restore(state.stats)  # the resume admits the open groups again, with these indices
         self.readmitted = dict(state.indices)
 
 

@@ -76,11 +76,29 @@ def test_a_group_observed_twice_or_never_admitted_is_refused():
 
 def test_the_state_survives_a_json_round_trip_exactly():
     stats = stats_with((0, "a", 0.1, 3), (1, "b", 2.7, 3), window=4)
+    stats.groups_trained([0, 1])
     stats.admitted(7, 70, "c", 5)
     data = msgspec.json.decode(msgspec.json.encode(stats.state()))  # as a checkpoint file holds it
+    assert data["open"] == {"7": [70, "c", 5]}
     back = PromptStats()
     back.restore(msgspec.convert(data, StatsState, strict=False))
-    assert back.records == stats.records and back.open == stats.open == {7: (70, "c", 5)}
+    assert back.records == back.trained == stats.records and back.open == {}
+
+
+def test_a_checkpoint_holds_the_trained_groups_only():
+    """A group finished and not trained is admitted again by a resume and counted then; one
+    trained before its TaskDone arrived counts when it does."""
+    stats = stats_with((0, "a", 1.0, 2), (1, "a", 2.0, 2), (2, "b", 0.0, 2))
+    stats.admitted(3, 3, "b", 0)
+    stats.groups_trained([0, 3])  # group 3's TaskDone has not arrived
+    assert stats.state().records == {
+        "a": PromptRecord(successes=1.0, failures=1.0, groups=1, last_seen=0, index=0)
+    }
+    assert stats.records["a"].groups == 2 and stats.records["b"].groups == 1  # selection reads all
+    stats.observe(3, total=2.0, num_samples=2)
+    assert stats.state().records["b"] == PromptRecord(
+        successes=2.0, failures=0.0, groups=1, last_seen=0, index=3
+    )
 
 
 def test_prompts_are_named_by_their_text():

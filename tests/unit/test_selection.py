@@ -189,9 +189,25 @@ def test_replay_re_admits_the_most_uncertain_prompt_at_its_share():
     assert selection.selector.state() == {"cursor": 5, "count": 6}
 
 
+def finish(d: Dispatcher, tasks: list[PromptTask], v: int) -> dict[int, int]:
+    """Every task finishes, with rewards that depend on its prompt and the version; group -> index."""
+    for task in tasks:
+        total = float((task.dataset_index * 7 + v) % (N + 1))  # 0..N successes
+        done = TaskDone(
+            task_id=task.task_id,
+            generator_id="a",
+            num_trajectories=N,
+            num_tokens=0,
+            generate_s=0.0,
+            mean_reward=total / N,
+        )
+        d.done(task.task_id, "a", result=done)
+    return {task.group_id: task.dataset_index for task in tasks}
+
+
 def drive(selection: Selection, versions: range, d: Dispatcher | None = None) -> tuple[Dispatcher, dict]:
-    """Plan `versions` in order (sync: bound 0); after each, every group of that window finishes
-    with rewards that depend on its prompt and window. Returns the dispatcher and group -> index."""
+    """Plan `versions` in order (sync: bound 0); after each, every task sent finishes and the
+    window's groups are trained. Returns the dispatcher and group -> index."""
     d = d or Dispatcher(
         book=TaskBook(groups_per_step=B, samples_per_group=N),
         mode=WindowMode(groups_per_step=B, max_staleness=0, total_steps=STEPS),
@@ -202,19 +218,7 @@ def drive(selection: Selection, versions: range, d: Dispatcher | None = None) ->
     )
     chosen: dict[int, int] = {}
     for v in versions:
-        plan = d.plan(loaded_version=v, serving=["a"])
-        for task in plan.by_peer.get("a", []):
-            chosen[task.group_id] = task.dataset_index
-            total = float((task.dataset_index * 7 + v) % (N + 1))  # 0..N successes
-            done = TaskDone(
-                task_id=task.task_id,
-                generator_id="a",
-                num_trajectories=N,
-                num_tokens=0,
-                generate_s=0.0,
-                mean_reward=total / N,
-            )
-            d.done(task.task_id, "a", result=done)
+        chosen |= finish(d, d.plan(loaded_version=v, serving=["a"]).by_peer.get("a", []), v)
         selection.trained(range(v * B, (v + 1) * B))
     return d, chosen
 
@@ -226,8 +230,9 @@ def test_a_resumed_run_selects_what_the_uninterrupted_one_does_record_included(s
 
     first = make(strategy)
     d, chosen = drive(first, range(4))
-    # The checkpoint after step 3, with step 4's groups admitted and in flight (as a stop saves).
-    d.plan(loaded_version=4, serving=["a"])
+    # The checkpoint after step 3: step 4's groups admitted and finished, not trained (sync mode:
+    # the next step's TaskDones can come before the StepDone). A resume admits them again.
+    finish(d, d.plan(loaded_version=4, serving=["a"]).by_peer["a"], 4)
     saved = {
         "admission": {"num_admitted": d.mode.admission.num_admitted},
         "selection": msgspec.json.decode(msgspec.json.encode(first.state())),
