@@ -390,8 +390,8 @@ class LearnerConfig(Section, frozen=True, kw_only=True):
     cpu_offload: bool = False  # fsdp: keep sharded parameters and optimizer state in host memory
     activation_checkpointing: bool = False  # recompute each transformer block in the backward
     micro_batch_size: PosInt = 256  # sequences per forward/backward (at most)
-    # Tokens (prompt + completion, padded) per forward/backward, at most; 0 = no token bound.
-    # A longer sequence trains alone.
+    # Tokens (prompt + completion) per forward/backward, at most: real ones when the forward
+    # packs (shared_prefix), else padded; 0 = no token bound. A longer sequence trains alone.
     max_tokens_per_microbatch: NonNegInt = 0
     # Tokens per chunk of [tokens, vocab] logits in every learner forward (training, entropy,
     # the distillation teacher's scores): the full-vocabulary logits of a micro-batch never exist.
@@ -508,17 +508,6 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     # teacher-student "disagreement" or student "entropy" (the rest are not distilled); "all" = every token.
     select: Literal["all", "disagreement", "entropy"] = "all"
     select_fraction: Probability = 1.0
-    # The offline teacher-score cache (docs/opd.md "Teacher-score cache"): every teacher score is
-    # kept on disk, keyed by a content hash of the teacher, the scoring settings and the exact
-    # tokens scored, and reused instead of a teacher forward (epochs, resumed and repeated runs,
-    # `asyncrl opd prescore`). cache_dir "" = <run>/teacher_cache.
-    cache: bool = False
-    cache_dir: PathStr = ""
-    # Several teachers, routed by the task's domain (docs/opd.md "Several teachers"); [] = the one
-    # teacher of opd.teacher. route_field: the prompt's field (task.dataset.extra_fields, a task
-    # plugin's Problem.extras) whose value is its domain.
-    teachers: list[TeacherSpec] = []
-    route_field: str = "domain"
     # The teacher's K most likely ids and log-probs per position, shipped [T, K] with each trajectory
     # (docs/opd.md, "Teacher top-K"); 0 = none (the cache is the student's N draws only).
     teacher_top_k: NonNegInt = 0
@@ -535,6 +524,17 @@ class OpdConfig(Section, frozen=True, kw_only=True):
     position_decay: Probability = 1.0
     # "overlap": weight each position by the student's mass on the teacher's top-K (teacher_top_k > 0).
     teachability: Literal["off", "overlap"] = "off"
+    # The offline teacher-score cache (docs/opd.md "Teacher-score cache"): every teacher score is
+    # kept on disk, keyed by a content hash of the teacher, the scoring settings and the exact
+    # tokens scored, and reused instead of a teacher forward (epochs, resumed and repeated runs,
+    # `asyncrl opd prescore`). cache_dir "" = <run>/teacher_cache.
+    cache: bool = False
+    cache_dir: PathStr = ""
+    # Several teachers, routed by the task's domain (docs/opd.md "Several teachers"); [] = the one
+    # teacher of opd.teacher. route_field: the prompt's field (task.dataset.extra_fields, a task
+    # plugin's Problem.extras) whose value is its domain.
+    teachers: list[TeacherSpec] = []
+    route_field: str = "domain"
 
     # What the run's distillation asks of each role, described once (roles read these, not the
     # flags they combine).
