@@ -27,6 +27,7 @@ teacher top-K ids per position, L padded sequence length, V vocab.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -57,6 +58,44 @@ class TeacherScoring(NamedTuple):
     logprobs: torch.Tensor  # float32 [T, N]
     top_ids: torch.Tensor | None = None  # int64 [T, K]
     top_logprobs: torch.Tensor | None = None  # float32 [T, K]
+
+
+def scheduled_horizon(horizon: int, schedule: str, growth: int, horizon_max: int, version: int) -> int:
+    """opd.horizon at policy version `version` (0 = every position): `fixed` H, `linear`
+    min(H + growth * version, horizon_max or no limit), `gap` 0 here (the learner grows it from the
+    measured gap, which the generators do not see, so they score every position)."""
+    if horizon == 0 or schedule == "gap":
+        return 0
+    if schedule == "fixed":
+        return horizon
+    grown = horizon + growth * max(version, 0)
+    return min(grown, horizon_max) if horizon_max > 0 else grown
+
+
+def score_prefixes(score, ids_TN: Sequence[torch.Tensor], horizon: int) -> list[TeacherScoring]:
+    """`score(ids)` of each sample's first `horizon` positions only (0 = all), its answers padded
+    back to T rows: NaN log-probs (and id 0 in the top-K) where the teacher did not score."""
+    if horizon == 0 or all(int(x.shape[0]) <= horizon for x in ids_TN):
+        return [as_scoring(x) for x in score(ids_TN)]
+    out = []
+    for full, got in zip(ids_TN, score([x[:horizon] for x in ids_TN]), strict=True):
+        got = as_scoring(got)
+        rest = int(full.shape[0]) - int(got.logprobs.shape[0])
+        out.append(
+            TeacherScoring(
+                _pad_rows(got.logprobs, rest, math.nan),
+                _pad_rows(got.top_ids, rest, 0),
+                _pad_rows(got.top_logprobs, rest, math.nan),
+            )
+        )
+    return out
+
+
+def _pad_rows(x: torch.Tensor | None, rows: int, value: float) -> torch.Tensor | None:
+    """`x` with `rows` more rows of `value` (None stays None)."""
+    if x is None or rows == 0:
+        return x
+    return torch.cat([x, x.new_full((rows, x.shape[1]), value)])
 
 
 def as_scoring(x: TeacherScoring | torch.Tensor) -> TeacherScoring:

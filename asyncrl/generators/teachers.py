@@ -17,6 +17,11 @@ ids and, with opd.teacher_top_k = K > 0, the teacher's top-K ids and log-probs (
 same forward. A teacher that answers bare [T, N] tensors (the shared teacher's client) means no
 top-K (`opd.as_scoring`).
 
+With a distillation horizon (opd.horizon, `fixed` or `linear` schedule) a teacher scores only the
+first H(v) positions of each completion, v the policy version the generator holds (`on_weights`):
+the rows past it come back NaN, which the learner never distils (docs/opd.md, "Horizon and token
+control"); the teacher's forward is over prompt + those H(v) tokens.
+
 Every `score` runs on the thread that owns the generator's models (the sampling thread), which
 is also the thread that applies new weights: a teacher never sees weights change mid-forward.
 """
@@ -27,11 +32,11 @@ import copy
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from asyncrl.generators.opd import TeacherScoring, teacher_scores
+from asyncrl.generators.opd import TeacherScoring, scheduled_horizon, score_prefixes, teacher_scores
 from asyncrl.messages import PromptTask
 
 log = logging.getLogger(__name__)
@@ -48,20 +53,48 @@ class Teacher(Protocol):
         policy); sample i belongs to `tasks[i]`."""
 
 
+class Horizon(NamedTuple):
+    """opd.horizon as the teachers apply it (`opd.scheduled_horizon`)."""
+
+    horizon: int = 0
+    schedule: str = "fixed"
+    growth: int = 1
+    horizon_max: int = 0
+
+    @staticmethod
+    def from_config(opd) -> Horizon:
+        return Horizon(opd.horizon, opd.horizon_schedule, opd.horizon_growth, opd.horizon_max)
+
+    def at(self, version: int) -> int:
+        return scheduled_horizon(self.horizon, self.schedule, self.growth, self.horizon_max, version)
+
+
+NO_HORIZON = Horizon()
+
+
 class ModelTeacher:
     """A fixed teacher model in this process: scores each completion after its plain prompt."""
 
-    def __init__(self, model, *, pad_token_id: int, top_k: int = 0) -> None:
+    def __init__(self, model, *, pad_token_id: int, top_k: int = 0, horizon: Horizon = NO_HORIZON) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.top_k = top_k  # opd.teacher_top_k
+        self.horizon = horizon
+        self.policy_version = 0  # the version the generator samples with (the horizon's clock)
+
+    def on_weights(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """The policy now holds `version` (its weights are not the teacher's)."""
+        self.policy_version = version
 
     def score(
         self, tasks: Sequence[PromptTask], ids_TN: Sequence[torch.Tensor]
     ) -> tuple[list[TeacherScoring], int | None]:
         prompts = [t.prompt_ids for t in tasks]
-        scores = teacher_scores(self.model, prompts, ids_TN, pad_token_id=self.pad_token_id, top_k=self.top_k)
-        return scores, None
+
+        def score(ids):
+            return teacher_scores(self.model, prompts, ids, pad_token_id=self.pad_token_id, top_k=self.top_k)
+
+        return score_prefixes(score, ids_TN, self.horizon.at(self.policy_version)), None
 
 
 def _named_tensors(model) -> dict[str, torch.Tensor]:
@@ -98,6 +131,7 @@ class SelfTeacher:
         ewma_decay: float = 0.9,
         pad_token_id: int,
         top_k: int = 0,
+        horizon: Horizon = NO_HORIZON,
     ) -> None:
         if weights not in SELF_WEIGHTS:
             raise ValueError(f"opd.self_weights = {weights!r}; one of {', '.join(SELF_WEIGHTS)}")
@@ -106,6 +140,8 @@ class SelfTeacher:
         self.ewma_decay = ewma_decay
         self.pad_token_id = pad_token_id
         self.top_k = top_k  # opd.teacher_top_k
+        self.horizon = horizon
+        self.policy_version = 0  # the version the generator samples with (the horizon's clock)
         self.model = policy if weights == "current" else _frozen_copy(policy)
         self.version = 0
         # lagged: versions received and not yet the teacher's, oldest first (their CPU tensors,
@@ -123,6 +159,7 @@ class SelfTeacher:
     def on_weights(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """The policy now holds `version`, whose tensors are `state` (called by the generator on
         the thread that applied them)."""
+        self.policy_version = version
         if self.weights == "current":
             self.version = version
         elif self.weights == "lagged":
@@ -172,5 +209,8 @@ class SelfTeacher:
                 "launcher renders them (Task.privileged_render) when the run's config says opd.teacher = 'self'"
             )
         prompts = [t.privileged_ids for t in tasks]
-        scores = teacher_scores(self.model, prompts, ids_TN, pad_token_id=self.pad_token_id, top_k=self.top_k)
-        return scores, self.version
+
+        def score(ids):
+            return teacher_scores(self.model, prompts, ids, pad_token_id=self.pad_token_id, top_k=self.top_k)
+
+        return score_prefixes(score, ids_TN, self.horizon.at(self.policy_version)), self.version

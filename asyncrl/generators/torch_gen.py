@@ -185,7 +185,7 @@ class TorchGenerator:
 
     def _make_teacher(self, ctx: GeneratorContext, device, path: str, name: str) -> Teacher:
         """The teacher at `path` (opd.teacher, or the entry `name` of opd.teachers)."""
-        from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
+        from asyncrl.generators.teachers import Horizon, ModelTeacher, SelfTeacher
 
         opd, pad = ctx.opd, self._tokenizer.pad_token_id
         if path == "self":
@@ -196,6 +196,7 @@ class TorchGenerator:
                 ewma_decay=opd.self_ewma_decay,
                 pad_token_id=pad,
                 top_k=opd.teacher_top_k,
+                horizon=Horizon.from_config(opd),
             )
         if opd.placement == "service":
             if ctx.teacher is None:
@@ -205,7 +206,9 @@ class TorchGenerator:
                 )
             return ctx.teacher[name] if name else ctx.teacher
         model = load_teacher(path, self._tokenizer, device=str(device), dtype=ctx.dtype)
-        return ModelTeacher(model, pad_token_id=pad, top_k=opd.teacher_top_k)
+        return ModelTeacher(
+            model, pad_token_id=pad, top_k=opd.teacher_top_k, horizon=Horizon.from_config(opd)
+        )
 
     @property
     def version(self) -> int:

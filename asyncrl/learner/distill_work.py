@@ -123,6 +123,7 @@ def distill_term(
     weight_BL = selected_BL.to(logp_BLN.dtype)
     if opd.gate_B is not None:
         weight_BL = weight_BL * opd.gate_B.to(logp_BLN.dtype)[:, None]
+    scored_BL = opd.teacher_BLN.isfinite().all(dim=-1)  # NaN rows: past the generator's horizon
     if control is not None and control.weighs:
         weight_BL = weight_BL * control.weights(
             mask_BL,
@@ -130,7 +131,11 @@ def distill_term(
             behav_BT=opd.behav_BLN[..., 0],
             logp_top_BTK=logp_BLN[..., num:],
         ).to(logp_BLN.dtype)
+    weight_BL = torch.where(scored_BL, weight_BL, 0.0)
     used_BL = mask_BL & (weight_BL > 0)
+    if control is not None:
+        teacher_0 = torch.where(scored_BL, opd.teacher_BLN[..., 0], 0.0)
+        control.observe(mask_BL, used_BL, scored_BL, logp_BLN[..., 0].detach() - teacher_0)
     cols = estimator_columns(objective.estimator, num, width)
     teacher_BLN = opd.teacher_BLN[..., cols]
     teacher_BLN = torch.where(used_BL[..., None] | teacher_BLN.isfinite(), teacher_BLN, 0.0)
@@ -149,6 +154,8 @@ def distill_term(
             mask_BL,
             weight_BL,
         )
+    if not bool(scored_BL[mask_BL].all()):  # the KL estimate over the tokens the teacher scored
+        kl = _scored_kl(objective, logp_BLN.detach(), opd, cols, mask_BL & scored_BL)
     loss = objective.kl_weight * loss
     return loss, DistillStats(
         loss=float(loss.detach()),
@@ -157,6 +164,16 @@ def distill_term(
         num_selected=float(selected_BL.sum()),
         num_distilled=float(used_BL.sum()),
     )
+
+
+def _scored_kl(objective: DistillationObjective, logp_BLN, opd: OpdArrays, cols: slice, mask_BL) -> float:
+    """The estimator's KL estimate over `mask_BL` only (positions past a horizon have no teacher
+    score to estimate it from)."""
+    teacher_BLN = torch.where(mask_BL[..., None], opd.teacher_BLN[..., cols], 0.0)
+    if objective.estimator == "topk_forward_kl":
+        return float(topk_forward_kl(logp_BLN[..., cols], teacher_BLN, mask_BL, **UNNORMALISED)[1].kl)
+    args = (logp_BLN[..., cols], teacher_BLN, opd.behav_BLN[..., cols], opd.ids_BLN[..., cols], mask_BL)
+    return objective.loss(logp_BLN[..., 0], *args)[1]
 
 
 # An objective's terms are unnormalised sums: the trainer divides by the step's Z once.
@@ -197,11 +214,12 @@ class DistillWork:
         if self._kl_ref[1] > 0:
             state.set_stat("opd_kl_ref", self._kl_ref[0] / self._kl_ref[1] * state.totals.stats_tokens)
         self._kl_ref = (0.0, 0.0)
-        if self.control is None or not self.control.horizon:
+        if self.control is None:
             return
-        state.set_stat("opd_horizon", self.control.horizon * state.totals.stats_tokens)
-        distill = state.totals.distill
-        self.control.end_step(None if distill is None else distill.kl)
+        report = self.control.end_step()
+        if self.control.horizon:
+            for name, value in report.items():
+                state.set_stat(name, value * state.totals.stats_tokens)
 
     def whole(self, state: StepState, samples: Sequence[TrainSample]) -> None:
         mine = self.engine.share(samples)
@@ -227,6 +245,8 @@ class DistillWork:
     def _loss(self, state: StepState, samples: Sequence[TrainSample], *, account: bool = True):
         """OPD loss of these trajectories and what accounts for it (`Engine.backward_pieces`)."""
         e = self.engine
+        if self.control is not None:
+            self.control.begin_step(state.step)
         batch = e.pack(samples)
         opd = opd_arrays(samples, batch.input_ids_BL.shape[1], e)
         mask = batch.completion_mask_BL

@@ -12,9 +12,14 @@ Per position t of a completion (t = 0, 1, ... counts its trained tokens), the we
     w_t = [t < H] * gamma^t * overlap_t * f_i
 
 * H: the distillation horizon (opd.horizon; 0 = no horizon): tokens past the first H trained tokens
-  of each completion are not distilled. "fixed" keeps H; "linear" adds opd.horizon_growth per step;
-  "gap" adds it after a step whose KL estimate over the distilled tokens is <= opd.horizon_gap
-  (the student has caught up on the prefix). Both stop at opd.horizon_max (0 = no limit).
+  of each completion are not distilled. "fixed" keeps H; "linear" is H + opd.horizon_growth x
+  the step (the policy version the step trains at), a function of the version that the generators'
+  teachers apply too (`generators.opd.scheduled_horizon`: they score only the first H(v) tokens,
+  v <= the step); "gap" adds opd.horizon_growth after a step whose KL estimate over the distilled
+  tokens, mean (log pi(y_t) - log pi_T(y_t)) at the sampled tokens, is <= opd.horizon_gap (the
+  student has caught up on the prefix; the generators score every token). Both stop at
+  opd.horizon_max (0 = no limit). A position whose teacher scores are NaN (past the horizon the
+  generator's teacher applied) is never distilled, whatever the learner's H.
 * gamma^t: position weights (opd.position_decay = gamma in (0, 1]; 1 = uniform).
 * overlap_t: teachability (opd.teachability = "overlap"), the student's probability mass on the
   teacher's top-K ids, sum_{y in topK_T} pi_S(y) in [0, 1], from the learner's log-probs of the
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.generators.opd import scheduled_horizon
 from asyncrl.staleness.freshness import freshness_score
 
 if TYPE_CHECKING:
@@ -123,7 +129,17 @@ class DistillControl:
     freshness: Mapping[str, Any] | None = None  # lambda_roll, lambda_sup, f_min
     kl_coef: float = 0.0  # learner.kl_coef with opd.reward = "off" (StableOPD)
     kl_estimator: str = "k3"
+    current: int = -1  # the horizon of the step being trained (-1: `horizon` until a step begins)
     history: list[int] = field(default_factory=list)  # the horizon of each step ended
+    # The step's counters: gap (sum of the k1 estimates and their tokens) and scored tokens.
+    gap_sum: float = 0.0
+    gap_tokens: float = 0.0
+    scored_tokens: float = 0.0
+    trained_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.current < 0:
+            self.current = self.horizon
 
     @staticmethod
     def from_config(config: Config) -> DistillControl:
@@ -165,7 +181,7 @@ class DistillControl:
 
         `logp_BT`, `behav_BT`: the sampled tokens' current and behavior log-probs (freshness);
         `logp_top_BTK`: the student's log-probs of the teacher's top-K ids (teachability)."""
-        w_BT = horizon_mask(mask_BT, self.horizon).double()
+        w_BT = horizon_mask(mask_BT, self.current).double()
         if self.position_decay != 1.0:
             w_BT = w_BT * position_weights(mask_BT, self.position_decay).to(w_BT.device)
         if self.teachability == "overlap":
@@ -179,17 +195,43 @@ class DistillControl:
             w_BT = w_BT * f_B.double()[:, None]
         return torch.where(mask_BT, w_BT, 0.0)
 
-    def end_step(self, kl: float | None) -> None:
-        """A step ended with KL estimate `kl` over its distilled tokens: the next step's horizon."""
-        self.history.append(self.horizon)
-        self.horizon = next_horizon(
-            self.horizon,
-            schedule=self.schedule,
-            growth=self.growth,
-            horizon_max=self.horizon_max,
-            gap=self.gap,
-            kl=kl,
-        )
+    def begin_step(self, step: int) -> None:
+        """Step `step` (its policy version) begins: the horizon of "fixed" and "linear" is a
+        function of it (as the generators' teachers compute it); "gap" keeps its own."""
+        if self.schedule != "gap":
+            self.current = scheduled_horizon(self.horizon, self.schedule, self.growth, self.horizon_max, step)
+
+    def observe(
+        self, mask_BT: torch.Tensor, used_BT: torch.Tensor, scored_BT: torch.Tensor, k1_BT: torch.Tensor
+    ) -> None:
+        """A distillation term's figures: its trained, teacher-scored and distilled tokens, and
+        the k1 gap estimate at the distilled ones (detached)."""
+        self.trained_tokens += float(mask_BT.sum())
+        self.scored_tokens += float((mask_BT & scored_BT).sum())
+        self.gap_sum += float(torch.where(used_BT, k1_BT.detach(), 0.0).sum())
+        self.gap_tokens += float(used_BT.sum())
+
+    def end_step(self) -> dict[str, float]:
+        """The step's figures (horizon, gap, fraction of trained tokens the teacher scored); the
+        "gap" schedule grows the horizon for the next step from this step's gap."""
+        gap = self.gap_sum / self.gap_tokens if self.gap_tokens > 0 else None
+        report = {"opd_horizon": float(self.current)}
+        if gap is not None:
+            report["opd_horizon_gap"] = gap
+        if self.trained_tokens > 0:
+            report["opd_scored_fraction"] = self.scored_tokens / self.trained_tokens
+        self.history.append(self.current)
+        if self.schedule == "gap":
+            self.current = next_horizon(
+                self.current,
+                schedule="gap",
+                growth=self.growth,
+                horizon_max=self.horizon_max,
+                gap=self.gap,
+                kl=gap,
+            )
+        self.gap_sum = self.gap_tokens = self.scored_tokens = self.trained_tokens = 0.0
+        return report
 
 
 def freshness_params(section: Mapping[str, Any]) -> dict[str, float]:

@@ -532,9 +532,17 @@ def _invalid_opd(ids, opd: list, cfg: OpdConfig) -> str:
         return "wrong OPD tensor dtypes"
     if not torch.equal(cached[:, 0], ids):
         return "opd_ids[:, 0] must be the sampled tokens"
-    if not (bool(torch.isfinite(teacher).all()) and bool(torch.isfinite(behav).all())):
+    if not bool(torch.isfinite(behav).all()):
         return "OPD log-probs must be finite"
+    if not bool(torch.isfinite(teacher).all()) and not _unscored_rows(teacher, cfg):
+        return "OPD teacher log-probs must be finite (NaN rows only past a distillation horizon, opd.horizon)"
     return ""
+
+
+def _unscored_rows(teacher, cfg: OpdConfig) -> bool:
+    """With opd.horizon, a teacher leaves the rows past it unscored: whole NaN rows (docs/opd.md)."""
+    finite, nan = torch.isfinite(teacher), torch.isnan(teacher)
+    return cfg.horizon > 0 and bool((finite.all(-1) | nan.all(-1)).all())
 
 
 def _invalid_top_k(ids, msg: Trajectory, tensors, cfg: OpdConfig) -> str:
@@ -552,8 +560,8 @@ def _invalid_top_k(ids, msg: Trajectory, tensors, cfg: OpdConfig) -> str:
         return f"teacher top-K arrays must be [T, K] = {list(shape)}, got {list(top_ids.shape)}, {list(top_logps.shape)}"
     if top_ids.dtype != torch.int64 or not top_logps.is_floating_point() or bool((top_ids < 0).any()):
         return "teacher top-K: int64 ids >= 0 and float log-probs expected"
-    if not bool(torch.isfinite(top_logps).all()):
-        return "teacher top-K log-probs must be finite"
+    if not bool(torch.isfinite(top_logps).all()) and not _unscored_rows(top_logps, cfg):
+        return "teacher top-K log-probs must be finite (NaN rows only past a distillation horizon)"
     return ""
 
 

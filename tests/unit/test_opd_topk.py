@@ -229,9 +229,49 @@ def test_horizon_stops_at_its_maximum_and_none_stays_none():
     assert next_horizon(4, schedule="linear", growth=3, horizon_max=5, gap=0.0, kl=None) == 5
     assert next_horizon(0, schedule="linear", growth=3, horizon_max=0, gap=0.0, kl=None) == 0
     control = DistillControl(horizon=1, schedule="gap", growth=1, gap=0.5)
+    mask = b([[True, True]])
+    reports = []
     for kl in (0.9, 0.4, 0.6, 0.1):
-        control.end_step(kl)
-    assert control.history == [1, 1, 2, 2] and control.horizon == 3
+        control.observe(mask, mask, mask, t([[kl, kl]]))
+        reports.append(control.end_step())
+    assert control.history == [1, 1, 2, 2] and control.current == 3
+    assert reports[1] == {"opd_horizon": 1.0, "opd_horizon_gap": 0.4, "opd_scored_fraction": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "version", "want"),
+    [("fixed", 7, 3), ("linear", 0, 3), ("linear", 2, 7), ("linear", 9, 10), ("gap", 5, 0)],
+)
+def test_scheduled_horizon_is_a_function_of_the_version(schedule, version, want):
+    from asyncrl.generators.opd import scheduled_horizon
+
+    assert scheduled_horizon(3, schedule, 2, 10, version) == want
+    control = DistillControl(horizon=3, schedule=schedule, growth=2, horizon_max=10)
+    control.begin_step(version)
+    assert control.current == (want if schedule != "gap" else 3)
+
+
+def test_rows_the_teacher_left_unscored_are_never_distilled():
+    """NaN teacher rows (past the generator's horizon) weigh 0 and count as unscored."""
+    student_BTV, teacher_BTV = distributions(7)
+    logp, teacher, ids, behav = union_cache(student_BTV, teacher_BTV, num=1, k=3, seed=7)
+    teacher = teacher.clone()
+    teacher[0, 1:] = math.nan
+    control = DistillControl(horizon=3)
+    loss, stats = distill_term(
+        objective("topk_forward_kl"),
+        logp,
+        OpdArrays(teacher, ids, behav, num_sampled=1, control=control),
+        MASK,
+    )
+    (grad,) = torch.autograd.grad(loss, student_BTV)
+    assert bool(torch.isfinite(grad).all()) and float(grad[0, 1:].abs().max()) == 0.0
+    per_BT = (teacher[..., 1:].exp() * (teacher[..., 1:] - logp[..., 1:])).sum(-1)
+    want = per_BT[0, 0] + per_BT[1, 0] + per_BT[1, 1]
+    assert abs(float(loss) - float(want)) < 1e-12
+    assert stats.num_distilled == 3.0
+    assert abs(stats.kl - float(want) / 3.0) < 1e-12  # over the scored tokens only
+    assert control.end_step()["opd_scored_fraction"] == 3.0 / 5.0
 
 
 def test_control_weights_multiply_into_the_distillation_term():

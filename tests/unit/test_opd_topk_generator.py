@@ -191,7 +191,7 @@ def test_learner_step_on_the_top_v_cache_trains_the_full_forward_kl(tiny_model_d
     assert float((got - want).abs().max()) < 1e-10
 
 
-def step_grad(base, samples, sets, *, perturb=0.0):
+def step_grad(base, samples, sets, *, perturb=0.0, step=STEP):
     """The unnormalised gradient of one whole-batch step built as `build_trainer` builds it
     (its `DistillControl` installed); `perturb` moves the weights after the reference is taken."""
     from asyncrl.config_load import load_config
@@ -204,7 +204,7 @@ def step_grad(base, samples, sets, *, perturb=0.0):
         with torch.no_grad():
             for p in trainer.engine.params:
                 p.add_(perturb * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    trainer.begin_step(STEP)
+    trainer.begin_step(step)
     trainer.batch_backward(samples)
     return trainer, torch.cat([p.grad.flatten() for p in trainer.engine.params])
 
@@ -244,8 +244,8 @@ def test_kl_coef_with_pure_distillation_adds_the_reference_kl(tiny_model_dir, te
 
 
 def test_the_horizon_grows_by_its_schedule_through_steps(tiny_model_dir, teacher_dir):  # noqa: F811
-    """Horizon 1, linear growth 1 up to 2: the first step distils each completion's first token only
-    (its gradient is the horizon-masked one), and the steps report horizons 1, 2, 2."""
+    """Horizon 1, linear growth 1 up to 2: step 0 distils each completion's first token only (its
+    gradient is the horizon-masked one), and steps 0, 1, 2 report horizons 1, 2, 2."""
     base = _model(tiny_model_dir)
     samples = with_top_k(base, _model(teacher_dir), _samples(base, num_groups=2, seed=5))
     opd = [
@@ -255,12 +255,43 @@ def test_the_horizon_grows_by_its_schedule_through_steps(tiny_model_dir, teacher
         "learner.streaming=off",
     ]
     sched = ["opd.horizon=1", "opd.horizon_schedule=linear", "opd.horizon_max=2"]
-    trainer, got = step_grad(base, samples, [*opd, *sched])
+    trainer, got = step_grad(base, samples, [*opd, *sched], step=0)
     want = full_forward_kl_grad(copy.deepcopy(base), samples, horizon=1)
     assert float((got - want).abs().max()) < 1e-10
     horizons = [trainer.finish_step().stats["opd_horizon"]]
-    for _ in range(2):
-        trainer.begin_step(STEP)
+    for step in (1, 2):
+        trainer.begin_step(step)
         trainer.batch_backward(samples)
         horizons.append(trainer.finish_step().stats["opd_horizon"])
     assert horizons == [1.0, 2.0, 2.0]
+
+
+def test_a_horizon_teacher_scores_the_first_h_tokens_only(tiny_model_dir, teacher_dir, teacher):  # noqa: F811
+    """opd.horizon = 2, linear growth 1: at policy version 0 the teacher scores each completion's
+    first 2 positions (as a full scoring would), the rest come back NaN; after the generator holds
+    version 1, the first 3. The learner accepts whole NaN rows only with a horizon."""
+    from asyncrl.config_sections import OpdConfig
+    from asyncrl.generators.teachers import Horizon, ModelTeacher
+    from asyncrl.learner.service import _invalid_opd
+
+    ids = [torch.tensor([[7, 3], [4, 2], [5, 6], [2, 9]]), torch.tensor([[4, 4]])]
+    tasks_ = tasks(1)[:1] * 2
+    full, _ = ModelTeacher(teacher, pad_token_id=0, top_k=3).score(tasks_, ids)
+    cut = ModelTeacher(teacher, pad_token_id=0, top_k=3, horizon=Horizon(2, "linear", 1, 0))
+    for version, h in ((0, 2), (1, 3)):
+        cut.on_weights(version, {})
+        got, _ = cut.score(tasks_, ids)
+        torch.testing.assert_close(got[0].logprobs[:h], full[0].logprobs[:h], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[0].top_logprobs[:h], full[0].top_logprobs[:h], atol=1e-5, rtol=0)
+        assert torch.isnan(got[0].logprobs[h:]).all() and torch.isnan(got[0].top_logprobs[h:]).all()
+        assert (got[0].top_ids[h:] == 0).all() and got[0].logprobs.shape == (4, 2)
+        assert torch.equal(got[1].logprobs, full[1].logprobs)  # shorter than the horizon: whole
+    cfg = OpdConfig(enabled=True, num_samples=2, horizon=2)
+    assert _invalid_opd(ids[0][:, 0], [got[0].logprobs, ids[0], torch.zeros(4, 2)], cfg) == ""
+    refused = _invalid_opd(
+        ids[0][:, 0], [got[0].logprobs, ids[0], torch.zeros(4, 2)], OpdConfig(enabled=True, num_samples=2)
+    )
+    assert "finite" in refused
+    half = got[0].logprobs.clone()
+    half[0, 1] = float("nan")
+    assert "finite" in _invalid_opd(ids[0][:, 0], [half, ids[0], torch.zeros(4, 2)], cfg)
