@@ -294,7 +294,8 @@ class Selection:
         self.stats.observe(task.group_id, total=total, num_samples=msg.num_trajectories)
 
     def trained(self, groups: Iterable[int]) -> None:
-        """Groups the learner trained: a resume never admits them again."""
+        """Groups the learner trained (or, in pool mode, dropped): a resume never admits them again,
+        so their rewards go into the record a checkpoint saves."""
         groups = list(groups)
         for group_id in groups:
             self.indices.pop(group_id, None)

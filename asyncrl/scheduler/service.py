@@ -532,6 +532,8 @@ class Launcher:
                 self.on_step_done(msg)
             case GroupsLeft() if is_learner:
                 self.mode.on_groups_left(self.book, msg)  # ValueError when not in pool mode
+                # Dropped groups are settled as trained ones are: a resume does not admit them again.
+                self.dispatcher.selection.trained(g for groups in msg.evicted.values() for g in groups)
                 self.state.lengths.evicted(msg.evicted)
                 self.state.lengths.forget(msg.released)
                 self.records.write("left", msgspec.to_builtins(msg))
