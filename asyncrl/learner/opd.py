@@ -226,14 +226,17 @@ def topk_forward_kl(
     logp_BTK = fill_masked(logp_top_BTK, mask_BTK)
     teacher_BTK = fill_masked(logp_teacher_top_BTK.detach(), mask_BTK)
     per_token_BT = (teacher_BTK.exp() * (teacher_BTK - logp_BTK)).sum(dim=-1)
-    loss = aggregate(
-        apply_weight(per_token_BT, weight_BT, mask_BT),
-        mask_BT,
-        mode=mode,
-        num_tokens_global=num_tokens_global,
-        num_seqs_global=num_seqs_global,
-        norm_constant=norm_constant,
+    agg = dict(
+        num_tokens_global=num_tokens_global, num_seqs_global=num_seqs_global, norm_constant=norm_constant
     )
+    return _forward_loss(per_token_BT, weight_BT, mask_BT, mode=mode, **agg)
+
+
+def _forward_loss(
+    per_token_BT: torch.Tensor, weight_BT: torch.Tensor | None, mask_BT: torch.Tensor, *, mode: str, **agg
+) -> tuple[torch.Tensor, OpdStats]:
+    """A forward-KL loss from its per-position terms: weighted, aggregated, with its stats."""
+    loss = aggregate(apply_weight(per_token_BT, weight_BT, mask_BT), mask_BT, mode=mode, **agg)
     return loss, _stats(mask_BT, per_token_BT.detach())
 
 

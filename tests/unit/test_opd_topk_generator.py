@@ -169,26 +169,8 @@ def full_forward_kl_grad(model, samples, horizon=None):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def test_learner_step_on_the_top_v_cache_trains_the_full_forward_kl(tiny_model_dir, teacher_dir):  # noqa: F811
-    from asyncrl.config_load import load_config
-    from asyncrl.learner.distill_work import install_control
-
-    base = _model(tiny_model_dir)
-    samples = with_top_k(base, _model(teacher_dir), _samples(base, num_groups=2, seed=3))
-    sets = [
-        "opd.enabled=true",
-        "opd.teacher_top_k=22",
-        "opd.estimator=topk_forward_kl",
-        "learner.streaming=off",
-    ]
-    model = copy.deepcopy(base)
-    trainer = _trainer(model, *sets)
-    install_control(trainer, load_config(overrides=sets))
-    trainer.begin_step(STEP)
-    trainer.batch_backward(samples)
-    got = torch.cat([p.grad.flatten() for p in trainer.engine.params])
-    want = full_forward_kl_grad(copy.deepcopy(base), samples)
-    assert float((got - want).abs().max()) < 1e-10
+# A whole-batch distillation step on the K = V cache of `with_top_k` (22 ids: the tiny vocabulary).
+TOP_V = ["opd.enabled=true", "opd.teacher_top_k=22", "opd.estimator=topk_forward_kl", "learner.streaming=off"]
 
 
 def step_grad(base, samples, sets, *, perturb=0.0, step=STEP):
@@ -207,6 +189,15 @@ def step_grad(base, samples, sets, *, perturb=0.0, step=STEP):
     trainer.begin_step(step)
     trainer.batch_backward(samples)
     return trainer, torch.cat([p.grad.flatten() for p in trainer.engine.params])
+
+
+def test_learner_step_on_the_top_v_cache_trains_the_full_forward_kl(tiny_model_dir, teacher_dir):  # noqa: F811
+    base = _model(tiny_model_dir)
+    samples = with_top_k(base, _model(teacher_dir), _samples(base, num_groups=2, seed=3))
+    sets = TOP_V
+    _, got = step_grad(base, samples, sets)
+    want = full_forward_kl_grad(copy.deepcopy(base), samples)
+    assert float((got - want).abs().max()) < 1e-10
 
 
 def test_kl_coef_with_pure_distillation_adds_the_reference_kl(tiny_model_dir, teacher_dir):  # noqa: F811
@@ -248,12 +239,7 @@ def test_the_horizon_grows_by_its_schedule_through_steps(tiny_model_dir, teacher
     gradient is the horizon-masked one), and steps 0, 1, 2 report horizons 1, 2, 2."""
     base = _model(tiny_model_dir)
     samples = with_top_k(base, _model(teacher_dir), _samples(base, num_groups=2, seed=5))
-    opd = [
-        "opd.enabled=true",
-        "opd.teacher_top_k=22",
-        "opd.estimator=topk_forward_kl",
-        "learner.streaming=off",
-    ]
+    opd = TOP_V
     sched = ["opd.horizon=1", "opd.horizon_schedule=linear", "opd.horizon_max=2"]
     trainer, got = step_grad(base, samples, [*opd, *sched], step=0)
     want = full_forward_kl_grad(copy.deepcopy(base), samples, horizon=1)
