@@ -12,6 +12,10 @@ rows, interleaved, medians over the repeats:
 * **padded**: the same model with the layout off: every row right-padded to the micro-batch's
   longest row.
 
+Micro-batches are cut as the learner cuts them (`learner/microbatch.py`), at most `micro` rows
+and `max_tokens` tokens as they run: real tokens when packed, rows x longest when padded (so,
+under the same bound, packing also runs fewer, fuller micro-batches).
+
 Two workloads: distinct prompts (packing alone: only the padding goes) and GRPO groups of
 `group_size` samples of one prompt (packing and shared prefixes). Trained tokens are the real
 completion tokens; the fraction of micro-batches the layout took is reported too (a layout that
@@ -61,27 +65,35 @@ def long_tailed_rows(
     return ids, lengths, mask
 
 
-def _step_s(policy, ids_BL, lengths_B, mask_BL, micro: int) -> float:
-    """One forward and backward over the rows, `micro` rows per micro-batch, each cut to its
-    longest row (as the learner's micro-batches are)."""
+def _step_s(policy, ids_BL, lengths_B, mask_BL, parts: list[list[int]]) -> float:
+    """One forward and backward over the rows, micro-batch by micro-batch (`parts`: contiguous
+    row indices), each cut to its longest row (as the learner's micro-batches are)."""
     import torch
 
     start = time.perf_counter()
-    for a in range(0, ids_BL.shape[0], micro):
-        lengths = lengths_B[a : a + micro]
+    for part in parts:
+        a, b = part[0], part[-1] + 1
+        lengths = lengths_B[a:b]
         width = int(lengths.max())
-        logp = policy(ids_BL[a : a + micro, :width], lengths_B=lengths).logp
-        loss = -torch.where(mask_BL[a : a + micro, :width], logp, 0.0).sum()
+        logp = policy(ids_BL[a:b, :width], lengths_B=lengths).logp
+        loss = -torch.where(mask_BL[a:b, :width], logp, 0.0).sum()
         loss.backward()
     return time.perf_counter() - start
 
 
 def packing_throughput(
-    *, rows: int = 64, micro: int = 16, repeats: int = 7, quick: bool = False, seed: int = 0
+    *,
+    rows: int = 64,
+    micro: int = 64,
+    max_tokens: int = 2048,
+    repeats: int = 7,
+    quick: bool = False,
+    seed: int = 0,
 ) -> dict:
     """Trained tokens/s packed vs padded on both workloads (module docstring)."""
     import torch
 
+    from asyncrl.learner.microbatch import split_lengths
     from asyncrl.models import shared_prefix
     from asyncrl.models.policy import PolicyLM
 
@@ -96,34 +108,43 @@ def packing_throughput(
         raise RuntimeError(
             f"the flat layout does not apply to this model: {shared_prefix.unsupported_reason(lm)}"
         )
-    out: dict = {"model": shape, "rows": rows, "micro_batch_size": micro, "repeats": repeats, **sizes}
+    out: dict = {
+        "model": shape,
+        "rows": rows,
+        "micro_batch_size": micro,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        **sizes,
+    }
     for name, group_size in (("distinct_prompts", 1), ("groups_of_8", 8)):
         ids, lengths, mask = long_tailed_rows(
             rows=rows, group_size=group_size, vocab=shape["vocab"], seed=seed, **sizes
         )
         tokens = int(mask.sum())
-        used = sum(
-            shared_prefix.plan_layout(
-                ids[a : a + micro, : int(lengths[a : a + micro].max())], lengths[a : a + micro]
+        parts = {
+            label: split_lengths(
+                lengths.tolist(), max_seqs=micro, max_tokens=max_tokens, packed=label == "packed"
             )
-            is not None
-            for a in range(0, rows, micro)
+            for label in ("packed", "padded")
+        }
+        used = sum(
+            shared_prefix.plan_layout(ids[p[0] : p[-1] + 1, : int(lengths[p].max())], lengths[p]) is not None
+            for p in parts["packed"]
         )
         times: dict[str, list[float]] = {"packed": [], "padded": []}
-        _step_s(packed, ids, lengths, mask, micro)  # warm-up (allocator, first-call costs)
+        _step_s(packed, ids, lengths, mask, parts["packed"])  # warm-up (allocator, first-call costs)
         for _ in range(repeats):
             for label, policy in (("packed", packed), ("padded", padded)):
                 lm.zero_grad(set_to_none=True)
-                times[label].append(_step_s(policy, ids, lengths, mask, micro))
+                times[label].append(_step_s(policy, ids, lengths, mask, parts[label]))
         med = {k: statistics.median(v) for k, v in times.items()}
-        padded_slots = sum(
-            len(lengths[a : a + micro]) * int(lengths[a : a + micro].max()) for a in range(0, rows, micro)
-        )
+        padded_slots = sum(len(p) * int(lengths[p].max()) for p in parts["padded"])
         out[name] = {
             "trained_tokens": tokens,
             "real_tokens": int(lengths.sum()),
             "padded_tokens": padded_slots,
-            "microbatches_packed": f"{used}/{-(-rows // micro)}",
+            "microbatches_packed": f"{used}/{len(parts['packed'])}",
+            "microbatches_padded": len(parts["padded"]),
             "packed_tokens_per_s": tokens / med["packed"],
             "padded_tokens_per_s": tokens / med["padded"],
             "speedup": med["padded"] / med["packed"],
@@ -135,8 +156,9 @@ def packing_throughput(
 
 def print_packing(result: dict, echo) -> None:
     echo(
-        f"packed vs padded forward + backward, {result['rows']} rows in micro-batches of "
-        f"{result['micro_batch_size']}, completions lognormal (median {result['median_len']}, max "
+        f"packed vs padded forward + backward, {result['rows']} rows in micro-batches of at most "
+        f"{result['micro_batch_size']} rows and {result['max_tokens']} tokens (real when packed, "
+        f"padded when padded), completions lognormal (median {result['median_len']}, max "
         f"{result['max_len']}), prompt {result['prompt_len']} tokens, medians of {result['repeats']}:"
     )
     for name in ("distinct_prompts", "groups_of_8"):
@@ -144,5 +166,6 @@ def print_packing(result: dict, echo) -> None:
         echo(
             f"  {name:<17} trained tokens/s packed {r['packed_tokens_per_s']:8.0f}  padded "
             f"{r['padded_tokens_per_s']:8.0f}  ({r['speedup']:.2f}x; real {r['real_tokens']} of "
-            f"{r['padded_tokens']} padded tokens; layout used in {r['microbatches_packed']} micro-batches)"
+            f"{r['padded_tokens']} padded tokens; {r['microbatches_padded']} padded micro-batches, "
+            f"the layout used in {r['microbatches_packed']} packed ones)"
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
@@ -69,6 +70,20 @@ _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _ADDRESS_PREFIX = b"\0asyncrl-weights-"
 _MEMFD_NAME = "asyncrl-weights"
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for contiguous 1-D uint8 CPU tensors of one size: one memmove on the calling
+    thread. (torch's `copy_` spreads a large copy over the process's intra-op threads; the sender
+    and every reader copying at once then run more threads than the host has cores, and a copy
+    waits for its slowest thread, descheduled: the ring's throughput became bimodal.)"""
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()}")
+    if not (dst.is_contiguous() and src.is_contiguous() and dst.device.type == src.device.type == "cpu"):
+        dst.copy_(src)  # another layout or device: torch's own copy
+        return
+    if dst.numel():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
 
 
 class RingBroken(RuntimeError):
@@ -276,7 +291,7 @@ class SendRing:
             if self._fill == 0 and len(self._pending) == self.num_slots:
                 self._await(self._pending.popleft())  # the slot about to be filled is free
             n = min(self.slot_bytes - self._fill, total - pos)
-            self._mem.slot(self.seq)[self._fill : self._fill + n].copy_(src[pos : pos + n])
+            copy_bytes(self._mem.slot(self.seq)[self._fill : self._fill + n], src[pos : pos + n])
             self._fill += n
             pos += n
             if self._fill == self.slot_bytes:
@@ -385,7 +400,7 @@ class RecvRing:
             if self._avail == 0:
                 self._next_chunk()
             n = min(self._avail, total - pos)
-            dst[pos : pos + n].copy_(self._mem.slot(self.seq)[self._offset : self._offset + n])
+            copy_bytes(dst[pos : pos + n], self._mem.slot(self.seq)[self._offset : self._offset + n])
             self._offset += n
             self._avail -= n
             pos += n

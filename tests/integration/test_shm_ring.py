@@ -395,3 +395,29 @@ def test_receivers_raise_at_once_when_the_sender_dies_mid_transfer() -> None:
         assert reports[rank]["bad"] == []
         assert reports[rank]["raised"].startswith("RingBroken: the weight sender's ring broke")
         assert not reports[rank]["ring_held"] and reports[rank]["mappings"] == 0
+
+
+def test_copy_bytes_is_one_memmove_on_the_calling_thread():
+    """The ring's copies (`copy_bytes`): exact bytes, on the calling thread whatever torch's
+    intra-op thread count (no team of threads per copy to oversubscribe the cores), a size
+    mismatch refused, and a layout memmove cannot take left to torch's copy."""
+    from asyncrl.transport.shm_ring import copy_bytes
+
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        with torch.autograd.profiler.profile() as prof:
+            copy_bytes(dst, src)
+        seen = [e for e in prof.function_events if e.name == "aten::copy_"]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(dst, src) and not seen  # no torch copy (and so no intra-op team) ran
+    copy_bytes(dst[:0], src[:0])
+    with pytest.raises(ValueError, match="copy of 3 bytes into 2"):
+        copy_bytes(dst[:2], src[:3])
+    strided = torch.zeros(2 * 1000, dtype=torch.uint8)[::2]
+    copy_bytes(strided, src[:1000])
+    assert torch.equal(strided, src[:1000])
