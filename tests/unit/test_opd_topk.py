@@ -314,3 +314,72 @@ def test_teachability_without_the_top_k_is_an_error():
     control = DistillControl(teachability="overlap")
     with pytest.raises(ValueError, match="teacher_top_k"):
         control.weights(MASK, logp_BT=t([[0.0] * 4] * 2), behav_BT=t([[0.0] * 4] * 2), logp_top_BTK=None)
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["opd.teacher_top_k=4"], r"opd\.teacher_top_k applies to distillation"),
+        (["opd.enabled=true", "opd.estimator=topk_forward_kl"], r"reads the teacher's top-K"),
+        (["opd.enabled=true", "opd.teachability=overlap"], r"reads the teacher's top-K"),
+        (
+            ["opd.enabled=true", "opd.teacher_top_k=4", "opd.placement=service"],
+            r"shared teacher returns no top-K",
+        ),
+        (["opd.enabled=true", "opd.horizon_schedule=linear"], r"applies with a distillation horizon"),
+        (["opd.enabled=true", "opd.horizon=2", "opd.horizon_max=4"], r"horizon_schedule = 'linear' or 'gap'"),
+        (["opd.enabled=true", "opd.horizon=2", "opd.horizon_gap=0.1"], r"horizon_schedule = 'gap' only"),
+        (["opd.enabled=true", "opd.horizon=4", "opd.horizon_schedule=linear", "opd.horizon_max=2"], r"below"),
+        (
+            ["opd.enabled=true", "opd.horizon=2", "opd.horizon_schedule=gap", "opd.reward=add"],
+            r"opd.reward = 'off'",
+        ),
+        (["opd.enabled=true", "opd.position_decay=0"], r"position_decay"),
+        (
+            [
+                "opd.enabled=true",
+                "learner.kl_coef=0.1",
+                "learner.kl_placement=reward",
+                "learner.kl_estimator=k1",
+            ],
+            r"kl_placement = 'loss'",
+        ),
+    ],
+)
+def test_config_refuses_what_does_not_apply(sets, message):
+    from asyncrl.config_load import load_config
+    from asyncrl.config_sections import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=sets)
+
+
+def test_config_builds_the_control():
+    from asyncrl.config_load import load_config
+
+    cfg = load_config(
+        overrides=[
+            "opd.enabled=true",
+            "opd.teacher_top_k=4",
+            "opd.estimator=topk_forward_kl",
+            "opd.horizon=2",
+            "opd.horizon_schedule=gap",
+            "opd.horizon_gap=0.1",
+            "opd.teachability=overlap",
+            "learner.kl_coef=0.01",
+            "staleness.freshness.lambda_roll=2.0",
+        ]
+    )
+    control = DistillControl.from_config(cfg)
+    assert (control.horizon, control.schedule, control.gap, control.teachability) == (
+        2,
+        "gap",
+        0.1,
+        "overlap",
+    )
+    assert control.kl_coef == 0.01 and control.freshness == {
+        "lambda_roll": 2.0,
+        "lambda_sup": 1.0,
+        "f_min": 0.0,
+    }
