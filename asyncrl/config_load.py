@@ -133,6 +133,16 @@ def _path_marker(kind: Any) -> dict[str, Any] | None:
     return None
 
 
+def _struct_items(kind: Any) -> type[msgspec.Struct] | None:
+    """The Struct type of a `list[Struct]` key (a list of tables), None for any other key."""
+    kind = _container(kind)
+    if get_origin(kind) is list and (args := get_args(kind)):
+        item = args[0]
+        if isinstance(item, type) and issubclass(item, msgspec.Struct):
+            return item
+    return None
+
+
 # ------------------------------------------------------------------------------ file paths
 def resolve_file_paths(table: dict[str, Any], base: Path, kind: type[msgspec.Struct] = Config) -> None:
     """Make each relative path in `table` (a config file's parsed TOML, or one of its sections)
@@ -145,6 +155,10 @@ def resolve_file_paths(table: dict[str, Any], base: Path, kind: type[msgspec.Str
         section = _container(declared)
         if isinstance(value, dict) and isinstance(section, type) and issubclass(section, msgspec.Struct):
             resolve_file_paths(value, base, section)
+        elif isinstance(value, list) and (item := _struct_items(declared)) is not None:
+            for entry in value:  # a list of tables (opd.teachers)
+                if isinstance(entry, dict):
+                    resolve_file_paths(entry, base, item)
         elif isinstance(value, str) and (marker := _path_marker(declared)) is not None:
             keep = not value or value in marker.get("keywords", ()) or value.startswith("~")
             keep = keep or value.startswith(tuple(marker.get("prefixes", ())))

@@ -82,7 +82,7 @@ def test_each_trajectory_is_scored_by_its_domains_teacher(tiny_model_dir, teache
         gap = sum(
             float(b[0]) - float(s[0])
             for r in mine
-            for b, s in zip(r.opd_behavior_logprobs, r.teacher_logprobs)
+            for b, s in zip(r.opd_behavior_logprobs, r.teacher_logprobs, strict=True)
         )
         tokens = sum(len(r.completion_ids) for r in mine)
         assert metrics[f"opd/kl_tokens/domain/{domain}"] == tokens
@@ -167,3 +167,14 @@ def test_gap_tally_by_hand():
 def test_config_refuses(fields, match):
     with pytest.raises(ValueError, match=match):
         OpdConfig(**fields)
+
+
+def test_teacher_paths_in_a_file_are_relative_to_it(tmp_path):
+    from asyncrl.config_load import load_config
+
+    (tmp_path / "job.toml").write_text(
+        '[opd]\nenabled = true\nteachers = [{ name = "a", path = "teachers/a", domains = ["x"] }, '
+        '{ name = "b", path = "self" }, { name = "c", path = "/abs/c", domains = ["y"] }]\n'
+    )
+    paths = [t.path for t in load_config(tmp_path / "job.toml").opd.teachers]
+    assert paths == [str(tmp_path / "teachers" / "a"), "self", "/abs/c"]
