@@ -1,8 +1,9 @@
 """Guided rollouts for prompts nobody solves (`sampling.guidance`), on the generator's side.
 
 Place in the data flow: the generator service's scorer (`scoring.py`) keeps one `GuidanceBook`.
-When a group completes, `observe` counts, per prompt (`PromptTask.dataset_index`), the groups in a
-row whose *unguided* samples all scored below `pass_reward`. When a task arrives for a prompt at
+When a group completes, `observe` counts, per prompt (its rendered ids: the same prompt whatever
+stream index or epoch rendered it), the groups in a row whose *unguided* samples all scored below
+`pass_reward`. When a task arrives for a prompt at
 `after_failures` or more, `plan` guides its last `samples` members: each is drawn from a variant
 of the task whose prompt ends with the first ceil(prefix_fraction x |s|) tokens of the task's
 worked solution s (`Problem.solution`, the privileged context self-distillation also reads; the
@@ -13,10 +14,10 @@ and counted in `Trajectory.guided_prefix`). The learner takes the group's baseli
 unguided members and treats the prefix as `sampling.guidance.prefix_loss` says
 (`learner/guidance.py`).
 
-The count is this generator's own (minimal, not checkpointed): a prompt whose groups go to
-several generators is counted by each apart, and a restarted generator starts from zero. With
-guidance off the book still counts (it guides nothing), so a run without guidance reports the same
-figures. `summary()` (written to the run directory at exit) says how many prompts reached the
+The count is this generator's own (minimal, not checkpointed; the launcher's per-prompt record,
+`scheduler/prompt_stats.py`, is not visible here): a prompt whose groups go to several generators
+is counted by each apart, and a restarted generator starts from zero. A run that should count
+without guiding (a baseline) sets `after_failures` past its number of steps. `summary()` (written to the run directory at exit) says how many prompts reached the
 failure count, how many of those an unguided sample solved later, and the guided samples' count
 and rewards against the unguided ones'.
 """
@@ -58,7 +59,7 @@ class GuidanceBook:
     section: Any  # sampling.guidance
     task: Any = None  # the run's Task (solutions), built on first use when guidance is on
     tokenizer: Any = None
-    prompts: dict[int, PromptRecord] = field(default_factory=dict)
+    prompts: dict[tuple[int, ...], PromptRecord] = field(default_factory=dict)  # by prompt ids
     samples: dict[str, list[float]] = field(default_factory=lambda: {"guided": [], "unguided": []})
 
     @property
@@ -68,7 +69,7 @@ class GuidanceBook:
     def plan(self, task: PromptTask) -> tuple[PromptTask, list[Draw]]:
         """The task to feed (its unguided members) and the guided members' draws (none when the
         prompt is not failing, or guidance is off)."""
-        rec = self.prompts.get(task.dataset_index)
+        rec = self.prompts.get(tuple(task.prompt_ids))
         if not self.enabled or rec is None or rec.failures < self.section.after_failures:
             return task, []
         prefix = self.solution_prefix(task)
@@ -102,7 +103,7 @@ class GuidanceBook:
             kind = "guided" if r.guided_prefix else "unguided"
             self.samples[kind].append(r.reward)
             passed = passed or (not r.guided_prefix and r.reward >= self.section.pass_reward)
-        rec = self.prompts.setdefault(task.dataset_index, PromptRecord())
+        rec = self.prompts.setdefault(tuple(task.prompt_ids), PromptRecord())
         if passed:
             rec.solved_after = rec.solved_after or rec.failing
             rec.failures = 0

@@ -138,9 +138,10 @@ def _two_reward_samples(model, parts):
     return out
 
 
-def _step(tiny_model_dir, samples, advantage, weights=()):
-    import dataclasses
-
+def one_step(tiny_model_dir, samples, *sets, group_size, objective=lambda o: o):
+    """One whole-batch learner step (float64 tiny model, fresh from its seed) on `samples` under
+    the default config with `sets`, the objective passed through `objective`; returns the
+    parameters after the update and the step's result (also used by test_guided.py)."""
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config_load import load_config
@@ -151,18 +152,31 @@ def _step(tiny_model_dir, samples, advantage, weights=()):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=F64)
     cfg = load_config(
-        overrides=["learner.samples_per_group=2", "staleness.max_staleness=2", "learner.streaming=off"]
+        overrides=[
+            f"learner.samples_per_group={group_size}",
+            "staleness.max_staleness=2",
+            "learner.streaming=off",
+            *sets,
+        ]
     )
-    objective = dataclasses.replace(Objective.from_config(cfg), advantage=advantage, reward_weights=weights)
     trainer = Trainer(
-        model, objective, check_staleness_policy(cfg.staleness), lr=1e-2, weight_decay=0.0,
-        max_grad_norm=1e9, temperature=1.0, pad_token_id=0, group_size=2, micro_batch_size=256,
-        max_open_groups=4, max_staleness=2,
+        model, objective(Objective.from_config(cfg)), check_staleness_policy(cfg.staleness), lr=1e-2,
+        weight_decay=0.0, max_grad_norm=1e9, temperature=1.0, pad_token_id=0, group_size=group_size,
+        micro_batch_size=256, max_open_groups=4, max_staleness=2,
     )  # fmt: skip
     trainer.begin_step(6)
     trainer.batch_backward(samples)
     result = trainer.finish_step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]), result, trainer
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), result
+
+
+def _step(tiny_model_dir, samples, advantage, weights=()):
+    import dataclasses
+
+    def choose(objective):
+        return dataclasses.replace(objective, advantage=advantage, reward_weights=weights)
+
+    return one_step(tiny_model_dir, samples, group_size=2, objective=choose)
 
 
 def test_learner_step_with_gdpo_normalises_each_reward(tiny_model_dir):
@@ -176,16 +190,16 @@ def test_learner_step_with_gdpo_normalises_each_reward(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=F64)
     parts = [[[1, 0], [0, 0]], [[1, 1], [0, 0]]]
     samples = _two_reward_samples(model, parts)
-    gdpo, result, trainer = _step(tiny_model_dir, samples, "gdpo", (1.0, 1.0))
+    gdpo, result = _step(tiny_model_dir, samples, "gdpo", (1.0, 1.0))
     a, b = math.sqrt(3 / 10), math.sqrt(6 / 5)
     expected = [a, -a, b, -b]
     reference = [dataclasses_replace(s, reward=expected[i]) for i, s in enumerate(samples)]
-    ref, ref_result, _ = _step(tiny_model_dir, reference, "dr_grpo")
+    ref, ref_result = _step(tiny_model_dir, reference, "dr_grpo")
     # (equal up to GDPO's eps = 1e-6 in each std)
     assert result.loss == pytest.approx(ref_result.loss, rel=1e-5)
     assert result.grad_norm == pytest.approx(ref_result.grad_norm, rel=1e-5)
     torch.testing.assert_close(gdpo, ref, rtol=1e-5, atol=1e-7)
-    summed, summed_result, _ = _step(tiny_model_dir, samples, "grpo")
+    summed, summed_result = _step(tiny_model_dir, samples, "grpo")
     assert summed_result.grad_norm != pytest.approx(result.grad_norm, rel=1e-2)  # another update
 
 

@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.learner.advantages import GRPO_EPS, grpo_advantages
 from asyncrl.learner.guidance import guided_advantages, shaped_loss, shaped_weight
+from tests.unit.test_gdpo import one_step
 
 F64 = torch.float64
 
@@ -138,17 +139,11 @@ class _Spy:
 
 
 def _step(tiny_model_dir, samples, *sets, spy=None):
-    from asyncrl.config_load import load_config
-    from asyncrl.config_objective import check_staleness_policy
-    from asyncrl.learner.objective import Objective, RLObjective
-    from asyncrl.learner.trainer import Trainer
+    from asyncrl.learner.objective import RLObjective
 
-    model = _model(tiny_model_dir)
-    cfg = load_config(
-        overrides=["learner.samples_per_group=4", "staleness.max_staleness=2", "learner.streaming=off", *sets]
-    )
-    objective = Objective.from_config(cfg)
-    if spy is not None:
+    def spied(objective):
+        if spy is None:
+            return objective
 
         @dataclasses.dataclass(frozen=True, kw_only=True)
         class Spied(RLObjective):
@@ -157,16 +152,9 @@ def _step(tiny_model_dir, samples, *sets, spy=None):
                 spy.calls.append((rewards_GN, guided_GN, out[0]))
                 return out
 
-        objective = Spied(**{f.name: getattr(objective, f.name) for f in dataclasses.fields(objective)})
-    trainer = Trainer(
-        model, objective, check_staleness_policy(cfg.staleness), lr=1e-2, weight_decay=0.0,
-        max_grad_norm=1e9, temperature=1.0, pad_token_id=0, group_size=4, micro_batch_size=256,
-        max_open_groups=4, max_staleness=2,
-    )  # fmt: skip
-    trainer.begin_step(6)
-    trainer.batch_backward(samples)
-    result = trainer.finish_step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]), result
+        return Spied(**{f.name: getattr(objective, f.name) for f in dataclasses.fields(objective)})
+
+    return one_step(tiny_model_dir, samples, *sets, group_size=4, objective=spied)
 
 
 GUIDED = "sampling.guidance.enabled=true"
@@ -309,10 +297,9 @@ def test_a_prompt_is_guided_after_its_failures_and_counted_when_solved():
     variant = draws[0].task
     assert variant.prompt_ids == [*map(ord, "12+39="), ord("5")] and variant.guided_prefix == 1
     # A guided success does not count as the policy's: still failing.
-    book.observe(
-        variant, [_rollout(variant, k, 0.0) for k in range(3)] + [_rollout(variant, 3, 1.0, prefix=1)]
-    )
-    assert book.prompts[7].failures == 3 and not book.prompts[7].solved_after
+    book.observe(task, [_rollout(task, k, 0.0) for k in range(3)] + [_rollout(variant, 3, 1.0, prefix=1)])
+    (rec,) = book.prompts.values()
+    assert rec.failures == 3 and not rec.solved_after
     book.observe(task, [_rollout(task, 0, 1.0)] + [_rollout(task, k, 0.0) for k in range(1, 4)])
     summary = book.summary()
     assert summary["prompts_failing"] == 1 and summary["guided_and_solved_later"] == 1
