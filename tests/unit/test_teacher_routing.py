@@ -178,3 +178,27 @@ def test_teacher_paths_in_a_file_are_relative_to_it(tmp_path):
     )
     paths = [t.path for t in load_config(tmp_path / "job.toml").opd.teachers]
     assert paths == [str(tmp_path / "teachers" / "a"), "self", "/abs/c"]
+
+
+def test_shared_teacher_processes_and_their_addresses():
+    from asyncrl.generators.teacher_routing import join_endpoints, service_teachers, split_endpoints
+
+    one = OpdConfig(enabled=True, placement="service")
+    assert service_teachers(one, peer="opd-teacher") == {"opd-teacher": ""}
+    assert service_teachers(OpdConfig(enabled=True), peer="opd-teacher") == {}
+    several = OpdConfig(
+        enabled=True,
+        placement="service",
+        teachers=[TeacherSpec(name="a", domains=["x"]), TeacherSpec(name="me", path="self")],
+    )
+    assert service_teachers(several, peer="opd-teacher") == {
+        "opd-teacher-a": "a"
+    }  # "self" scores in the generator
+    assert join_endpoints({"": "tcp://h:1"}) == "tcp://h:1"
+    joined = join_endpoints({"b": "tcp://h:2", "a": "tcp://h:1"})
+    assert joined == "a=tcp://h:1;b=tcp://h:2"
+    assert split_endpoints(joined) == {"a": "tcp://h:1", "b": "tcp://h:2"}
+    with pytest.raises(ValueError, match="not name=address"):
+        split_endpoints("tcp://h:1")
+    with pytest.raises(ValueError, match="only 'self'"):
+        OpdConfig(enabled=True, placement="service", teachers=[TeacherSpec(name="me", path="self")])
