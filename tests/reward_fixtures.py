@@ -114,3 +114,14 @@ def slow_ppid(sample: RewardInput) -> float:
     """As `slow`, then the parent pid of the process that scored it (which process started it)."""
     slow(sample)
     return float(os.getppid())
+
+
+def spin_pid(sample: RewardInput) -> float:
+    """Computes (a busy loop, no sleep) for the seconds its completion names ("spin:1.5"), then
+    returns the scoring process's pid: a reward that is slow, not hung."""
+    if sample.completion.startswith("spin:"):
+        # The workload under test (a reward that computes this long), not a synchronisation.
+        end = time.monotonic() + float(sample.completion.split(":")[1])
+        while time.monotonic() < end:
+            pass
+    return float(os.getpid())

@@ -16,7 +16,8 @@ pipe to idle workers (worker.py) -> one result frame per sample back -> `list[fl
   `invalid`; the worker carries on.
 - Pipes are non-blocking and read by `loop.add_reader`, so nothing blocks the event loop.
 - A hung call costs its timeout once, overlapped with everything else: a call running past
-  `slow_s` is presumed stuck; the samples queued behind it in its chunk go back to the front of
+  `slow_s` while its process sleeps or blocks (not runnable: /proc state other than R; a call
+  that computes is only slow, and more workers would only share the CPU) is presumed stuck; the samples queued behind it in its chunk go back to the front of
   the queue for other workers, and the pool starts workers beyond `workers` (up to `max_workers`)
   so that `workers` are free of stuck calls while work waits. Such a worker is retired once its
   call ends (it would go on with the samples taken from it); extra workers retire when idle.
@@ -87,6 +88,18 @@ class _Worker:
     slow_timer: asyncio.TimerHandle | None = None
     stuck: bool = False  # its current call has run past `slow_s`
     robbed: bool = False  # samples of its chunk went to others: retire it when its call ends
+
+
+def _computing(pid: int) -> bool:
+    """Whether process `pid` is running or waiting for a CPU (state R in /proc) rather than
+    sleeping or blocked: a call that computes is slow, one that waits (a lock, a socket, a sleep)
+    is presumed stuck. False where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"R"
 
 
 class RewardPool:
@@ -346,6 +359,10 @@ class RewardPool:
             return  # gone, or the results already in the pipe finished its chunk
         if self._loop is not None and self._loop.time() < w.call_started + self.slow_s:
             self._arm_slow(w)  # a result came in the pipe: a new call began
+            return
+        if _computing(w.proc.pid):  # slow, not stuck: more workers would only share the CPU
+            assert self._loop is not None
+            w.slow_timer = self._loop.call_later(self.slow_s, self._on_slow, w)
             return
         w.stuck = True
         self.num_stuck += 1

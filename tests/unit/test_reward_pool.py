@@ -294,3 +294,21 @@ def test_a_fork_server_that_died_leaves_the_pool_starting_interpreters():
 
     assert asyncio.run(main()) == [float(os.getpid())] * 3
     assert pool._server.off
+
+
+def test_a_call_that_computes_is_slow_not_stuck_and_the_pool_does_not_grow():
+    """A call past the stuck threshold whose process is running (not sleeping) is a slow reward:
+    more workers would only share the CPU, so its chunk stays with it and no worker is added."""
+    pool = RewardPool(
+        [RewardConfig(kind="tests.reward_fixtures:spin_pid")], workers=1, max_workers=4, timeout_s=30.0
+    )
+
+    async def main():
+        try:
+            await pool.run(0, [sample("warm")])
+            return await pool.run(0, [sample(c) for c in ["spin:2.5", "a", "bb", "ccc"]])
+        finally:
+            await pool.aclose()
+
+    pids = asyncio.run(main())
+    assert len(set(pids)) == 1 and pool.num_stuck == 0
