@@ -293,7 +293,12 @@ class GapTally:
 
 
 def gap_keys(router: Router | None, task: PromptTask, teacher_id: str) -> list[str]:
-    """The tallies a sample counts in: its teacher's and its domain's."""
+    """The tallies a sample counts in: its teacher's (several teachers) and its domain's (when
+    teachers are routed, or when the prompt has the field `opd.route_field` with one teacher)."""
     if router is None:
         return []
-    return [f"teacher/{teacher_id}", f"domain/{router.domain(task) or '-'}"]
+    keys = [f"teacher/{teacher_id}"] if teacher_id else []
+    domain = router.domain(task)
+    if domain != NO_DOMAIN or router.names:
+        keys.append(f"domain/{domain or '-'}")
+    return keys

@@ -146,7 +146,7 @@ class TorchGenerator:
 
             # One teacher, or several routed by domain (opd.teachers), each cached with opd.cache.
             self._teacher = build_teacher(ctx, lambda path, name: self._make_teacher(ctx, device, path, name))
-            self._router = Router.from_config(ctx.opd) if ctx.opd.teachers else None
+            self._router = Router.from_config(ctx.opd)  # domains for the gap, with one teacher too
             self._opd_samples = ctx.opd.samples_per_position
         if ctx.env is not None and ctx.env.kind:
             self._setup_episodes(ctx)

@@ -202,3 +202,13 @@ def test_shared_teacher_processes_and_their_addresses():
         split_endpoints("tcp://h:1")
     with pytest.raises(ValueError, match="only 'self'"):
         OpdConfig(enabled=True, placement="service", teachers=[TeacherSpec(name="me", path="self")])
+
+
+def test_gap_keys_with_one_teacher_and_several():
+    from asyncrl.generators.teacher_routing import gap_keys
+
+    one = Router.from_config(OpdConfig(enabled=True))
+    assert gap_keys(one, task(0, [1], domain="x"), "") == ["domain/x"]  # one teacher: by domain when known
+    assert gap_keys(one, task(0, [1]), "") == []
+    several = Router.from_config(OpdConfig(enabled=True, teachers=[TeacherSpec(name="a")]))
+    assert gap_keys(several, task(0, [1]), "a") == ["teacher/a", "domain/-"]
