@@ -283,3 +283,34 @@ def dataclasses_replace(sample, **changes):
     import dataclasses
 
     return dataclasses.replace(sample, **changes)
+
+
+def test_reward_parts_travel_from_the_scorer_to_the_learner_in_task_rewards_order():
+    # Two rewards, the second weighted 0.5: the scorer puts each one's unweighted value on the
+    # rollout in task.rewards order, the trajectory carries them, the learner's sample has them.
+    import asyncio
+
+    from asyncrl.learner.step import sample_from_message
+    from asyncrl.transport.codec import decode, encode, trajectory_frames
+    from tests.unit.test_sample_feed import rollout, scorer, task
+
+    rewards = (
+        'task.rewards=[{kind = "exact_match", name = "correct"}, '
+        '{kind = "regex", name = "digit", weight = 0.5, options = {pattern = "8"}}]'
+    )
+    s = scorer(rewards)
+    t = task(0, n=2)
+    s.open(t)
+
+    async def go():
+        try:
+            return await s.take([rollout(t, 0, text="7"), rollout(t, 1, text="8")])
+        finally:
+            await s.close()
+
+    v = asyncio.run(go())
+    got = {r.sample_index: (r.reward, r.reward_parts) for _, r in v.send}
+    assert got == {0: (1.0, [1.0, 0.0]), 1: (0.5, [0.0, 1.0])}
+    msg, frames = trajectory_frames(t, v.send[1][1], "gen-0", 0.1)
+    sample = sample_from_message(*decode(encode(msg, frames)))
+    assert list(sample.reward_parts) == [0.0, 1.0] and sample.reward == 0.5
