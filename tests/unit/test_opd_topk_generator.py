@@ -281,3 +281,19 @@ def test_a_horizon_teacher_scores_the_first_h_tokens_only(tiny_model_dir, teache
     half = got[0].logprobs.clone()
     half[0, 1] = float("nan")
     assert "finite" in _invalid_opd(ids[0][:, 0], [half, ids[0], torch.zeros(4, 2)], cfg)
+
+
+def test_the_torch_generator_gives_its_teacher_the_horizon(tiny_model_dir, teacher_dir):  # noqa: F811
+    """opd.horizon = 1 (fixed): every rollout's teacher rows past the first are NaN, the first finite."""
+    from asyncrl.config_sections import OpdConfig
+    from asyncrl.generators.torch_gen import TorchGenerator
+    from tests.conftest import set_up_generator
+
+    opd = OpdConfig(enabled=True, teacher=str(teacher_dir), num_samples=2, teacher_top_k=3, horizon=1)
+    gen = set_up_generator(TorchGenerator, tiny_model_dir, run_seed=5, opd=opd)
+    rollouts = gen.generate_sync(tasks(2))
+    assert any(len(r.completion_ids) > 1 for r in rollouts)
+    for r in rollouts:
+        teacher_TN, top_TK = torch.tensor(r.teacher_logprobs), torch.tensor(r.teacher_top_logprobs)
+        assert torch.isfinite(teacher_TN[0]).all() and torch.isfinite(top_TK[0]).all()
+        assert torch.isnan(teacher_TN[1:]).all() and torch.isnan(top_TK[1:]).all()
