@@ -297,3 +297,28 @@ def test_the_torch_generator_gives_its_teacher_the_horizon(tiny_model_dir, teach
         teacher_TN, top_TK = torch.tensor(r.teacher_logprobs), torch.tensor(r.teacher_top_logprobs)
         assert torch.isfinite(teacher_TN[0]).all() and torch.isfinite(top_TK[0]).all()
         assert torch.isnan(teacher_TN[1:]).all() and torch.isnan(top_TK[1:]).all()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["opd.reward=add", "opd.estimator=topk_forward_kl"],
+        ["opd.estimator=forward_kl", "opd.select=entropy", "opd.select_fraction=0.5"],
+    ],
+)
+def test_streamed_steps_on_the_union_cache_equal_the_batch_step(tiny_model_dir, teacher_dir, extra):  # noqa: F811
+    """The union cache in the learner's streaming paths (pure distillation, and the RL part plus
+    distillation): a streamed step's update equals the whole-batch step's (float64, 1e-10)."""
+    from tests.unit.test_trainer import _batch_step, _params, _stream_step
+
+    base = _model(tiny_model_dir)
+    samples = with_top_k(base, _model(teacher_dir), _samples(base, num_groups=2, seed=6))
+    sets = ["opd.enabled=true", "opd.teacher_top_k=22", *extra]
+    ref = copy.deepcopy(base)
+    batch = _batch_step(ref, samples, *sets)
+    model = copy.deepcopy(base)
+    trainer, streamed = _stream_step(model, samples, *sets, seed=1)
+    assert trainer.fallback == ""
+    torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
+    assert streamed.loss == pytest.approx(batch.loss, abs=1e-9)
+    assert not torch.equal(_params(ref), _params(base))
