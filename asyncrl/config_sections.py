@@ -122,7 +122,7 @@ class ScoringConfig(Section, frozen=True, kw_only=True):
 
     workers: PosInt = 2  # reward worker processes per generator
     timeout_s: PosFloat = 30.0  # one reward call longer than this is a failure (its worker is killed)
-    # While calls hang (run past 1 s, or half timeout_s), more workers start, up to this many, so
+    # While calls hang (wait past 0.25 s, or half timeout_s), more workers start, up to this many, so
     # a hung call holds up no other sample: it costs its timeout once, overlapped (rewards/pool.py).
     max_workers: PosInt = 64
     # A reward that raises or times out: "zero" scores that reward 0; "regenerate" samples the

@@ -48,10 +48,12 @@ from asyncrl.rewards.zygote import ForkedProc, ForkServer
 
 _MAX_CHUNK = 64  # samples per frame: large enough to amortise a frame, small enough to balance
 _CHUNKS_PER_WORKER = 4  # a batch is cut into about this many chunks per worker (load balance)
-# A call running this long (or half the timeout, if less) is presumed stuck: its chunk's other
-# samples go to other workers, and another worker may start. Reward calls are meant to take
-# milliseconds; a slow one that was only slow costs a worker restart, nothing else.
-_SLOW_CALL_S = 1.0
+# A call running this long (or half the timeout, if less) while its process is not computing is
+# presumed stuck: its chunk's other samples go to other workers, and another worker may start.
+# Reward calls are meant to take milliseconds; one that only waited long (a slow remote service)
+# costs a worker fork, nothing else. Every hang is found this long after its call began, so this
+# is what a hang costs beyond its timeout.
+_SLOW_CALL_S = 0.25
 
 
 @dataclass(eq=False)
