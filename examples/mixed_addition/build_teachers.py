@@ -78,15 +78,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
         model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32)
         pairs = demonstrations(operands, settings.num_demonstrations, seed=settings.seed, exclude=exclude)
-        sft(
-            model,
-            tokenizer,
-            pairs,
-            steps=args.steps,
-            batch_size=settings.batch_size,
-            lr=settings.lr,
-            seed=settings.seed,
-        )
+        recipe = {"batch_size": settings.batch_size, "lr": settings.lr, "seed": settings.seed}
+        sft(model, tokenizer, pairs, steps=args.steps, **recipe)
         out = args.out / name
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(out)
