@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,8 @@ from typing import Any
 import torch
 
 from asyncrl.messages import PromptTask
+
+log = logging.getLogger(__name__)
 
 # Bump when the key or the record layout changes: old records are then never read.
 CACHE_FORMAT = 1
@@ -179,6 +182,7 @@ class ScoreStore:
     def __init__(self, root: Path, identity: TeacherIdentity) -> None:
         self.identity = identity
         self.digest = identity.digest()
+        self.num_unreadable = 0  # damaged records found (each scored again and rewritten)
         self.dir = Path(root) / self.digest.hex()[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
         described = self.dir / "identity.json"
@@ -195,11 +199,16 @@ class ScoreStore:
         path = self.path(key)
         if not path.exists():
             return None
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iteration)
-        version = meta.get("teacher_version", "")
-        return from_record(tensors, meta["kind"]), (int(version) if version else None)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iteration)
+            version = meta.get("teacher_version", "")
+            return from_record(tensors, meta["kind"]), (int(version) if version else None)
+        except Exception as exc:  # a damaged file (disk full, truncated copy): scored again, rewritten
+            self.num_unreadable += 1
+            log.warning("opd.cache: record %s unreadable (%s); the teacher scores it again", path, exc)
+            return None
 
     def put(self, key: str, score: Any, version: int | None) -> None:
         from safetensors.torch import save

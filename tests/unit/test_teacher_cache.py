@@ -264,3 +264,17 @@ def test_prescore_refuses_extra_draws():
         check_prescore_config(cfg)
     with pytest.raises(ValueError, match=r"opd\.cache_dir = DIR"):
         check_prescore_config(load_config(None, ["opd.enabled=true"]))
+
+
+def test_a_damaged_record_is_scored_again(tmp_path):
+    store = ScoreStore(tmp_path, identity())
+    inner = Counting()
+    cached = CachingTeacher(inner, store, context=lambda t: t.prompt_ids)
+    ids = [torch.tensor([[3], [4]])]
+    first, _ = cached.score([task(0, PROMPTS[0])], ids)
+    key = record_key(store.digest, PROMPTS[0], ids[0])
+    store.path(key).write_bytes(store.path(key).read_bytes()[:20])  # truncated
+    again, _ = cached.score([task(0, PROMPTS[0])], ids)
+    assert inner.scored == [[0], [0]] and store.num_unreadable == 1
+    assert torch.equal(first[0].logprobs, again[0].logprobs)
+    assert store.get(key) is not None  # rewritten
