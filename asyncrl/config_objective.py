@@ -199,3 +199,9 @@ def _check_guidance(config: Config) -> None:
             f"{where} forces solution tokens into single-turn RL samples; it does not combine with "
             "opd.enabled or env.kind: turn one of them off"
         )
+    if config.generators.kind != "torch":
+        raise ConfigError(
+            f"{where} tokenizes each guided prefix with the generator's tokenizer, which the built-in "
+            f"torch generator gives and generators.kind = {config.generators.kind!r} does not: use "
+            "generators.kind = 'torch', or turn sampling.guidance off"
+        )

@@ -228,6 +228,8 @@ def test_shaped_prefix_adds_luffys_term_to_the_step(tiny_model_dir):
         (["staleness.vcpo_baseline=opob"], "vcpo_baseline"),
         (["sampling.guidance.prefix_loss=shaped", "learner.agg=seq-mean-token-mean"], "seq-mean-token-mean"),
         (["sampling.guidance.prefix_fraction=0"], "prefix_fraction"),
+        (["generators.kind=sglang"], "generators.kind"),
+        (["learner.advantage=gdpo"], "gdpo|task.rewards"),
     ],
 )
 def test_guidance_is_refused_at_load_where_it_cannot_hold(sets, match):
