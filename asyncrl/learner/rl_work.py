@@ -581,9 +581,13 @@ class OpobBatchWork(RLWork):
 
     def _one_pass(self) -> bool:
         """Whether the norms' backward is also the step's (one plain rank, one update on the
-        step-start model, no second loss term)."""
+        step-start model, no second loss term), which pays where the training forward would be
+        padded too: with shared prefixes a group's prompt runs once in the training forward,
+        and forming the gradient from the padded pieces costs more than that second forward
+        and backward (measured: docs/staleness.md)."""
         o = self.objective
-        return not self.engine.lockstep and o.minibatches == 1 and o.epochs == 1 and self.distill is None
+        one_update = o.minibatches == 1 and o.epochs == 1 and self.distill is None
+        return not self.engine.lockstep and one_update and not self.engine.actor.share_prefixes
 
     def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
         """The step-start log-probs of this rank's rows, from the forwards the norms' backward
@@ -599,10 +603,7 @@ class OpobBatchWork(RLWork):
                     logp = e.logp(e.actor, torch.full((1, 2), e.pad_token_id, dtype=torch.long))
                 self._kept.append((None, ghost, logp))
                 continue
-            pieces = [
-                torch.tensor(piece, dtype=torch.long, device=ids.device)
-                for piece in (e.pieces(part) if capture else [part])
-            ]
+            pieces = [torch.tensor(piece, dtype=torch.long, device=ids.device) for piece in e.pieces(part)]
             with self._ghost(len(pieces), capture=capture) as ghosts:
 
                 def forward(i: int, ghosts=ghosts, pieces=pieces) -> torch.Tensor:

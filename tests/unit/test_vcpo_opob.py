@@ -289,11 +289,13 @@ def test_the_optimal_baseline_accepts_per_trajectory_policies():
     assert policy.batch_global and not policy.batch_global_lr_only  # self-normalised weights
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize(("threads", "micro"), [(2, 256), (1, 8)])
-def test_one_pass_optimal_baseline_on_pieces_and_micro_batches(tiny_model_dir, threads, micro):
-    """The batched step trains from its norms' own backward (`OpobBatchWork._rows_backward`):
-    on 2 data-parallel threads (two pieces, each its own collector) and over several
-    micro-batches it equals the per-trajectory path (one backward per trajectory)."""
+def test_batched_optimal_baseline_on_pieces_and_micro_batches(tiny_model_dir, threads, micro, one_pass):
+    """The batched step, its norms' pieces on 2 data-parallel threads (each its own collector)
+    and over several micro-batches, trained from its norms' own backward (one pass, what it does
+    without shared prefixes) or by a second forward and backward: it equals the per-trajectory
+    path (one backward per trajectory)."""
     base = _model(tiny_model_dir)
     samples = _samples(base, num_groups=8, stale=0.5, seed=11)
     sets = OPOB["vcpo"]
@@ -301,7 +303,9 @@ def test_one_pass_optimal_baseline_on_pieces_and_micro_batches(tiny_model_dir, t
     with _per_trajectory():
         expected = _batch_step(ref, samples, *sets, threads=threads)
     model = copy.deepcopy(base)
-    got = _batch_step(model, samples, *sets, micro=micro, threads=threads)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("asyncrl.learner.rl_work.OpobBatchWork._one_pass", lambda self: one_pass)
+        got = _batch_step(model, samples, *sets, micro=micro, threads=threads)
     torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
     assert got.loss == pytest.approx(expected.loss, abs=1e-9)
     assert got.lr_scale == pytest.approx(expected.lr_scale, abs=1e-12)
