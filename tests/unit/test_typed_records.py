@@ -188,7 +188,7 @@ def test_summary_json_is_written_from_the_struct_nan_included(tmp_path):
     assert '"eval_before": NaN' in text  # as json.dumps wrote it before
     out = json.loads(text)
     # omitted where they do not apply
-    absent = ("evals_skipped", "evals_failed", "dataset_position", "canary", "error")
+    absent = ("evals_skipped", "evals_failed", "dataset_position", "canary", "teacher_cache", "error")
     assert list(out) == [k for k in summary_keys() if k not in absent]
 
 
