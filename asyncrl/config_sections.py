@@ -714,6 +714,12 @@ class OpdConfig(Section, frozen=True, kw_only=True):
                 "a teacher that follows the policy scores differently at every version, and its version-v "
                 "weights differ between runs, so its scores are never reused; turn opd.cache off"
             )
+        if self.horizon and self.horizon_schedule == "linear":
+            raise ValueError(
+                "opd.cache with opd.horizon_schedule = 'linear': the teacher scores a horizon that grows "
+                "with the policy version, which the cache's key does not hold, so a score cached at one "
+                "version would be reused at another; use a 'fixed' or 'gap' horizon, or turn opd.cache off"
+            )
 
 
 class StalenessConfig(Section, frozen=True, kw_only=True):

@@ -74,6 +74,9 @@ LEARNER_ONLY_KEYS = frozenset(
         "teachers",
         "route_field",
         "teacher",  # the teacher's identity is its files' content hash, not its path
+        "position_decay",
+        "teachability",
+        "horizon_gap",
     }
 )
 READ_CHUNK = 1 << 20

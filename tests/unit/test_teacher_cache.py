@@ -196,6 +196,10 @@ def test_a_resumed_generator_reuses_the_scores_bitwise(tiny_model_dir, teacher_d
             {"enabled": True, "teacher": "self", "self_weights": "ewma", "cache": True},
             r"self_weights = 'initial'",
         ),
+        (
+            {"enabled": True, "cache": True, "horizon": 2, "horizon_schedule": "linear"},
+            r"horizon_schedule = 'linear'",
+        ),
     ],
 )
 def test_config_refuses(fields, match):
