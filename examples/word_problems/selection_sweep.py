@@ -3,7 +3,8 @@ at equal sample budgets (every strategy admits the same groups of the same size 
 which prompt a group gets differs). Runs the launches one after another and prints a table of
 medians and spreads (docs/tasks.md, "Prompt selection", has the figures and the command).
 
-    python examples/word_problems/selection_sweep.py --out /tmp/sweep --rows 256 --steps 20 --seeds 1 2 3
+    python examples/word_problems/selection_sweep.py --out /tmp/sweep --rows 64 --steps 8 --seeds 1 2 3 \
+        --set learner.groups_per_step=16 --set task.num_eval=100
 
 `--rows N` trains on the first N rows of data/train.jsonl (a file written under --out), so that a
 short run sees each prompt several times, which is when a per-prompt record can matter; 0 = all
