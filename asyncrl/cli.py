@@ -470,9 +470,10 @@ def opd_prescore(
     try:
         cfg = load_config(config, set_ or [])
         from asyncrl.generators.prescore import check_prescore_config, prescore
+        from asyncrl.job import model_path
 
         check_prescore_config(cfg)
-        result = prescore(cfg, num_prompts=prompts)
+        result = prescore(cfg, model_path(cfg), num_prompts=prompts)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
     typer.echo(

@@ -722,6 +722,18 @@ class OpdConfig(Section, frozen=True, kw_only=True):
             )
 
 
+def scheduled_horizon(horizon: int, schedule: str, growth: int, horizon_max: int, version: int) -> int:
+    """opd.horizon at policy version `version` (0 = every position): `fixed` H, `linear`
+    min(H + growth * version, horizon_max or no limit), `gap` 0 here (the learner grows it from the
+    measured gap, which the generators do not see, so they score every position)."""
+    if horizon == 0 or schedule == "gap":
+        return 0
+    if schedule == "fixed":
+        return horizon
+    grown = horizon + growth * max(version, 0)
+    return min(grown, horizon_max) if horizon_max > 0 else grown
+
+
 class StalenessConfig(Section, frozen=True, kw_only=True):
     # Versions between the token's policy and the step that trains on it, at most. "auto": the
     # launcher moves the bound between 1 and max_staleness_cap from the learner's idle time and

@@ -483,6 +483,41 @@ class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
     checksum: str  # hex digest of the Welcome's `checksum_kind`
 
 
+# The shared OPD teachers of a run, as `WorkerArgs.teacher` names them.
+ENDPOINT_SEPARATOR = ";"
+
+
+def service_teachers(opd: Any, *, peer: str) -> dict[str, str]:
+    """Peer id -> teacher name ("" = opd.teacher) of each shared teacher process a run starts:
+    one for opd.teacher, or one per entry of opd.teachers that is not "self" (the policy scores in
+    its generator), with opd.placement = "service"; none otherwise."""
+    if not opd.teacher_service:
+        return {}
+    if not opd.teachers:
+        return {peer: ""}
+    return {f"{peer}-{t.name}": t.name for t in opd.teachers if t.path != "self"}
+
+
+def join_endpoints(endpoints: dict[str, str]) -> str:
+    """`WorkerArgs.teacher` of a generator: the one teacher's address, or "name=address;..."."""
+    if set(endpoints) <= {""}:
+        return endpoints.get("", "")
+    return ENDPOINT_SEPARATOR.join(f"{name}={address}" for name, address in sorted(endpoints.items()))
+
+
+def split_endpoints(text: str) -> dict[str, str]:
+    """The inverse of `join_endpoints` for several teachers: name -> address."""
+    out = {}
+    for item in filter(None, text.split(ENDPOINT_SEPARATOR)):
+        name, sep, address = item.partition("=")
+        if not sep or not name or not address:
+            raise ValueError(
+                f"WorkerArgs.teacher: {item!r} is not name=address (opd.teachers' shared teachers)"
+            )
+        out[name] = address
+    return out
+
+
 class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """What a worker process is started with besides its control address, peer id and run
     directory: one JSON argument on its command line (`asyncrl.runtime.worker_argv`), also written
@@ -494,7 +529,7 @@ class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     index: int = 0  # its slot's index (seeds its sampling)
     data: str = ""  # the learner's trajectory endpoint; "" until known (a DataEndpoint brings it)
     # the shared OPD teacher's address (opd.placement = "service"); with opd.teachers, every shared
-    # teacher's as "name=address;..." (teacher_routing.join_endpoints). A teacher process: the
+    # teacher's as "name=address;..." (`join_endpoints`). A teacher process: the
     # name of the opd.teachers entry it serves ("" = opd.teacher).
     teacher: str = ""
     files: str = ""  # the launcher's file socket, for a worker on a host without the weights root

@@ -60,18 +60,6 @@ class TeacherScoring(NamedTuple):
     top_logprobs: torch.Tensor | None = None  # float32 [T, K]
 
 
-def scheduled_horizon(horizon: int, schedule: str, growth: int, horizon_max: int, version: int) -> int:
-    """opd.horizon at policy version `version` (0 = every position): `fixed` H, `linear`
-    min(H + growth * version, horizon_max or no limit), `gap` 0 here (the learner grows it from the
-    measured gap, which the generators do not see, so they score every position)."""
-    if horizon == 0 or schedule == "gap":
-        return 0
-    if schedule == "fixed":
-        return horizon
-    grown = horizon + growth * max(version, 0)
-    return min(grown, horizon_max) if horizon_max > 0 else grown
-
-
 def score_prefixes(score, ids_TN: Sequence[torch.Tensor], horizon: int) -> list[TeacherScoring]:
     """`score(ids)` of each sample's first `horizon` positions only (0 = all), its answers padded
     back to T rows: NaN log-probs (and id 0 in the top-K) where the teacher did not score."""

@@ -85,7 +85,7 @@ def reference_ids(problem_text: str, tokenizer: Any) -> list[int]:
     return [*tokenizer(problem_text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
 
-def prescore(cfg: Any, *, num_prompts: int = 0, on_progress=None) -> PrescoreResult:
+def prescore(cfg: Any, policy_dir: Path, *, num_prompts: int = 0, on_progress=None) -> PrescoreResult:
     """Score the first `num_prompts` training prompts' reference completions (0 = one pass over
     a dataset task's training rows, or the run's learner.steps x learner.groups_per_step prompts)."""
     import torch
@@ -95,13 +95,11 @@ def prescore(cfg: Any, *, num_prompts: int = 0, on_progress=None) -> PrescoreRes
     from asyncrl.generators.teacher_routing import build_teacher
     from asyncrl.generators.teachers import ModelTeacher, SelfTeacher
     from asyncrl.generators.torch_gen import load_teacher
-    from asyncrl.job import model_path
     from asyncrl.tasks.base import make_task, prepare_task
 
     check_prescore_config(cfg)
     opd = cfg.opd
     started = time.perf_counter()
-    policy_dir = model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     task = make_task(cfg.task)
     prepare_task(task, tokenizer, groups_per_step=cfg.learner.groups_per_step)

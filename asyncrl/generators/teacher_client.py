@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import zmq
 
-from asyncrl.generators.teacher_routing import service_teachers, split_endpoints
-from asyncrl.messages import PromptTask, TeacherRequest, TeacherScores
+from asyncrl.messages import PromptTask, TeacherRequest, TeacherScores, service_teachers, split_endpoints
 from asyncrl.transport.codec import tensor_ref
 from asyncrl.transport.zmq_io import Endpoint
 

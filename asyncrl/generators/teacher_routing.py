@@ -133,40 +133,6 @@ def score_routed(teacher: Any, tasks: Sequence[PromptTask], ids_TN: Sequence[tor
 # ---------------------------------------------------------------------------- shared teacher processes
 # With opd.teachers, the generator's command line carries every shared teacher's address as
 # "name=address" items joined by this (addresses are tcp://host:port, never containing it).
-ENDPOINT_SEPARATOR = ";"
-
-
-def service_teachers(opd: Any, *, peer: str) -> dict[str, str]:
-    """Peer id -> teacher name ("" = opd.teacher) of each shared teacher process a run starts:
-    one for opd.teacher, or one per entry of opd.teachers that is not "self" (the policy scores in
-    its generator), with opd.placement = "service"; none otherwise."""
-    if not opd.teacher_service:
-        return {}
-    if not opd.teachers:
-        return {peer: ""}
-    return {f"{peer}-{t.name}": t.name for t in opd.teachers if t.path != "self"}
-
-
-def join_endpoints(endpoints: dict[str, str]) -> str:
-    """`WorkerArgs.teacher` of a generator: the one teacher's address, or "name=address;..."."""
-    if set(endpoints) <= {""}:
-        return endpoints.get("", "")
-    return ENDPOINT_SEPARATOR.join(f"{name}={address}" for name, address in sorted(endpoints.items()))
-
-
-def split_endpoints(text: str) -> dict[str, str]:
-    """The inverse of `join_endpoints` for several teachers: name -> address."""
-    out = {}
-    for item in filter(None, text.split(ENDPOINT_SEPARATOR)):
-        name, sep, address = item.partition("=")
-        if not sep or not name or not address:
-            raise ValueError(
-                f"WorkerArgs.teacher: {item!r} is not name=address (opd.teachers' shared teachers)"
-            )
-        out[name] = address
-    return out
-
-
 # ---------------------------------------------------------------------------- building
 def teacher_identity(path: str, *, opd: Any, dtype: str, policy_path: str):
     """The cache identity of a teacher at `path` ("" = the shipped one, "self" = the initial policy)."""

@@ -36,7 +36,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from asyncrl.generators.opd import TeacherScoring, scheduled_horizon, score_prefixes, teacher_scores
+from asyncrl.config_sections import scheduled_horizon
+from asyncrl.generators.opd import TeacherScoring, score_prefixes, teacher_scores
 from asyncrl.messages import PromptTask
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Teacher(Protocol):
 
 
 class Horizon(NamedTuple):
-    """opd.horizon as the teachers apply it (`opd.scheduled_horizon`)."""
+    """opd.horizon as the teachers apply it (`config_sections.scheduled_horizon`)."""
 
     horizon: int = 0
     schedule: str = "fixed"

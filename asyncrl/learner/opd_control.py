@@ -14,7 +14,7 @@ Per position t of a completion (t = 0, 1, ... counts its trained tokens), the we
 * H: the distillation horizon (opd.horizon; 0 = no horizon): tokens past the first H trained tokens
   of each completion are not distilled. "fixed" keeps H; "linear" is H + opd.horizon_growth x
   the step (the policy version the step trains at), a function of the version that the generators'
-  teachers apply too (`generators.opd.scheduled_horizon`: they score only the first H(v) tokens,
+  teachers apply too (`config_sections.scheduled_horizon`: they score only the first H(v) tokens,
   v <= the step); "gap" adds opd.horizon_growth after a step whose KL estimate over the distilled
   tokens, mean (log pi(y_t) - log pi_T(y_t)) at the sampled tokens, is <= opd.horizon_gap (the
   student has caught up on the prefix; the generators score every token). Both stop at
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.generators.opd import scheduled_horizon
+from asyncrl.config_sections import scheduled_horizon
 from asyncrl.staleness.freshness import freshness_score
 
 if TYPE_CHECKING:

@@ -42,7 +42,6 @@ import msgspec
 import zmq
 
 from asyncrl.config import Config
-from asyncrl.generators.teacher_routing import join_endpoints, service_teachers
 from asyncrl.messages import (
     PROTOCOL_VERSION,
     BroadcastPublished,
@@ -67,6 +66,8 @@ from asyncrl.messages import (
     WeightsLoaded,
     WeightsPublished,
     WorkerArgs,
+    join_endpoints,
+    service_teachers,
 )
 from asyncrl.models.hf import prompt_room
 from asyncrl.scheduler.canary import canary_for_run

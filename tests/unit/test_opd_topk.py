@@ -243,7 +243,7 @@ def test_horizon_stops_at_its_maximum_and_none_stays_none():
     [("fixed", 7, 3), ("linear", 0, 3), ("linear", 2, 7), ("linear", 9, 10), ("gap", 5, 0)],
 )
 def test_scheduled_horizon_is_a_function_of_the_version(schedule, version, want):
-    from asyncrl.generators.opd import scheduled_horizon
+    from asyncrl.config_sections import scheduled_horizon
 
     assert scheduled_horizon(3, schedule, 2, 10, version) == want
     control = DistillControl(horizon=3, schedule=schedule, growth=2, horizon_max=10)

@@ -235,7 +235,7 @@ def test_prescore_fills_the_keys_a_generator_looks_up(tiny_model_dir, teacher_di
             f'opd.cache_dir="{tmp_path / "cache"}"',
         ],
     )
-    first = prescore(cfg, num_prompts=6)
+    first = prescore(cfg, tiny_model_dir, num_prompts=6)
     assert (first.prompts, first.scored + first.already_cached) == (6, 6) and first.scored >= 1
     # A generator of the run that samples the reference completion finds it (no teacher call).
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -255,7 +255,7 @@ def test_prescore_fills_the_keys_a_generator_looks_up(tiny_model_dir, teacher_di
         torch.testing.assert_close(
             getattr(s, "logprobs", s), fresh_scores(teacher_dir, t.prompt_ids, x), atol=1e-5, rtol=0
         )
-    again = prescore(cfg, num_prompts=6)
+    again = prescore(cfg, tiny_model_dir, num_prompts=6)
     assert (again.scored, again.already_cached) == (0, 6)
 
 

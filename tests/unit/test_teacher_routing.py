@@ -181,7 +181,7 @@ def test_teacher_paths_in_a_file_are_relative_to_it(tmp_path):
 
 
 def test_shared_teacher_processes_and_their_addresses():
-    from asyncrl.generators.teacher_routing import join_endpoints, service_teachers, split_endpoints
+    from asyncrl.messages import join_endpoints, service_teachers, split_endpoints
 
     one = OpdConfig(enabled=True, placement="service")
     assert service_teachers(one, peer="opd-teacher") == {"opd-teacher": ""}
