@@ -214,7 +214,7 @@ def test_teacher_scores_equal_its_full_logits(chunk_size, batch_rows, budget_byt
         batch_rows=batch_rows,
         budget_bytes=budget_bytes,
     )
-    expected = _scores_from_logits(teacher, PROMPTS, cache, 0, 1.0, 32, 1 << 30)
+    expected = [s.logprobs for s in _scores_from_logits(teacher, PROMPTS, cache, 0, 1.0, 32, 1 << 30)]
     for g, e, ids_TN in zip(got, expected, cache, strict=True):
         assert g.dtype == torch.float32 and g.shape == ids_TN.shape and not g.requires_grad
         torch.testing.assert_close(g, e, rtol=0, atol=2e-6)
@@ -225,7 +225,7 @@ def test_teacher_with_soft_capped_logits_is_scored_from_its_logits():
     teacher.config.final_logit_softcapping = 30.0  # Qwen2 ignores it: only the path changes
     cache = _teacher_cache(41)
     got = teacher_logprobs(teacher, PROMPTS, cache, pad_token_id=0)
-    expected = _scores_from_logits(teacher, PROMPTS, cache, 0, 1.0, 32, 1 << 30)
+    expected = [s.logprobs for s in _scores_from_logits(teacher, PROMPTS, cache, 0, 1.0, 32, 1 << 30)]
     for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)
 
