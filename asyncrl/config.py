@@ -101,6 +101,8 @@ class Config(Section, frozen=True, kw_only=True):
                 f"sampling.selection = {self.sampling.selection!r} chooses among a finite training set, and the "
                 "addition task's stream is unbounded: use a dataset task, or sampling.selection = 'skip' or 'replay'"
             )
+        if self.sampling.selection == "domain_gap":
+            self._check_domain_gap()
         if self.env.kind and self.opd.enabled:
             raise ValueError(
                 "env.kind with opd.enabled is not supported yet: episodes carry no teacher scores; "
@@ -175,6 +177,20 @@ class Config(Section, frozen=True, kw_only=True):
 
             takers = " or ".join(repr(e.name) for e in POLICY_LOSSES.values() if e.dual_clip)
             raise ValueError(f"learner.dual_clip applies to loss {takers} only, not {lrn.loss!r}; remove it")
+
+    def _check_domain_gap(self) -> None:
+        """sampling.selection = "domain_gap" reads the distillation gap per domain (docs/opd.md)."""
+        opd, task = self.opd, self.task
+        if not opd.enabled or not opd.route_field:
+            raise ValueError(
+                "sampling.selection = 'domain_gap' draws domains by their distillation gap (opd/kl/domain/<d>): "
+                "it needs opd.enabled = true and opd.route_field naming the prompts' domain field"
+            )
+        if task.kind == "addition" or (task.kind == "dataset" and opd.route_field not in task.dataset.extra_fields):
+            raise ValueError(
+                f"sampling.selection = 'domain_gap' needs prompts carrying the field opd.route_field = "
+                f"{opd.route_field!r}: use a dataset task with {opd.route_field!r} in task.dataset.extra_fields"
+            )
 
     def _check_remote(self) -> None:
         gen = self.generators

@@ -186,14 +186,19 @@ class SamplingConfig(Section, frozen=True, kw_only=True):
     # selection"), from a per-prompt Beta pass-rate record: "uniform" (the task's stream, the
     # default), "skip" (passes over prompts estimated solved or hopeless, re-checked), "priority"
     # (Thompson sampling of p (1 - p)), "curriculum" (easiest unsolved first), "replay" (a share
-    # of the groups re-admits the most uncertain prompt). Never changes how many groups are admitted.
-    selection: Literal["uniform", "skip", "priority", "curriculum", "replay"] = "uniform"
+    # of the groups re-admits the most uncertain prompt), "domain_gap" (OPD with opd.route_field:
+    # each group's domain drawn by the domain's latest measured gap, opd/kl/domain/<d>, then the
+    # domain's next prompt in stream order). Never changes how many groups are admitted.
+    selection: Literal["uniform", "skip", "priority", "curriculum", "replay", "domain_gap"] = "uniform"
     selection_solved: Annotated[float, Meta(gt=0, lt=1)] = 0.9  # posterior mean >= this: solved
     selection_hopeless: Annotated[float, Meta(gt=0, lt=1)] = 0.1  # skip: posterior mean <= this: hopeless
     selection_recheck: PosInt = 4  # skip: a prompt passed over this many times in a row is re-checked
     selection_replay_fraction: Probability = 0.25  # replay: the share of groups that replay
     # replay: a prompt's estimate is uncertain while its posterior standard deviation is >= this
     selection_replay_std: Annotated[float, Meta(gt=0, lt=0.5)] = 0.1
+    # domain_gap: the share of groups spread uniformly over the domains (each domain's probability
+    # is at least this / number of domains), so no domain starves
+    selection_domain_floor: Probability = 0.2
 
     def __post_init__(self) -> None:
         self._check_selection()
@@ -220,6 +225,7 @@ SELECTION_OPTIONS = {
     "selection_recheck": ("skip",),
     "selection_replay_fraction": ("replay",),
     "selection_replay_std": ("replay",),
+    "selection_domain_floor": ("domain_gap",),
 }
 
 

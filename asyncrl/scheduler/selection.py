@@ -26,13 +26,20 @@ Strategies (`sampling.selection`, chosen once; docs/tasks.md, "Prompt selection"
               the groups re-admit the sampled prompt, not in flight, whose posterior standard
               deviation is largest and at least sampling.selection_replay_std (its estimate is
               still uncertain); with none that uncertain, the stream's next prompt.
-Random draws (priority) come from a generator seeded by run.seed whose state is checkpointed.
+  domain_gap  (distillation, several domains) each group's domain is drawn with probability
+              `domain_weights`: floor / D + (1 - floor) x gap_d / sum of gaps, gap_d the domain's
+              latest measured distillation gap (the generators' `opd/kl/domain/<d>`, clipped at 0;
+              floor = sampling.selection_domain_floor), uniform over the D domains until every
+              domain has a measurement (or while every gap is 0); then the domain's next prompt in
+              stream order. The domains are the values of opd.route_field over the training set.
+Random draws (priority, domain_gap) come from a generator seeded by run.seed whose state is
+checkpointed; domain_gap's gaps, cursors and counts are checkpointed with it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
@@ -45,8 +52,8 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
     from asyncrl.messages import PromptTask, TaskDone
 
-STRATEGIES = ("uniform", "skip", "priority", "curriculum", "replay")
-NEEDS_TRAINING_SET = ("priority", "curriculum")  # they choose among the N training prompts
+STRATEGIES = ("uniform", "skip", "priority", "curriculum", "replay", "domain_gap")
+NEEDS_TRAINING_SET = ("priority", "curriculum", "domain_gap")  # they choose among the N training prompts
 
 
 @runtime_checkable
@@ -169,22 +176,31 @@ class PrioritySelector(TrainingSetSelector):
         return int(np.argmax(signal))
 
     def state(self) -> dict:
-        s = self.rng.bit_generator.state
-        inner = s["state"]
-        return {
-            "state": str(inner["state"]),
-            "inc": str(inner["inc"]),
-            "has_uint32": int(s["has_uint32"]),
-            "uinteger": int(s["uinteger"]),
-        }
+        return rng_state(self.rng)
 
     def restore(self, state: dict) -> None:
-        self.rng.bit_generator.state = {
-            "bit_generator": "PCG64",
-            "state": {"state": int(state["state"]), "inc": int(state["inc"])},
-            "has_uint32": int(state["has_uint32"]),
-            "uinteger": int(state["uinteger"]),
-        }
+        restore_rng(self.rng, state)
+
+
+def rng_state(rng: np.random.Generator) -> dict:
+    """A PCG64 generator's state as JSON-safe values (its 128-bit integers as strings)."""
+    s = rng.bit_generator.state
+    inner = s["state"]
+    return {
+        "state": str(inner["state"]),
+        "inc": str(inner["inc"]),
+        "has_uint32": int(s["has_uint32"]),
+        "uinteger": int(s["uinteger"]),
+    }
+
+
+def restore_rng(rng: np.random.Generator, state: dict) -> None:
+    rng.bit_generator.state = {
+        "bit_generator": "PCG64",
+        "state": {"state": int(state["state"]), "inc": int(state["inc"])},
+        "has_uint32": int(state["has_uint32"]),
+        "uinteger": int(state["uinteger"]),
+    }
 
 
 class CurriculumSelector(TrainingSetSelector):
@@ -251,6 +267,90 @@ class ReplaySelector:
         self.cursor, self.count = int(state["cursor"]), int(state["count"])
 
 
+GAP_PREFIX = "opd/kl/domain/"  # a generator's per-domain gap (generators/teacher_routing.py GapTally)
+TOKENS_PREFIX = "opd/kl_tokens/domain/"  # the tokens behind it since its last report
+
+
+def domain_weights(domains: Sequence[str], gaps: Mapping[str, float], floor: float) -> np.ndarray:
+    """Each domain's probability: floor / D + (1 - floor) x max(gap_d, 0) / sum of them; uniform
+    (1 / D each) while a domain has no measurement or every clipped gap is 0."""
+    uniform = np.full(len(domains), 1.0 / len(domains))
+    if any(d not in gaps for d in domains):
+        return uniform
+    g = np.array([max(float(gaps[d]), 0.0) for d in domains])
+    total = g.sum()
+    if not total > 0:
+        return uniform
+    return floor * uniform + (1.0 - floor) * g / total
+
+
+class DomainGapSelector:
+    """Draws each group's domain by its latest measured distillation gap (`domain_weights`), then
+    takes the domain's next prompt in stream order."""
+
+    def __init__(
+        self, domain_of: Callable[[int], str], domains: Sequence[str], *, floor: float, seed: int
+    ) -> None:
+        self.domain_of = domain_of  # a stream index's domain (the prompt's opd.route_field value)
+        self.domains = list(domains)
+        self.floor = floor
+        self.rng = np.random.Generator(np.random.PCG64([seed, 39]))
+        self.gaps: dict[str, float] = {}  # domain -> its latest measured gap
+        self.cursors = dict.fromkeys(self.domains, 0)  # domain -> the next stream index to consider
+        self.chosen = dict.fromkeys(self.domains, 0)  # domain -> groups admitted for it
+
+    def observe(self, values: Mapping[str, float]) -> None:
+        """A generator's metric record: every domain gap measured on at least one token replaces
+        that domain's gap."""
+        for name, value in values.items():
+            domain = name[len(GAP_PREFIX) :] if name.startswith(GAP_PREFIX) else None
+            if domain in self.cursors and values.get(TOKENS_PREFIX + domain, 0) > 0:
+                self.gaps[domain] = float(value)
+
+    def weights(self) -> np.ndarray:
+        return domain_weights(self.domains, self.gaps, self.floor)
+
+    def next_index(self, domain: str) -> int:
+        """The domain's next stream index (each epoch holds every domain, so this ends within one)."""
+        index = self.cursors[domain]
+        while self.domain_of(index) != domain:
+            index += 1
+        self.cursors[domain] = index + 1
+        return index
+
+    def select(self, groups: Sequence[int]) -> list[int]:
+        chosen = []
+        for _ in groups:
+            cumulative = np.cumsum(self.weights())
+            k = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+            domain = self.domains[min(k, len(self.domains) - 1)]
+            self.chosen[domain] += 1
+            chosen.append(self.next_index(domain))
+        return chosen
+
+    def step_fields(self) -> dict:
+        """The step record's view: each domain's gap, probability now and groups admitted so far."""
+        return {
+            "domain_gap": {d: self.gaps[d] for d in self.domains if d in self.gaps},
+            "domain_weights": dict(zip(self.domains, self.weights().tolist(), strict=True)),
+            "domain_groups": dict(self.chosen),
+        }
+
+    def state(self) -> dict:
+        return {
+            "rng": rng_state(self.rng),
+            "gaps": dict(self.gaps),
+            "cursors": dict(self.cursors),
+            "chosen": dict(self.chosen),
+        }
+
+    def restore(self, state: dict) -> None:
+        restore_rng(self.rng, state["rng"])
+        self.gaps = {str(d): float(g) for d, g in state["gaps"].items()}
+        self.cursors = {d: int(state["cursors"].get(d, 0)) for d in self.domains}
+        self.chosen = {d: int(state["chosen"].get(d, 0)) for d in self.domains}
+
+
 class SelectionState(msgspec.Struct, kw_only=True, frozen=True):
     """The launcher checkpoint's `selection` field."""
 
@@ -301,8 +401,15 @@ class Selection:
             self.indices.pop(group_id, None)
         self.stats.groups_trained(groups)
 
+    def observe_metrics(self, values: Mapping[str, float]) -> None:
+        """A metric record reaching the launcher (domain_gap reads the generators' domain gaps)."""
+        observe = getattr(self.selector, "observe", None)
+        if observe is not None:
+            observe(values)
+
     def step_fields(self) -> dict:
-        return {"selection": self.strategy, **self.stats.step_fields()}
+        own = getattr(self.selector, "step_fields", dict)()
+        return {"selection": self.strategy, **self.stats.step_fields(), **own}
 
     def state(self) -> SelectionState:
         selector_state = getattr(self.selector, "state", dict)()
@@ -350,6 +457,13 @@ def make_selection(config: Config, task: Task) -> Selection:
                 "'uniform', 'skip' or 'replay'"
             )
         keys = [key_of(i) for i in range(num_train)]
+        if s.selection == "domain_gap":
+            return Selection(
+                s.selection,
+                domain_gap_selector(config, task, num_train),
+                stats,
+                reward_name=primary_reward(config),
+            )
     selectors: dict[str, Callable[[], Any]] = {
         "uniform": UniformSelector,
         "skip": lambda: SkipSelector(
@@ -366,3 +480,27 @@ def make_selection(config: Config, task: Task) -> Selection:
         ),
     }
     return Selection(s.selection, selectors[s.selection](), stats, reward_name=primary_reward(config))
+
+
+def domain_gap_selector(config: Config, task: Task, num_train: int) -> DomainGapSelector:
+    """The domain_gap selector over the training set's domains; ValueError when a training prompt
+    lacks the field opd.route_field."""
+    field = config.opd.route_field
+    cache: dict[int, str] = {}
+
+    def domain_of(index: int) -> str:
+        if index not in cache:
+            value = task.train_problem(index).extras.get(field)
+            if value is None:
+                raise ValueError(
+                    f"sampling.selection = 'domain_gap': training prompt {index} of task {config.task.kind!r} has no "
+                    f"field opd.route_field = {field!r} in its extras; give every prompt a domain (a dataset "
+                    f"task: {field!r} in each row and in task.dataset.extra_fields)"
+                )
+            cache[index] = str(value)
+        return cache[index]
+
+    domains = sorted({domain_of(i) for i in range(num_train)})
+    return DomainGapSelector(
+        domain_of, domains, floor=config.sampling.selection_domain_floor, seed=config.run.seed
+    )

@@ -544,7 +544,9 @@ class Launcher:
                     if not is_learner:
                         raise ValueError(f"learner metrics from {child.role} {peer}")
                     self.state.learner_metrics = msg.record
-                self.records.write("metrics", {"source": msg.source, **msg.values})
+                values = msg.values
+                self.dispatcher.selection.observe_metrics(values)  # domain_gap: the gap per domain
+                self.records.write("metrics", {"source": msg.source, **values})
             case Heartbeat():
                 pass
             case Fatal():
