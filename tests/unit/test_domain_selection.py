@@ -26,18 +26,19 @@ DOMAIN_GAP = [
     "opd.enabled=true",
     'task.dataset.extra_fields=["domain"]',
 ]
-M = 9  # training prompts; row r's domain: "a" for r % 3 == 0, "b" for 1, "c" for 2 (3 each)
+M = 9  # training prompts; row r's domain is ROW_DOMAINS[r]: runs of one domain, unevenly
+ROW_DOMAINS = "aabbbcacc"
 
 
 class DomainTask:
-    """Stream index i is row (i * 4) % M (a fixed reordering, so domains interleave unevenly)."""
+    """Stream index i is row i % M (every epoch the same order)."""
 
     num_train = M
     eval_problems: Sequence[Problem] = ()
 
     def train_problem(self, index: int) -> Problem:
-        row = (index * 4) % M
-        return Problem(index=index, prompt=f"q{row}", answer=str(row), extras={"domain": "abc"[row % 3]})
+        row = index % M
+        return Problem(index=index, prompt=f"q{row}", answer=str(row), extras={"domain": ROW_DOMAINS[row]})
 
     def render(self, problems: Sequence[Problem], tokenizer) -> list[list[int]]:
         return [[p.index, 7] for p in problems]
@@ -109,23 +110,9 @@ def test_each_domain_takes_its_next_prompt_in_stream_order():
 
 def test_a_generator_record_feeds_the_gaps_latest_measured_wins():
     sel = make()
-    record = GeneratorMetrics(
-        samples=1,
-        tokens=1,
-        busy_ratio=0.0,
-        version=0,
-        rejected_frames=0,
-        weights_load_errors=0,
-        weights_load_s=0.0,
-        weights_fetch_bytes=0,
-        weights_delta_fetches=0,
-        weights_refused_locations=0,
-        weights_network_bytes=0,
-        inflight_updates=0,
-        teacher_s=0.0,
-        teacher_version=-1,
-        opd={**gaps(a=0.5, b=0.25), "opd/kl/domain/z": 9.0, "opd/kl_tokens/domain/z": 3.0},
-    )
+    required = {f.name: 0 for f in msgspec.structs.fields(GeneratorMetrics) if f.required}
+    opd = {**gaps(a=0.5, b=0.25), "opd/kl/domain/z": 9.0, "opd/kl_tokens/domain/z": 3.0}
+    record = GeneratorMetrics(**required, opd=opd)
     sel.observe_metrics(record.values())
     assert sel.selector.gaps == {"a": 0.5, "b": 0.25}  # z is not a training domain
     sel.observe_metrics(gaps(a=0.125))
@@ -139,16 +126,18 @@ def test_a_generator_record_feeds_the_gaps_latest_measured_wins():
 B, N, STEPS = 2, 2, 8
 
 
+def sync_dispatcher(selection: Selection, resume_version: int = 0) -> Dispatcher:
+    mode = WindowMode(groups_per_step=B, max_staleness=0, total_steps=STEPS, resume_version=resume_version)
+    book = TaskBook(groups_per_step=B, samples_per_group=N)
+    sampling = SamplingParams(max_new_tokens=4)
+    return Dispatcher(
+        book=book, mode=mode, task=DomainTask(), sampling=sampling, max_staleness=0, selection=selection
+    )
+
+
 def drive(selection: Selection, versions: range, d: Dispatcher | None = None) -> tuple[Dispatcher, dict]:
     """Sync: plan each version, finish its tasks, feed a gap record, train the window."""
-    d = d or Dispatcher(
-        book=TaskBook(groups_per_step=B, samples_per_group=N),
-        mode=WindowMode(groups_per_step=B, max_staleness=0, total_steps=STEPS),
-        task=DomainTask(),
-        sampling=SamplingParams(max_new_tokens=4),
-        max_staleness=0,
-        selection=selection,
-    )
+    d = d or sync_dispatcher(selection)
     chosen: dict[int, int] = {}
     for v in versions:
         for task in d.plan(loaded_version=v, serving=["g"]).by_peer.get("g", []):
@@ -181,14 +170,7 @@ def test_a_resumed_run_draws_what_the_uninterrupted_one_does_gaps_included():
     resumed = make()
     resumed.restore(saved["selection"], where="test")
     assert resumed.selector.gaps == first.selector.gaps and resumed.selector.cursors == first.selector.cursors
-    d2 = Dispatcher(
-        book=TaskBook(groups_per_step=B, samples_per_group=N),
-        mode=WindowMode(groups_per_step=B, max_staleness=0, total_steps=STEPS, resume_version=4),
-        task=DomainTask(),
-        sampling=SamplingParams(max_new_tokens=4),
-        max_staleness=0,
-        selection=resumed,
-    )
+    d2 = sync_dispatcher(resumed, resume_version=4)
     d2.readmit(saved, resume_version=4)
     _, rest = drive(resumed, range(4, STEPS), d2)
     assert {**chosen, **rest} == whole_chosen
