@@ -33,7 +33,9 @@ Strategies (`sampling.selection`, chosen once; docs/tasks.md, "Prompt selection"
               domain has a measurement (or while every gap is 0); then the domain's next prompt in
               stream order. The domains are the values of opd.route_field over the training set.
 Random draws (priority, domain_gap) come from a generator seeded by run.seed whose state is
-checkpointed; domain_gap's gaps, cursors and counts are checkpointed with it.
+checkpointed; domain_gap's gaps, cursors and counts are checkpointed with it. domain_gap's gaps
+arrive with the generators' periodic metrics, so its choices in a launched run depend on when
+they arrive (a resume restores its state; it does not replay the uninterrupted run's reports).
 """
 
 from __future__ import annotations
@@ -456,14 +458,10 @@ def make_selection(config: Config, task: Task) -> Selection:
                 f"{config.task.kind!r} has none (no num_train); use a dataset task, or sampling.selection = "
                 "'uniform', 'skip' or 'replay'"
             )
+        if s.selection == "domain_gap":  # chooses by domain: no per-prompt keys
+            selector = domain_gap_selector(config, task, num_train)
+            return Selection(s.selection, selector, stats, reward_name=primary_reward(config))
         keys = [key_of(i) for i in range(num_train)]
-        if s.selection == "domain_gap":
-            return Selection(
-                s.selection,
-                domain_gap_selector(config, task, num_train),
-                stats,
-                reward_name=primary_reward(config),
-            )
     selectors: dict[str, Callable[[], Any]] = {
         "uniform": UniformSelector,
         "skip": lambda: SkipSelector(
