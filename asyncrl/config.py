@@ -186,7 +186,9 @@ class Config(Section, frozen=True, kw_only=True):
                 "sampling.selection = 'domain_gap' draws domains by their distillation gap (opd/kl/domain/<d>): "
                 "it needs opd.enabled = true and opd.route_field naming the prompts' domain field"
             )
-        if task.kind == "addition" or (task.kind == "dataset" and opd.route_field not in task.dataset.extra_fields):
+        if task.kind == "addition" or (
+            task.kind == "dataset" and opd.route_field not in task.dataset.extra_fields
+        ):
             raise ValueError(
                 f"sampling.selection = 'domain_gap' needs prompts carrying the field opd.route_field = "
                 f"{opd.route_field!r}: use a dataset task with {opd.route_field!r} in task.dataset.extra_fields"
