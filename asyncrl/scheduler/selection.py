@@ -41,6 +41,7 @@ they arrive (a resume restores its state; it does not replay the uninterrupted r
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -125,9 +126,9 @@ class SkipSelector:
         self.passed = {str(k): int(v) for k, v in state["passed"].items()}
 
 
-class TrainingSetSelector:
+class TrainingSetSelector(ABC):
     """A strategy choosing among the N training prompts (stream indices 0..N-1, the first epoch's
-    order), passing over those in flight."""
+    order), passing over those in flight; each strategy says which one is next (`pick`)."""
 
     def __init__(self, stats: PromptStats, keys: Sequence[str]) -> None:
         self.stats = stats
@@ -161,8 +162,9 @@ class TrainingSetSelector:
             chosen.append(index)
         return chosen
 
+    @abstractmethod
     def pick(self, a: np.ndarray, b: np.ndarray, n: np.ndarray, busy: np.ndarray) -> int:
-        raise NotImplementedError
+        """The next prompt's index, from every prompt's posterior (a, b), groups n and in-flight mask."""
 
 
 class PrioritySelector(TrainingSetSelector):
