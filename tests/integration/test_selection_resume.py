@@ -47,6 +47,13 @@ def test_a_resumed_sync_run_selects_the_prompts_of_the_uninterrupted_run(
     groups = range((STEPS - 1) * GROUPS)
     assert [got[j] for j in groups] == [expected[j] for j in groups]
     assert any(expected[j] != j for j in groups)  # replays happened: not the uniform stream
-    # A checkpoint the resumed launcher wrote itself: posteriors, selector state, group map.
-    assert selection_at(run_dir, 4) == selection_at(tmp_path / "whole", 4)
-    assert selection_at(run_dir, 4)["stats"]["records"]
+    # A checkpoint the resumed launcher wrote itself. The trained groups' posteriors are equal. How
+    # many groups were admitted but not yet trained when it was written depends on timing, so the
+    # group map must agree where both have a group, and the selector's state (its cursor, its random
+    # generator) must be equal whenever both had admitted the same groups.
+    mine, theirs = selection_at(run_dir, 4), selection_at(tmp_path / "whole", 4)
+    assert mine["stats"]["records"] and mine["stats"]["records"] == theirs["stats"]["records"]
+    shared = mine["indices"].keys() & theirs["indices"].keys()
+    assert all(mine["indices"][j] == theirs["indices"][j] for j in shared)
+    if mine["indices"].keys() == theirs["indices"].keys():
+        assert mine["selector"] == theirs["selector"]
