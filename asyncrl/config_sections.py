@@ -121,7 +121,9 @@ class ScoringConfig(Section, frozen=True, kw_only=True):
     """How rewards run in each generator, and what a failing reward costs."""
 
     workers: PosInt = 2  # reward worker processes per generator
-    timeout_s: PosFloat = 30.0  # one reward call longer than this is a failure (its worker is killed)
+    # A sample still unscored this long after it reached the reward pool (or half this after its call
+    # began, if later) is a failure: its worker is killed.
+    timeout_s: PosFloat = 30.0
     # While calls hang (wait past 0.25 s, or half timeout_s), more workers start, up to this many, so
     # a hung call holds up no other sample: it costs its timeout once, overlapped (rewards/pool.py).
     max_workers: PosInt = 64
@@ -199,9 +201,29 @@ class SamplingConfig(Section, frozen=True, kw_only=True):
     # domain_gap: the share of groups spread uniformly over the domains (each domain's probability
     # is at least this / number of domains), so no domain starves
     selection_domain_floor: Probability = 0.2
+    # How many samples each group gets (scheduler/budget.py; docs/tasks.md, "Rollout budgets"):
+    # "fixed" (learner.samples_per_group each, the default) or "uncertainty" (each step's
+    # groups_per_step x samples_per_group samples split over its groups in proportion to their
+    # prompts' expected p (1 - p) under the Beta record, budget_min..budget_max per group).
+    budget: Literal["fixed", "uncertainty"] = "fixed"
+    budget_min: Annotated[int, Meta(ge=2)] = 2  # "uncertainty": fewest samples in a group
+    budget_max: Annotated[int, Meta(ge=2)] = 16  # "uncertainty": most samples in a group
 
     def __post_init__(self) -> None:
         self._check_selection()
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        if self.budget == "fixed" and (self.budget_min, self.budget_max) != (2, 16):
+            raise ValueError(
+                "sampling.budget_min / budget_max apply with sampling.budget = 'uncertainty', and it is "
+                "'fixed': set sampling.budget = 'uncertainty', or leave them at their defaults"
+            )
+        if self.budget_min > self.budget_max:
+            raise ValueError(
+                f"sampling.budget_min = {self.budget_min} is above sampling.budget_max = {self.budget_max}: "
+                "a group's size must fit between them"
+            )
 
     def _check_selection(self) -> None:
         if self.selection_hopeless >= self.selection_solved:

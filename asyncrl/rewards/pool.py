@@ -9,9 +9,10 @@ pipe to idle workers (worker.py) -> one result frame per sample back -> `list[fl
   gets the parent's sys.path, so `pkg.mod:fn` paths import as they do in the parent. Once the
   pool's fork server (zygote.py, itself such an interpreter, with the rewards' modules imported)
   is ready, further workers are forked from it: milliseconds, not an interpreter start.
-- One result per sample pins a hang to one sample: a call running past `timeout_s` is a
-  `timeout` failure, its worker is SIGKILLed and replaced, and the rest of its chunk re-queued.
-  The clock starts when the worker reports ready, so slow start-up imports are not a timeout.
+- One result per sample pins a hang to one sample: a call still running `timeout_s` after its
+  sample reached the pool (`run()`), or half that after the call began if later, is a `timeout`
+  failure; its worker is SIGKILLed and replaced, and the rest of its chunk re-queued. Start-up
+  has its own bound, so slow start-up imports are not a timeout.
 - A reward that raises is a `raised` failure, one that returns a non-finite or non-number value
   `invalid`; the worker carries on.
 - Pipes are non-blocking and read by `loop.add_reader`, so nothing blocks the event loop.
@@ -64,6 +65,7 @@ class _Job:
     results: list[Any]
     remaining: int
     future: asyncio.Future
+    submitted: float  # when run() was called, on the loop's clock: the samples' timeouts count from it
 
 
 @dataclass(eq=False)
@@ -167,7 +169,7 @@ class RewardPool:
             return []
         loop = asyncio.get_running_loop()
         self._bind(loop)
-        job = _Job(samples, [None] * len(samples), len(samples), loop.create_future())
+        job = _Job(samples, [None] * len(samples), len(samples), loop.create_future(), loop.time())
         size = max(1, min(_MAX_CHUNK, -(-len(samples) // (self.num_workers * _CHUNKS_PER_WORKER))))
         for first in range(0, len(samples), size):
             positions = list(range(first, min(first + size, len(samples))))
@@ -470,10 +472,20 @@ class RewardPool:
         if job.remaining == 0:
             job.future.set_result(job.results)
 
+    def _deadline(self, w: _Worker) -> float:
+        """When `w`'s current call (or start-up) is cut off, on the loop's clock. A call ends
+        `timeout_s` after its sample reached the pool, so samples queued behind a hang (found only
+        `slow_s` after its call began) do not push their own hangs' ends later: a batch's hangs
+        end together. A call that began late still runs at least half the timeout."""
+        if not w.ready:
+            return w.call_started + self.startup_timeout_s
+        if w.task is None:
+            return w.call_started + self.timeout_s
+        return max(w.task.job.submitted + self.timeout_s, w.call_started + self.timeout_s / 2)
+
     def _arm(self, w: _Worker) -> None:
         if w.timer is None and self._loop is not None:
-            limit = self.timeout_s if w.ready else self.startup_timeout_s
-            w.timer = self._loop.call_at(w.call_started + limit, self._on_timer, w)
+            w.timer = self._loop.call_at(self._deadline(w), self._on_timer, w)
 
     def _on_timer(self, w: _Worker) -> None:
         w.timer = None
@@ -481,9 +493,8 @@ class RewardPool:
             return
         if w.ready and w.task is None:
             return  # idle; re-armed by the next chunk
-        limit = self.timeout_s if w.ready else self.startup_timeout_s
         assert self._loop is not None
-        if self._loop.time() < w.call_started + limit:
+        if self._loop.time() < self._deadline(w):
             self._arm(w)
         elif not w.ready:
             self._retire(w)

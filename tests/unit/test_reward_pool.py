@@ -233,6 +233,34 @@ def test_hung_calls_cost_their_timeout_once_overlapped_not_one_after_another():
     assert num_after == 2  # the extra workers retired once idle
 
 
+def test_hangs_queued_behind_a_hang_end_at_the_same_deadline_as_it():
+    """Issue #36: each hang is found `slow_s` after its call began, so a hang queued behind another
+    began later and, with the clock started per call, ended later: a batch's hangs cost a timeout
+    plus a chain of detections. The clock starts when the batch reaches the pool: every hang of
+    the batch is cut off at the same instant, submission + timeout_s."""
+    pool = RewardPool([MISBEHAVE], workers=1, max_workers=8, timeout_s=4.0)
+    cut_at: list[tuple[float, float]] = []  # (the deadline applied, the job's submission)
+    fail_current = pool._fail_current
+
+    def spy(w, failure):
+        if failure.kind == "timeout":
+            cut_at.append((pool._deadline(w), w.task.job.submitted))
+        fail_current(w, failure)
+
+    pool._fail_current = spy
+
+    async def main():
+        try:
+            await pool.run(0, [sample("warm")])
+            return await pool.run(0, [sample(c) for c in ["hang", "hang", "hang", "a"]])
+        finally:
+            await pool.aclose()
+
+    results = asyncio.run(main())
+    assert [getattr(r, "kind", r) for r in results] == ["timeout", "timeout", "timeout", 1.0]
+    assert len(cut_at) == 3 and all(deadline == submitted + 4.0 for deadline, submitted in cut_at)
+
+
 def test_a_call_that_is_only_slow_keeps_its_value_and_the_rest_of_its_chunk_moves_on():
     pool = RewardPool(
         [RewardConfig(kind="tests.reward_fixtures:slow")], workers=1, max_workers=4, timeout_s=10.0
