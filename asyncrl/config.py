@@ -14,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from asyncrl.config_budget import check_budget
 from asyncrl.config_sections import (
     BufferConfig,
     ClusterConfig,
@@ -103,6 +104,8 @@ class Config(Section, frozen=True, kw_only=True):
             )
         if self.sampling.selection == "domain_gap":
             self._check_domain_gap()
+        if self.sampling.budget != "fixed":
+            check_budget(self)
         if self.env.kind and self.opd.enabled:
             raise ValueError(
                 "env.kind with opd.enabled is not supported yet: episodes carry no teacher scores; "

@@ -31,8 +31,8 @@ import msgspec
 # 6: WeightsPublished split into ShardsPublished | BroadcastPublished, each with its own fields;
 # 7: the weight-load canary (WeightsPublished.canary, WeightsLoaded.canary, WorkerArgs.canary_ids);
 # 8: Trajectory.reward_parts (per-reward values, GDPO) and Trajectory.guided_prefix (guided samples),
-# Trajectory fields at their defaults omitted on the wire
-PROTOCOL_VERSION = 8
+# Trajectory fields at their defaults omitted on the wire; 9: PromptTask.sample_stride (rollout budgets)
+PROTOCOL_VERSION = 9
 
 Role = Literal["scheduler", "generator", "learner", "monitor"]
 
@@ -95,6 +95,12 @@ class PromptTask(_Msg, frozen=True, kw_only=True):
     # A generator's own guided variant (sampling.guidance, generators/guidance.py; never sent): the
     # last `guided_prefix` of prompt_ids are a forced prefix of the worked solution. 0 otherwise.
     guided_prefix: int = 0
+    # Rollout budgets (sampling.budget): sample k's traj_id is group_id * sample_stride + k, the
+    # stride being sampling.budget_max, so groups of unequal sizes never share an id; 0 = num_samples.
+    sample_stride: int = 0
+
+    def traj_id(self, sample_index: int) -> int:
+        return self.group_id * (self.sample_stride or self.num_samples) + sample_index
 
 
 class PromptTasks(_Msg, frozen=True, kw_only=True):

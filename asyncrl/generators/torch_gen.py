@@ -280,7 +280,8 @@ class TorchGenerator:
                     self.apply_pending()  # nothing in flight: a safe point for new weights
                     draws = feed.take(sys.maxsize, max_groups=max_groups)
                     if draws:
-                        capacity = max_groups * draws[0].task.num_samples
+                        # rollout budgets: groups of unequal sizes; the largest sets the rows
+                        capacity = max_groups * max(d.task.num_samples for d in draws)
                         if sampler is None or params != draws[0].task.sampling:
                             params = draws[0].task.sampling
                             sampler = self._sampler(params)

@@ -13,6 +13,7 @@ that ulp by a tiny std would give a spurious non-zero advantage).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -78,9 +79,18 @@ def gdpo_advantages(
         .permute(0, 2, 1)
     )
     adv_GN = (norm_GNK * weights_K.to(norm_GNK.dtype)).sum(dim=2)
-    if not batch_norm or adv_GN.numel() < 2 or not bool(adv_GN.ne(0).any()):
-        return adv_GN
-    return adv_GN / (adv_GN.std(unbiased=unbiased) + eps)
+    return gdpo_batch_scale(adv_GN, eps=eps, unbiased=unbiased) if batch_norm else adv_GN
+
+
+def gdpo_batch_scale(
+    adv: torch.Tensor, *, eps: float = GRPO_EPS, unbiased: bool = True, members: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GDPO's batch normalisation: `adv` divided by the std of its `members` (bool, same shape;
+    None = every entry) plus eps; unchanged when fewer than 2 members or all are 0."""
+    values = adv if members is None else adv[members]
+    if values.numel() < 2 or not bool(values.ne(0).any()):
+        return adv
+    return adv / (values.std(unbiased=unbiased) + eps)
 
 
 def dr_grpo_advantages(rewards_GN: torch.Tensor) -> torch.Tensor:
@@ -157,13 +167,18 @@ def group_rewards(
     *,
     num_groups: int,
     group_size: int,
+    sizes_G: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scatter per-sequence rewards into [G, N]: sequence b goes to (group_B[b], slot_B[b])."""
+    """Scatter per-sequence rewards into [G, N]: sequence b goes to (group_B[b], slot_B[b]).
+
+    `sizes_G` (groups of unequal sizes, rollout budgets): group g fills slots 0..sizes_G[g]-1
+    exactly once, the rest are 0 (padding no estimator reads: `ragged_advantages`)."""
     count_GN = torch.zeros(num_groups, group_size, dtype=torch.long, device=reward_B.device)
     count_GN.index_put_((group_B, slot_B), torch.ones_like(group_B), accumulate=True)
-    if not bool((count_GN == 1).all()):
+    want_GN = torch.ones_like(count_GN) if sizes_G is None else valid_slots(sizes_G, group_size).long()
+    if not bool((count_GN == want_GN).all()):
         raise ValueError("group_rewards: every (group, slot) must be filled exactly once")
-    rewards_GN = torch.empty(num_groups, group_size, dtype=reward_B.dtype, device=reward_B.device)
+    rewards_GN = torch.zeros(num_groups, group_size, dtype=reward_B.dtype, device=reward_B.device)
     rewards_GN[group_B, slot_B] = reward_B
     return rewards_GN
 
@@ -176,3 +191,28 @@ def sequence_advantages(adv_GN: torch.Tensor, group_B: torch.Tensor, slot_B: tor
 def token_advantages(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """Broadcast a per-sequence advantage to its valid tokens (0 elsewhere)."""
     return torch.where(mask_BT, adv_B[:, None], 0.0)
+
+
+def valid_slots(sizes_G: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bool [G, N]: slot n of group g is a member (n < sizes_G[g])."""
+    return torch.arange(group_size, device=sizes_G.device)[None, :] < sizes_G[:, None]
+
+
+def ragged_advantages(
+    rewards_GN: torch.Tensor,
+    sizes_G: torch.Tensor,
+    estimate: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+    parts_GNK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(adv_GN, keep_GN) of groups of unequal sizes (rollout budgets): `estimate(rewards, parts)`
+    runs on each set of groups of one size n, over their own n members only (baselines, stds,
+    RLOO's n/(n-1) per group); padding slots get advantage 0 and keep False."""
+    adv_GN = torch.zeros_like(rewards_GN)
+    keep_GN = torch.zeros_like(rewards_GN, dtype=torch.bool)
+    for n in sorted(set(sizes_G.tolist())):
+        rows = (sizes_G == n).nonzero().squeeze(1)
+        parts = None if parts_GNK is None else parts_GNK[rows, :n]
+        adv, keep = estimate(rewards_GN[rows, :n], parts)
+        adv_GN[rows, :n] = adv.to(adv_GN.dtype)
+        keep_GN[rows, :n] = keep
+    return adv_GN, keep_GN

@@ -72,6 +72,12 @@ def canonical_chunk(config: Config) -> int:
     return window_size(lrn) if lrn.min_chunk == "auto" else lrn.min_chunk
 
 
+def sample_stride(config: Config) -> int:
+    """PromptTask.sample_stride of the run: sampling.budget_max with rollout budgets, else 0."""
+    s = config.sampling
+    return s.budget_max if s.budget == "uncertainty" else 0
+
+
 def load_policy_model(path: Path, config: Config) -> tuple[PolicyLM, object]:
     """The learner's policy on its device, wrapped for its ranks and precision (`parallel.py`),
     and the tokenizer. On a wrapped model every rank calls this, in the same order."""
@@ -183,6 +189,7 @@ class StepLoop:
         chunking: ChunkChoice | None = None,
         on_step_end: Callable[[StepSchedule], None] | None = None,
         canonical_chunk: int = 0,
+        sample_stride: int = 0,
     ) -> None:
         if min_chunk < 1:
             raise ValueError(f"min_chunk must be >= 1, got {min_chunk}")
@@ -217,6 +224,9 @@ class StepLoop:
         self.canonical_chunk = canonical_chunk
         self.canonical = canonical_chunk > 0
         self.next_id = 0  # canonical order: the traj id due next
+        # Rollout budgets (sampling.budget): traj ids are group_id * sample_stride + sample_index
+        # and groups differ in size; 0: a window's traj ids are consecutive.
+        self.sample_stride = sample_stride
 
     def add(self, step: int, sample: TrainSample) -> None:
         """Loop thread: a validated, deduplicated trajectory of `step` arrived."""
@@ -333,7 +343,8 @@ class StepLoop:
         trajectories arrived."""
         trainer = self.trainer
         min_chunk = self.chunking.min_chunk() if self.chunking is not None else self.min_chunk
-        self.next_id = step * expected  # window mode: the window's traj ids are consecutive
+        # window mode: the window's traj ids are consecutive (with budgets: its groups are)
+        self.next_id = step * (expected // trainer.group_size * self.sample_stride or expected)
         offered = 0
         draining = False  # a run of work started, continued while there is work
         while not self.stopping:
@@ -374,6 +385,8 @@ class StepLoop:
         if not self.canonical:
             fresh = self.inbox.pop(step, [])
             return [fresh] if fresh else []
+        if self.sample_stride:
+            return self._take_groups(step, expected)
         group = self.trainer.group_size
         size = -(-self.canonical_chunk // group) * group
         end = step * expected + expected
@@ -386,6 +399,34 @@ class StepLoop:
             chunks.append([by_id.pop(i) for i in ids])
             self.next_id = ids.stop
         self.inbox[step] = list(by_id.values())
+        return chunks
+
+    def _take_groups(self, step: int, expected: int) -> list[list[TrainSample]]:
+        """`_take` in canonical order with groups of unequal sizes (rollout budgets, traj ids
+        `group_id * sample_stride + sample_index`): chunks of ceil(canonical_chunk /
+        samples_per_group) whole groups in group order, each group's members by sample index,
+        a group complete once its own size's members are in."""
+        group_size = self.trainer.group_size
+        per_chunk = -(-self.canonical_chunk // group_size)
+        end = (step + 1) * (expected // group_size)
+        by_group: dict[int, list[TrainSample]] = {}
+        for s in self.inbox.get(step, ()):
+            by_group.setdefault(s.group_id, []).append(s)
+
+        def complete(gid: int) -> bool:
+            members = by_group.get(gid)
+            return bool(members) and len(members) == (members[0].group_size or group_size)
+
+        chunks = []
+        group = self.next_id // self.sample_stride
+        while group < end:
+            gids = range(group, min(group + per_chunk, end))
+            if not all(complete(g) for g in gids):
+                break
+            chunks.append([s for g in gids for s in sorted(by_group.pop(g), key=lambda s: s.sample_index)])
+            group = gids.stop
+        self.next_id = group * self.sample_stride
+        self.inbox[step] = [s for members in by_group.values() for s in members]
         return chunks
 
     def tail_s(self, step: int, begin: float, end: float) -> float:

@@ -46,10 +46,13 @@ import torch
 from asyncrl.learner.advantages import (
     dr_grpo_advantages,
     gdpo_advantages,
+    gdpo_batch_scale,
     grpo_advantages,
     k1_sequence_penalty,
     mc_grpo_advantages,
+    ragged_advantages,
     rloo_advantages,
+    valid_slots,
 )
 from asyncrl.learner.guidance import guided_advantages, shaped_loss
 from asyncrl.learner.kl import kl_loss
@@ -244,12 +247,38 @@ class RLObjective(Objective):
         rewards_GN: torch.Tensor,
         parts_GNK: torch.Tensor | None = None,
         guided_GN: torch.Tensor | None = None,
+        sizes_G: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(adv_GN, keep_GN): keep is False for MC-GRPO's pivot and for dropped degenerate groups.
 
         `parts_GNK`: each reward's unweighted value (task.rewards order), which "gdpo" needs (the
         whole batch: it renormalises over it); `guided_GN`: the guided members, whose group's
-        baseline comes from its unguided members (`guidance.guided_advantages`)."""
+        baseline comes from its unguided members (`guidance.guided_advantages`). `sizes_G`:
+        groups of unequal sizes (rollout budgets, padded [G, N]): each group over its own
+        members (`advantages.ragged_advantages`), GDPO's batch scale over every member."""
+        if sizes_G is None:
+            return self._equal_groups(rewards_GN, parts_GNK, guided_GN)
+        if guided_GN is not None and bool(guided_GN.any()):
+            raise ValueError("guided rollouts with rollout budgets are refused at load (config_budget.py)")
+        adv_GN, keep_GN = ragged_advantages(
+            rewards_GN,
+            sizes_G,
+            lambda rewards, parts: self._equal_groups(rewards, parts, None, batch_norm=False),
+            parts_GNK,
+        )
+        if self.advantage == "gdpo":
+            adv_GN = gdpo_batch_scale(adv_GN, members=valid_slots(sizes_G, rewards_GN.shape[1]))
+        return adv_GN, keep_GN
+
+    def _equal_groups(
+        self,
+        rewards_GN: torch.Tensor,
+        parts_GNK: torch.Tensor | None,
+        guided_GN: torch.Tensor | None,
+        *,
+        batch_norm: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`group_advantages` of groups of one size; `batch_norm`: GDPO's batch scale."""
         keep_GN = torch.ones_like(rewards_GN, dtype=torch.bool)
         if guided_GN is not None and bool(guided_GN.any()):
             adv_GN = guided_advantages(rewards_GN, guided_GN, advantage=self.advantage)
@@ -263,7 +292,9 @@ class RLObjective(Objective):
             mc = mc_grpo_advantages(rewards_GN)
             adv_GN, keep_GN = mc.adv_GN, ~mc.pivot_GN
         elif self.advantage == "gdpo":
-            adv_GN = gdpo_advantages(self._gdpo_parts(rewards_GN, parts_GNK), self._weights_K())
+            adv_GN = gdpo_advantages(
+                self._gdpo_parts(rewards_GN, parts_GNK), self._weights_K(), batch_norm=batch_norm
+            )
         else:
             raise ValueError(
                 f"learner.advantage {self.advantage!r} is not an estimator the learner knows; "

@@ -172,7 +172,11 @@ class RLWork:
     ) -> None:
         """h_P into the group's sums; the loss value waits for the group's advantages."""
         state.acc.add_trajectory(
-            h_P, num_tokens=trained_tokens(sample), group_id=sample.group_id, reward=sample.reward
+            h_P,
+            num_tokens=trained_tokens(sample),
+            group_id=sample.group_id,
+            reward=sample.reward,
+            group_size=sample.group_size or None,
         )
         state.note_streamed(sample, loss_value, on_arrival=on_arrival)
 
@@ -187,7 +191,10 @@ class RLWork:
         for g in gids:
             known = state.take_groups([g])
             state.acc.close_with_known(
-                g, [s.reward for s in known], num_tokens=sum(trained_tokens(s) for s in known)
+                g,
+                [s.reward for s in known],
+                num_tokens=sum(trained_tokens(s) for s in known),
+                group_size=state.size_of(g),
             )
 
     def _train_groups(self, state: StepState, gids: list[int]) -> None:
@@ -422,7 +429,7 @@ class RLWork:
                 dist.all_reduce(penalty_B)  # each row is one rank's: the others add zeros
                 penalty_B = penalty_B.cpu()
             rewards_B = rewards_B + penalty_B
-        shape = {"num_groups": whole.num_groups, "group_size": whole.group_size}
+        shape = {"num_groups": whole.num_groups, "group_size": whole.group_size, "sizes_G": whole.sizes_G}
         rewards_GN = group_rewards(rewards_B, whole.group_B, whole.slot_B, **shape)
         parts_GNK = guided_GN = None
         if self.objective.advantage == "gdpo":
@@ -437,6 +444,8 @@ class RLWork:
         if any(s.guided_prefix for s in samples):
             guided_B = torch.tensor([s.guided_prefix > 0 for s in samples])
             guided_GN = group_rewards(guided_B, whole.group_B, whole.slot_B, **shape)
+        if whole.sizes_G is not None:  # groups of unequal sizes (rollout budgets)
+            return self.objective.group_advantages(rewards_GN, parts_GNK, guided_GN, sizes_G=whole.sizes_G)
         return self.objective.group_advantages(rewards_GN, parts_GNK, guided_GN)
 
     def _rows_backward(

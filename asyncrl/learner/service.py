@@ -43,6 +43,7 @@ from asyncrl.learner.loop import (
     canonical_order,
     gradient_mode,
     load_policy_model,
+    sample_stride,
     window_size,
 )
 from asyncrl.learner.parallel import is_wrapped
@@ -158,6 +159,7 @@ class LearnerService:
                     else None
                 ),
                 canonical_chunk=canonical_chunk(cfg),
+                sample_stride=sample_stride(cfg),
                 on_step_end=ScheduleRecorder(self.ctx.run_dir).write if cfg.run.record_schedule else None,
             )
         )

@@ -113,8 +113,13 @@ class StepState:
         self.members[sample.group_id].append(sample)
         self.waiting[sample.group_id].append(sample)
         self.arrivals.append(sample)
-        if len(self.members[sample.group_id]) == self.group_size:
+        if len(self.members[sample.group_id]) == self.size_of(sample.group_id):
             self.completed.append(sample.group_id)
+
+    def size_of(self, gid: int) -> int:
+        """Group `gid`'s size: its members' (rollout budgets make them differ), else group_size."""
+        members = self.members.get(gid)
+        return (members[0].group_size if members else 0) or self.group_size
 
     def num_waiting(self) -> int:
         """Trajectories offered and not trained yet."""
@@ -125,7 +130,7 @@ class StepState:
 
     def closable(self) -> list[int]:
         """Complete groups with members still waiting (their advantages are known now)."""
-        return [g for g, w in self.waiting.items() if w and len(self.members[g]) == self.group_size]
+        return [g for g, w in self.waiting.items() if w and len(self.members[g]) == self.size_of(g)]
 
     def sorted_members(self, gid: int) -> list[TrainSample]:
         return sorted(self.members[gid], key=lambda s: s.sample_index)

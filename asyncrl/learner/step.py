@@ -49,6 +49,9 @@ class TrainSample:
     reward_parts: Sequence[float] = ()
     # Guided (sampling.guidance): this many leading completion tokens were forced, not sampled.
     guided_prefix: int = 0
+    # Its group's size (`Trajectory.num_samples`; rollout budgets make sizes differ); 0 = the
+    # learner's learner.samples_per_group.
+    group_size: int = 0
 
 
 class PackedBatch(NamedTuple):
@@ -60,8 +63,10 @@ class PackedBatch(NamedTuple):
     group_B: torch.Tensor  # dense group index 0..G-1
     slot_B: torch.Tensor  # sample index within the group
     num_groups: int
-    group_size: int
+    group_size: int  # the largest group's size
     lengths_B: torch.Tensor | None = None  # real tokens per row (prompt + completion)
+    # Each group's size when they differ (rollout budgets); None: every group has group_size.
+    sizes_G: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> PackedBatch:
         """The same batch with its tensors on `device` (no copy when they are there already)."""
@@ -97,13 +102,16 @@ def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
         reward=msg.reward,
         reward_parts=list(msg.reward_parts),
         guided_prefix=msg.guided_prefix,
+        group_size=msg.num_samples,
         **extra,
     )
 
 
 def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete: bool = True) -> PackedBatch:
     """Right-padded prompt + completion rows. With `require_complete`, every group present must
-    have the same number of samples (a whole step); without it, any members may be packed.
+    be complete: its own size (`TrainSample.group_size`) where the samples carry one, else the
+    same number of samples in every group (a whole step); without it, any members may be packed.
+    Groups of unequal sizes (rollout budgets) set `sizes_G`.
 
     Written with one scatter per field over the whole batch (not a copy per row): a streaming
     learner packs every chunk it trains (the cost of row copies: bench/README.md, "pack")."""
@@ -144,11 +152,24 @@ def pack(samples: Sequence[TrainSample], *, pad_token_id: int, require_complete:
     group_B = torch.tensor([group_index[s.group_id] for s in samples], dtype=torch.long)
     slot_B = torch.tensor([s.sample_index for s in samples], dtype=torch.long)
     group_size = max(sizes.values())
-    if require_complete and any(n != group_size for n in sizes.values()):
+    own = {s.group_id: s.group_size or group_size for s in samples}
+    if require_complete and any(n != own[g] for g, n in sizes.items()):
         raise ValueError(f"incomplete groups in batch: sizes {sorted(set(sizes.values()))}")
+    ragged = len(set(sizes.values())) > 1 or len(set(own.values())) > 1
+    sizes_G = torch.tensor([own[g] for g in group_index], dtype=torch.long) if ragged else None
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return PackedBatch(
-        ids, mask, behav, versions, rewards, group_B, slot_B, len(group_index), group_size, prompt_N + comp_N
+        ids,
+        mask,
+        behav,
+        versions,
+        rewards,
+        group_B,
+        slot_B,
+        len(group_index),
+        group_size,
+        prompt_N + comp_N,
+        sizes_G,
     )
 
 

@@ -103,6 +103,7 @@ class _OpenGroup:
     s1_P: torch.Tensor | None = None  # grpo only; allocated when a reward differs from the pivot
     num_tokens: int = 0
     weights: list[float] = field(default_factory=list)  # opob: W_i per streamed member
+    size: int | None = None  # its members (rollout budgets: each group its own); None: group_size
 
 
 def token_weight(mode: str, num_tokens: int) -> float:
@@ -263,11 +264,13 @@ class StreamingAccumulator:
         group_id: Hashable | None = None,
         reward: float | None = None,
         baseline_scale: float = 1.0,
+        group_size: int | None = None,
     ) -> GroupFold | None:
         """Add h_i = grad sum_t c_t logp_t (see `token_weight`; OPD: c_t A_t w_t) of one trajectory.
 
         `num_tokens` counts its completion tokens. Group estimators need `group_id` and `reward`;
         OPD takes neither. With the optimal baseline, W_i = ||h_i||^2 * `baseline_scale`.
+        `group_size`: this group's own size (rollout budgets; None: the accumulator's).
         Returns the fold record when this sample closes its group.
         Raises `OpenGroupLimitError` (and changes nothing) when it would open one group too many.
         """
@@ -287,7 +290,7 @@ class StreamingAccumulator:
         if not math.isfinite(reward):
             raise ValueError(f"reward must be finite, got {reward} (group {group_id!r})")
         if group_id in self._closed:
-            raise ValueError(f"group {group_id!r} already closed this step with {self.group_size} samples")
+            raise ValueError(f"group {group_id!r} already closed this step")
         group = self._open.get(group_id)
         if group is None:
             if self.max_open_groups is not None and len(self._open) >= self.max_open_groups:
@@ -295,7 +298,7 @@ class StreamingAccumulator:
                     f"{len(self._open)} groups open (max_open_groups={self.max_open_groups}); "
                     f"cannot open group {group_id!r} until one closes"
                 )
-            group = self._open[group_id] = _OpenGroup(pivot=float(reward))
+            group = self._open[group_id] = _OpenGroup(pivot=float(reward), size=group_size)
         self._num_trajectories += 1
         group.rewards.append(float(reward))
         group.num_tokens += num_tokens
@@ -314,9 +317,9 @@ class StreamingAccumulator:
                     group.s1_P = torch.zeros_like(group.s0_P)
                 group.s1_P.add_(h_P, alpha=shift)
             else:
-                self._step_sum().add_(h_P, alpha=self._mean_baseline_scale() * shift)
+                self._step_sum().add_(h_P, alpha=self._mean_baseline_scale(group) * shift)
         self._track_peak()
-        if len(group.rewards) == self.group_size:
+        if len(group.rewards) == self._size(group):
             return self._fold(group_id)
         return None
 
@@ -326,6 +329,7 @@ class StreamingAccumulator:
         rewards: Sequence[float],
         *,
         num_tokens: int,
+        group_size: int | None = None,
     ) -> GroupFold:
         """Close a group with its last members, whose advantages the caller computes from the
         group's complete rewards (the streamed members' plus `rewards`).
@@ -349,11 +353,11 @@ class StreamingAccumulator:
         if group is None:
             if not rewards:
                 raise ValueError(f"group {group_id!r}: no rewards")
-            group = self._open[group_id] = _OpenGroup(pivot=float(rewards[0]))
-        if len(group.rewards) + len(rewards) != self.group_size:
+            group = self._open[group_id] = _OpenGroup(pivot=float(rewards[0]), size=group_size)
+        if len(group.rewards) + len(rewards) != self._size(group):
             raise ValueError(
                 f"group {group_id!r}: {len(group.rewards)} streamed + {len(rewards)} known members, "
-                f"expected {self.group_size}"
+                f"expected {self._size(group)}"
             )
         if not all(math.isfinite(r) for r in rewards):
             raise ValueError(f"rewards must be finite (group {group_id!r})")
@@ -362,10 +366,15 @@ class StreamingAccumulator:
         self._num_trajectories += len(rewards)
         return self._fold(group_id)
 
-    def _mean_baseline_scale(self) -> float:
-        # RLOO: r_i - mean of the others = N/(N-1) (r_i - mu). A group of one is degenerate (A = 0).
-        if self.estimator == "rloo" and self.group_size is not None and self.group_size > 1:
-            return self.group_size / (self.group_size - 1)
+    def _size(self, group: _OpenGroup) -> int | None:
+        return group.size or self.group_size
+
+    def _mean_baseline_scale(self, group: _OpenGroup) -> float:
+        # RLOO: r_i - mean of the others = N/(N-1) (r_i - mu), N the group's own size. A group of
+        # one is degenerate (A = 0).
+        size = self._size(group)
+        if self.estimator == "rloo" and size is not None and size > 1:
+            return size / (size - 1)
         return 1.0
 
     def _fold(self, group_id: Hashable) -> GroupFold:
@@ -396,7 +405,7 @@ class StreamingAccumulator:
                     acc_P.add_(group.s1_P, alpha=scale)
                 acc_P.add_(group.s0_P, alpha=scale * (group.pivot - baseline))
             else:
-                acc_P.add_(group.s0_P, alpha=self._mean_baseline_scale() * (group.pivot - baseline))
+                acc_P.add_(group.s0_P, alpha=self._mean_baseline_scale(group) * (group.pivot - baseline))
         del self._open[group_id]
         self._closed.add(group_id)
         return GroupFold(group_id, kept, degenerate, num_samples, mean, std, baseline)

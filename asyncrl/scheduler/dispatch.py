@@ -16,7 +16,8 @@ send, so a generator restarted meanwhile is never picked and its tasks are re-qu
 Prompts come from the task seam (`asyncrl/tasks/base.py`): group j is `task.train_problem(i)`,
 i the stream index the run's selection chooses (`scheduler/selection.py`, `sampling.selection`;
 uniform, the default: i = j; a group re-admitted on resume gets the index it had), and each
-finished task's rewards go into the per-prompt record (`done(..., result=TaskDone)`); prompts are
+finished task's rewards go into the per-prompt record (`done(..., result=TaskDone)`); each
+group's size is the selection's budget (`scheduler/budget.py`, `sampling.budget`); prompts are
 rendered to token ids by `task.render`, a whole dispatch in one call; with `privileged`
 (self-distillation, opd.teacher = "self") also by `task.privileged_render`, for the policy to
 score its completions under (`PromptTask.privileged_ids`).
@@ -126,26 +127,28 @@ class Dispatcher:
             return []
         indices = self.selection.choose(groups)
         problems = [self.task.train_problem(i) for i in indices]
+        sizes = self.selection.sizes(groups, [prompt_key(p) for p in problems], self.book.samples_per_group)
         prompt_ids = self.task.render(problems, self.tokenizer)
         privileged: list[list[int]] = [[] for _ in problems]
         if self.privileged:
             privileged = self.task.privileged_render(problems, self.tokenizer)  # type: ignore[attr-defined]
         tasks = []
-        for j, index, problem, ids, privileged_ids in zip(
-            groups, indices, problems, prompt_ids, privileged, strict=True
+        for j, index, problem, ids, privileged_ids, size in zip(
+            groups, indices, problems, prompt_ids, privileged, sizes, strict=True
         ):
             self.check_room(index, ids, privileged_ids)
             task = PromptTask(
                 task_id=j,
                 group_id=j,
                 prompt_ids=ids,
-                num_samples=self.book.samples_per_group,
+                num_samples=size,
                 sampling=self.sampling,
                 dataset_index=index,
                 window=self.mode.task_window(j, loaded_version=loaded_version),
                 answer=problem.answer,
                 extras=dict(problem.extras),
                 privileged_ids=privileged_ids,
+                sample_stride=self.book.stride,
             )
             self.book.admit(task)
             self.selection.admitted(task, prompt_key(problem))

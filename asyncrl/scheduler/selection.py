@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 import numpy as np
 
+from asyncrl.scheduler.budget import Budget, expected_variance
 from asyncrl.scheduler.prompt_stats import PromptStats, StatsState, prompt_key
 from asyncrl.tasks.base import Task
 
@@ -362,13 +363,24 @@ class SelectionState(msgspec.Struct, kw_only=True, frozen=True):
     selector: dict[str, Any]  # the strategy's own state (cursor, random generator, ...)
     indices: dict[int, int]  # group id -> stream index, for every group admitted and not trained
     stats: StatsState
+    budget: str = "fixed"  # sampling.budget (scheduler/budget.py)
+    sizes: dict[int, int] = {}  # "uncertainty": group id -> its size, admitted and not trained
 
 
 class Selection:
     """The run's selector and per-prompt record, as the dispatcher and the launcher use them."""
 
-    def __init__(self, strategy: str, selector: Any, stats: PromptStats, *, reward_name: str = "") -> None:
+    def __init__(
+        self,
+        strategy: str,
+        selector: Any,
+        stats: PromptStats,
+        *,
+        reward_name: str = "",
+        budget: Budget | None = None,
+    ) -> None:
         self.strategy = strategy
+        self.budget = budget  # each group's size (sampling.budget); None: the book's samples_per_group
         self.selector = selector if selector is not None else UniformSelector()
         self.stats = stats
         self.reward_name = reward_name  # the primary reward (prompt_stats.py); "" = the task's score
@@ -381,6 +393,12 @@ class Selection:
         fresh = [j for j in groups if j not in self.readmitted]
         chosen = iter(self.selector.select(fresh) if fresh else [])
         return [self.readmitted.pop(j) if j in self.readmitted else next(chosen) for j in groups]
+
+    def sizes(self, groups: Sequence[int], keys: Sequence[str], default: int) -> list[int]:
+        """Each group's number of samples (`scheduler/budget.py`), from its prompt's record."""
+        if self.budget is None or not self.budget.adaptive:
+            return [default] * len(groups)
+        return self.budget.allocate(groups, [expected_variance(*self.stats.posterior(k)) for k in keys])
 
     def admitted(self, task: PromptTask, key: str) -> None:
         self.indices[task.group_id] = task.dataset_index
@@ -404,6 +422,8 @@ class Selection:
         for group_id in groups:
             self.indices.pop(group_id, None)
         self.stats.groups_trained(groups)
+        if self.budget is not None:
+            self.budget.trained(groups)
 
     def observe_metrics(self, values: Mapping[str, float]) -> None:
         """A metric record reaching the launcher (domain_gap reads the generators' domain gaps)."""
@@ -422,7 +442,13 @@ class Selection:
             selector=selector_state,
             indices=dict(sorted(self.indices.items())),
             stats=self.stats.state(),
+            budget=self.budget_name,
+            sizes=dict(sorted(self.budget.sizes.items())) if self.budget is not None else {},
         )
+
+    @property
+    def budget_name(self) -> str:
+        return "uncertainty" if self.budget is not None and self.budget.adaptive else "fixed"
 
     def restore(self, saved: dict, *, where: str) -> None:
         """Resume from a checkpoint's decoded `selection` field; ValueError when it was written by
@@ -433,6 +459,13 @@ class Selection:
                 f"{where} was written with sampling.selection = {state.strategy!r}, the config now says "
                 f"{self.strategy!r}; resume with the run's own config"
             )
+        if state.budget != self.budget_name:
+            raise ValueError(
+                f"{where} was written with sampling.budget = {state.budget!r}, the config now says "
+                f"{self.budget_name!r}; resume with the run's own config"
+            )
+        if self.budget is not None:
+            self.budget.restore(state.sizes)
         self.selector.restore(state.selector)
         self.stats.restore(state.stats)  # the resume admits the open groups again, with these indices
         self.readmitted = dict(state.indices)
@@ -462,7 +495,9 @@ def make_selection(config: Config, task: Task) -> Selection:
             )
         if s.selection == "domain_gap":  # chooses by domain: no per-prompt keys
             selector = domain_gap_selector(config, task, num_train)
-            return Selection(s.selection, selector, stats, reward_name=primary_reward(config))
+            return Selection(
+                s.selection, selector, stats, reward_name=primary_reward(config), budget=make_budget(config)
+            )
         keys = [key_of(i) for i in range(num_train)]
     selectors: dict[str, Callable[[], Any]] = {
         "uniform": UniformSelector,
@@ -479,7 +514,25 @@ def make_selection(config: Config, task: Task) -> Selection:
             stats, key_of, fraction=s.selection_replay_fraction, min_std=s.selection_replay_std
         ),
     }
-    return Selection(s.selection, selectors[s.selection](), stats, reward_name=primary_reward(config))
+    return Selection(
+        s.selection,
+        selectors[s.selection](),
+        stats,
+        reward_name=primary_reward(config),
+        budget=make_budget(config),
+    )
+
+
+def make_budget(config: Config) -> Budget:
+    """The run's `sampling.budget` (checked at load: config_budget.py)."""
+    s, lrn = config.sampling, config.learner
+    return Budget(
+        groups_per_step=lrn.groups_per_step,
+        samples_per_group=lrn.samples_per_group,
+        lo=s.budget_min,
+        hi=s.budget_max,
+        adaptive=s.budget == "uncertainty",
+    )
 
 
 def domain_gap_selector(config: Config, task: Task, num_train: int) -> DomainGapSelector:

@@ -158,10 +158,7 @@ class Launcher:
         self.state.lengths.tracks_groups = not self.mode.trains_every_admitted_sample  # the pool evicts
         self.generator_ids = [f"gen-{i}" for i in range(config.generators.num_generators)]
         self.pool = GeneratorPool(self.generator_ids, max_restarts=config.generators.max_restarts)
-        self.book = TaskBook(
-            groups_per_step=config.learner.groups_per_step,
-            samples_per_group=config.learner.samples_per_group,
-        )
+        self.book = TaskBook.for_run(config)
         self.book.num_steps_trained = resume_version
         self.state.step = self.state.policy_version = resume_version
         self.dispatcher = Dispatcher.for_run(

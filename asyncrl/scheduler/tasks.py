@@ -15,7 +15,7 @@ The launcher never sees trajectories, only counts. What it knows:
     are recorded as generated (live, pending until trained);
   * StepDone(step): the learner trained groups [step * B, (step + 1) * B), and a step trains only
     on a full window of B * N distinct traj_ids, so it trained each of their N samples exactly
-    once -> every one of those trajectories is recorded as trained.
+    once (rollout budgets: each group its own size n_j, summing to B * N over the step) -> every one of those trajectories is recorded as trained.
 StepDone may come before the TaskDone of a group in it (different sockets; or the generator died
 after pushing its samples and the task was re-queued); the ledger accepts that order.
 """
@@ -23,33 +23,62 @@ after pushing its samples and the task was re-queued); the ledger accepts that o
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from asyncrl.buffer.ledger import Ledger, LedgerSummary
 from asyncrl.messages import PromptTask
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 
 class TaskBook:
     """Open tasks (admitted, not yet done), the re-queue, and a `Ledger` of every event."""
 
-    def __init__(self, *, groups_per_step: int, samples_per_group: int) -> None:
+    def __init__(
+        self, *, groups_per_step: int, samples_per_group: int, sizes: tuple[int, int] | None = None
+    ) -> None:
+        """`sizes`: rollout budgets (sampling.budget = "uncertainty"), each group's size in
+        lo..hi and traj ids `group_id * hi + sample_index`; None: every group samples_per_group."""
         if groups_per_step <= 0 or samples_per_group <= 0:
             raise ValueError("groups_per_step and samples_per_group must be > 0")
         self.groups_per_step = groups_per_step
         self.samples_per_group = samples_per_group
+        self.size_range = sizes or (samples_per_group, samples_per_group)
+        self.stride = sizes[1] if sizes else 0  # PromptTask.sample_stride
+        self.sizes: dict[int, int] = {}  # group id -> its size, admitted and not trained
         self.ledger = Ledger()
         self.open: dict[int, PromptTask] = {}  # task_id -> task, admitted and not done
         self.requeued: deque[int] = deque()  # task ids waiting for a generator again
         self.num_steps_trained = 0
 
+    @classmethod
+    def for_run(cls, config: Config) -> TaskBook:
+        """The launcher's book: the config's step shape and rollout budgets (sampling.budget)."""
+        s, lrn = config.sampling, config.learner
+        sizes = (s.budget_min, s.budget_max) if s.budget == "uncertainty" else None
+        return cls(groups_per_step=lrn.groups_per_step, samples_per_group=lrn.samples_per_group, sizes=sizes)
+
     def traj_id(self, group_id: int, sample_index: int) -> int:
-        return group_id * self.samples_per_group + sample_index
+        return group_id * (self.stride or self.samples_per_group) + sample_index
+
+    def size(self, group_id: int) -> int:
+        return self.sizes.get(group_id, self.samples_per_group)
 
     def admit(self, task: PromptTask) -> None:
-        if task.num_samples != self.samples_per_group:
+        lo, hi = self.size_range
+        if not self.stride and task.num_samples != self.samples_per_group:
             raise ValueError(
                 f"task {task.task_id} has {task.num_samples} samples; learner.samples_per_group is "
                 f"{self.samples_per_group}"
             )
+        if not lo <= task.num_samples <= hi or task.sample_stride != self.stride:
+            raise ValueError(
+                f"task {task.task_id} has {task.num_samples} samples (stride {task.sample_stride}); the run "
+                f"takes {lo}..{hi} (stride {self.stride}: learner.samples_per_group, sampling.budget)"
+            )
+        if self.stride:
+            self.sizes[task.group_id] = task.num_samples
         self.ledger.admit(task.task_id, group_id=task.group_id, num_samples=task.num_samples)
         self.open[task.task_id] = task
 
@@ -94,6 +123,7 @@ class TaskBook:
         for group_id in range(first, first + self.groups_per_step):
             for traj_id in self._buffered(group_id):
                 self.ledger.trained(traj_id)
+            self.sizes.pop(group_id, None)
         self.num_steps_trained += 1
         self.ledger.compact()  # keep memory flat: closed tasks live on only in the counts
 
@@ -126,7 +156,7 @@ class TaskBook:
         task_id = group_id  # one task per group, numbered like the group
         for i in self.ledger.missing_samples(task_id):
             self.ledger.generated(self.traj_id(group_id, i), task_id=task_id, sample_index=i)
-        out = [self.traj_id(group_id, i) for i in range(self.samples_per_group)]
+        out = [self.traj_id(group_id, i) for i in range(self.size(group_id))]
         for traj_id in out:
             self.ledger.buffered(traj_id)
         return out

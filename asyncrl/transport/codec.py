@@ -276,7 +276,7 @@ def trajectory_frames(
         mask_ref = {"loss_mask": tensor_ref(len(tensors), mask)}
         tensors += (mask,)
     msg = Trajectory(
-        traj_id=task.group_id * task.num_samples + r.sample_index,
+        traj_id=task.traj_id(r.sample_index),
         group_id=task.group_id,
         task_id=task.task_id,
         sample_index=r.sample_index,
