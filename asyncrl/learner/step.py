@@ -52,6 +52,9 @@ class TrainSample:
     # Its group's size (`Trajectory.num_samples`; rollout budgets make sizes differ); 0 = the
     # learner's learner.samples_per_group.
     group_size: int = 0
+    # opd.teachers: the teacher that scored it (`Trajectory.teacher_id`; "" = the one teacher), for
+    # the learner's distillation KL per teacher and per domain (`distill_work.KlByTeacher`).
+    teacher_id: str = ""
 
 
 class PackedBatch(NamedTuple):
@@ -103,6 +106,7 @@ def sample_from_message(msg, tensors: Sequence[torch.Tensor]) -> TrainSample:
         reward_parts=list(msg.reward_parts),
         guided_prefix=msg.guided_prefix,
         group_size=msg.num_samples,
+        teacher_id=msg.teacher_id,
         **extra,
     )
 
