@@ -203,8 +203,8 @@ class SamplingConfig(Section, frozen=True, kw_only=True):
     selection_domain_floor: Probability = 0.2
     # How many samples each group gets (scheduler/budget.py; docs/tasks.md, "Rollout budgets"):
     # "fixed" (learner.samples_per_group each, the default) or "uncertainty" (each step's
-    # groups_per_step x samples_per_group samples split over its groups in proportion to their
-    # prompts' expected p (1 - p) under the Beta record, budget_min..budget_max per group).
+    # groups_per_step x samples_per_group samples split over its groups in proportion to the
+    # posterior std of their prompts' pass rates, budget_min..budget_max per group).
     budget: Literal["fixed", "uncertainty"] = "fixed"
     budget_min: Annotated[int, Meta(ge=2)] = 2  # "uncertainty": fewest samples in a group
     budget_max: Annotated[int, Meta(ge=2)] = 16  # "uncertainty": most samples in a group

@@ -7,10 +7,11 @@ members (advantages and streaming per group).
 
   fixed (the default): every group gets learner.samples_per_group, today's behaviour.
   uncertainty: each step's B x N samples (learner.groups_per_step x samples_per_group, the same
-      sample budget as fixed) are split over its B groups. A group's weight is its prompt's
-      expected Bernoulli variance under the Beta record (`prompt_stats.py`),
-      w = E[p (1 - p)] = a b / ((a + b) (a + b + 1)): largest for prompts near p = 1/2 and for
-      prompts seen little, small for prompts estimated solved or hopeless. The groups admitted
+      sample budget as fixed) are split over its B groups. A group's weight is the posterior
+      standard deviation of its prompt's pass rate under the Beta record (`prompt_stats.py`),
+      w = sqrt(Var p) = sqrt(m (1 - m) / (a + b + 1)), m = a / (a + b): p (1 - p) at the estimate
+      over the evidence, so largest for prompts seen little or near p = 1/2, small for prompts
+      estimated solved or hopeless on many samples. The groups admitted
       together for a step get their share of what the step has left, T = round(R c / m)
       (R samples left, m groups left, c admitted now; clamped so the rest still fits), and T is
       dealt out from budget_min each: every further sample goes to the group with the largest
@@ -23,12 +24,13 @@ it had and gives a step's new groups exactly what the step has left.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
-def expected_variance(a: float, b: float) -> float:
-    """E[p (1 - p)] under Beta(a, b)."""
-    return a * b / ((a + b) * (a + b + 1))
+def posterior_std(a: float, b: float) -> float:
+    """The standard deviation of p under Beta(a, b)."""
+    return math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1)))
 
 
 def deal(total: int, weights: Sequence[float], *, lo: int, hi: int) -> list[int]:

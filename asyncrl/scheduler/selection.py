@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 import numpy as np
 
-from asyncrl.scheduler.budget import Budget, expected_variance
+from asyncrl.scheduler.budget import Budget, posterior_std
 from asyncrl.scheduler.prompt_stats import PromptStats, StatsState, prompt_key
 from asyncrl.tasks.base import Task
 
@@ -398,7 +398,7 @@ class Selection:
         """Each group's number of samples (`scheduler/budget.py`), from its prompt's record."""
         if self.budget is None or not self.budget.adaptive:
             return [default] * len(groups)
-        return self.budget.allocate(groups, [expected_variance(*self.stats.posterior(k)) for k in keys])
+        return self.budget.allocate(groups, [posterior_std(*self.stats.posterior(k)) for k in keys])
 
     def admitted(self, task: PromptTask, key: str) -> None:
         self.indices[task.group_id] = task.dataset_index
