@@ -14,7 +14,7 @@ import math
 import msgspec
 import pytest
 import torch
-from test_selection import SAMPLING, SetTask, finish, make
+from test_selection import SAMPLING, SetTask, make
 from test_trainer import STEP, _model, _params, _stream_step, _trainer
 
 from asyncrl.config_load import load_config
