@@ -10,6 +10,9 @@ medians and spreads (docs/tasks.md, "Prompt selection", has the figures and the 
 short run sees each prompt several times, which is when a per-prompt record can matter; 0 = all
 4000 rows (a 40-step run then sees each prompt at most once). An existing run directory is not
 run again (its records are read), so an interrupted sweep continues where it stopped.
+
+A strategy `S+B` runs selection S with `sampling.budget = B` (rollout budgets, docs/tasks.md), e.g.
+`--strategies uniform uniform+uncertainty`: the same samples per step, split unequally over groups.
 """
 
 from __future__ import annotations
@@ -71,10 +74,17 @@ def main() -> None:
     for seed in args.seeds:  # interleaved: every strategy of a seed before the next seed
         for strategy in args.strategies:
             name = f"{strategy}-s{seed}"
+            selection, _, budget = strategy.partition("+")
             launch(
                 args.out,
                 name,
-                [*sets, f"sampling.selection={strategy}", f"run.seed={seed}", f"task.seed={seed}"],
+                [
+                    *sets,
+                    f"sampling.selection={selection}",
+                    *([f"sampling.budget={budget}"] if budget else []),
+                    f"run.seed={seed}",
+                    f"task.seed={seed}",
+                ],
             )
             table.setdefault(strategy, []).append(figures(args.out / name))
     keys = ("reward_first_q", "reward_last_q", "held_out_after", "degenerate")
