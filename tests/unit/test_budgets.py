@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 from test_selection import SAMPLING, SetTask, make
-from test_trainer import STEP, _model, _params, _stream_step, _trainer
+from test_trainer import STEP, _batch_step, _model, _params, _stream_step, _trainer
 
 from asyncrl.config_load import load_config
 from asyncrl.config_sections import ConfigError
@@ -151,7 +151,7 @@ def _finish(d: Dispatcher, tasks, v: int) -> dict[int, tuple[int, int]]:
                 num_tokens=0,
                 generate_s=0.0,
                 mean_reward=total / n,
-            ),  # fmt: skip
+            ),
         )
     return {t.group_id: (t.dataset_index, t.num_samples) for t in tasks}
 
@@ -308,20 +308,14 @@ def test_a_streamed_step_on_unequal_groups_equals_the_whole_batch_step(tiny_mode
     base = _model(tiny_model_dir)
     samples = _ragged(base, seed=sorted(STREAMING).index(name))
     ref = copy.deepcopy(base)
-    t = _trainer(ref, "learner.streaming=off", *STREAMING[name])
-    t.begin_step(STEP)
-    t.batch_backward(samples)
-    batch = t.finish_step()
-    moved = (_params(ref) - _params(base)).abs().max()
-    assert moved > 1e-6  # the step really trained
+    batch = _batch_step(ref, samples, *STREAMING[name])
+    assert (_params(ref) - _params(base)).abs().max() > 1e-6  # the step really trained
     for seed in range(2):
         model = copy.deepcopy(base)
-        trainer, streamed = _stream_step(model, samples, *STREAMING[name], seed=seed)
-        assert trainer.fallback == ""
+        trainer, result = _stream_step(model, samples, *STREAMING[name], seed=seed)
+        assert (trainer.fallback, result.num_trajectories, result.streamed > 0) == ("", len(samples), True)
         torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
-        assert streamed.num_trajectories == batch.num_trajectories == len(samples)
-        assert streamed.loss == pytest.approx(batch.loss, abs=1e-9)
-    assert streamed.streamed > 0
+        assert result.loss == pytest.approx(batch.loss, abs=1e-9)
 
 
 def test_a_whole_batch_step_on_unequal_groups_is_each_groups_own_dr_grpo(tiny_model_dir):
