@@ -17,6 +17,8 @@ of the union (the forward KL restricted to the union: exact at K = V); topk_forw
 teacher ids only (`opd.topk_forward_kl`). The weights of `opd_control.DistillControl` (horizon,
 position, teachability, freshness) multiply each position's term; learner.kl_coef with pure
 distillation adds kl_coef x the KL to the initial model (`learner/kl.py`) at the sampled tokens.
+With opd.teachers, the step's KL estimate is also reported per teacher and per domain
+(`kl_by_teacher`, `KlByTeacher`: stats `opd_kl/teacher/<name>`, `opd_kl/domain/<d>`).
 
 Legend: B sequences, L packed length, N cached tokens per position, K teacher top-K ids.
 """
@@ -176,6 +178,66 @@ def _scored_kl(objective: DistillationObjective, logp_BLN, opd: OpdArrays, cols:
     return objective.loss(logp_BLN[..., 0], *args)[1]
 
 
+def kl_by_teacher(
+    objective: DistillationObjective,
+    logp_BLN: torch.Tensor,
+    opd: OpdArrays,
+    mask_BL: torch.Tensor,
+    teacher_ids: Sequence[str],
+) -> dict[str, tuple[float, float]]:
+    """(KL estimate x tokens, tokens) per teacher id ("" excluded: the one teacher of opd.teacher):
+    the estimator's KL estimate over the valid, teacher-scored positions of that teacher's rows,
+    `opd_kl`'s definition on those rows only, so the token-weighted mean over teachers is the
+    step's `opd_kl` wherever every trajectory names its teacher."""
+    names = sorted(set(teacher_ids) - {""})
+    if not names:
+        return {}
+    width = opd.ids_BLN.shape[-1]
+    cols = estimator_columns(
+        objective.estimator, width if opd.num_sampled is None else opd.num_sampled, width
+    )
+    scored_BL = mask_BL & opd.teacher_BLN.isfinite().all(dim=-1)
+    logp_BLN = logp_BLN.detach()
+    out = {}
+    for name in names:
+        rows_B = torch.tensor([t == name for t in teacher_ids], device=mask_BL.device)
+        mine_BL = scored_BL & rows_B[:, None]
+        tokens = float(mine_BL.sum())
+        if tokens > 0:
+            out[name] = (_scored_kl(objective, logp_BLN, opd, cols, mine_BL) * tokens, tokens)
+    return out
+
+
+class KlByTeacher:
+    """The learner's distillation KL per teacher and per domain over a step (`kl_by_teacher`'s
+    sums): `opd_kl/teacher/<name>`, and `opd_kl/domain/<d>` for a teacher of exactly one domain
+    (opd.teachers' `domains`; run a domain's own teacher entry, even one sharing another's path,
+    to have its figure)."""
+
+    def __init__(self, domains: dict[str, str] | None = None) -> None:
+        self.domains = dict(domains or {})  # teacher name -> its one domain
+        self.sums: dict[str, tuple[float, float]] = {}
+
+    @classmethod
+    def from_config(cls, config) -> KlByTeacher:
+        return cls({t.name: t.domains[0] for t in config.opd.teachers if len(t.domains) == 1})
+
+    def add(self, sums: dict[str, tuple[float, float]]) -> None:
+        for name, (kl, tokens) in sums.items():
+            old = self.sums.get(name, (0.0, 0.0))
+            self.sums[name] = (old[0] + kl, old[1] + tokens)
+
+    def report(self) -> dict[str, float]:
+        """The step's means, and forget them for the next step."""
+        out = {}
+        for name, (kl, tokens) in sorted(self.sums.items()):
+            out[f"opd_kl/teacher/{name}"] = kl / tokens
+            if name in self.domains:
+                out[f"opd_kl/domain/{self.domains[name]}"] = kl / tokens
+        self.sums = {}
+        return out
+
+
 # An objective's terms are unnormalised sums: the trainer divides by the step's Z once.
 UNNORMALISED = dict(num_tokens_global=1.0, num_seqs_global=1.0, norm_constant=1.0)
 
@@ -188,6 +250,7 @@ class DistillWork:
         # learner.kl_coef with pure distillation (StableOPD): the initial model, for the KL term.
         self.reference = None
         self._kl_ref = (0.0, 0.0)  # the step's token-weighted sum of the reference KL, and its tokens
+        self.by_teacher = KlByTeacher()  # opd.teachers: the KL per teacher and domain
         self.attach(getattr(engine, "opd_control", None))
 
     def attach(self, control: DistillControl | None) -> None:
@@ -214,6 +277,8 @@ class DistillWork:
         if self._kl_ref[1] > 0:
             state.set_stat("opd_kl_ref", self._kl_ref[0] / self._kl_ref[1] * state.totals.stats_tokens)
         self._kl_ref = (0.0, 0.0)
+        for name, value in self.by_teacher.report().items():
+            state.set_stat(name, value * state.totals.stats_tokens)
         if self.control is None:
             return
         report = self.control.end_step()
@@ -252,6 +317,7 @@ class DistillWork:
         mask = batch.completion_mask_BL
         logp_BLN = e.candidate_logp(batch.input_ids_BL, opd.ids_BLN, batch.lengths_B)
         loss, stats = distill_term(self.objective, logp_BLN, opd, mask)
+        by_teacher = kl_by_teacher(self.objective, logp_BLN, opd, mask, [s.teacher_id for s in samples])
         kl_ref = None
         if self.reference is not None:
             kl_part, kl_ref = self._reference_kl(batch, logp_BLN[..., 0], mask)
@@ -264,6 +330,7 @@ class DistillWork:
             if kl_ref is not None:
                 tokens = float(mask.sum())
                 self._kl_ref = (self._kl_ref[0] + kl_ref * tokens, self._kl_ref[1] + tokens)
+            self.by_teacher.add(by_teacher)
             state.add_loss(stats.loss)
             state.add_distill(stats)
             state.add_units(self.objective.units(mask))
@@ -293,11 +360,13 @@ class DistillWork:
 
 def install_control(trainer, config) -> DistillControl | None:
     """The run's `DistillControl` on the trainer's engine (every `opd_arrays` reads it) and its
-    distillation work, when opd.enabled (`loop.build_trainer`, before the first step)."""
+    distillation work, when opd.enabled (`loop.build_trainer`, before the first step); the work's
+    teacher -> domain map for the KL per domain (`KlByTeacher.from_config`)."""
     control = DistillControl.from_config(config) if config.opd.enabled else None
     trainer.engine.opd_control = control
     if isinstance(trainer.runner, DistillWork):
         trainer.runner.attach(control)
+        trainer.runner.by_teacher = KlByTeacher.from_config(config)
     return control
 
 
