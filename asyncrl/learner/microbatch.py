@@ -14,10 +14,13 @@ alone (it cannot be split: the forward needs the whole sequence).
 
 With packing (`learner.shared_prefix`, the flat layout of `models/shared_prefix.py`: no padding,
 attention confined to each row), a micro-batch costs its real tokens, sum_i n_i, and `packed=True`
-bounds that instead; where its flat layout's attention mask could pass the layout's bound
-(rows x 2 longest^2 > `MAX_MASK_ELEMENTS`, when it runs padded) the padded cost still applies, so
-the bound holds whichever forward runs. (A layout that saves under 10% also runs padded, at most
-1/0.9 of its real tokens.)
+bounds that instead. A packed micro-batch is also cut before its flat layout's attention mask could
+pass the layout's bound (rows x 2 longest^2 > `MAX_MASK_ELEMENTS`), with or without a token
+bound: past it the layout runs padded, and a whole window of a few hundred rows run padded costs
+several times the packed micro-batches it makes (a held-back window trained at once after a wait
+did, where the same rows streamed in chunks ran packed). A row over the bound on its own still
+goes alone, and then costs its padded tokens. (A layout that saves under 10% also runs padded, at
+most 1/0.9 of its real tokens.)
 
 Why in order, not sorted by length: sorting would pad less, but it would reorder the gradient
 sums (a different float result from the unsplit batch), scatter a group's samples over
@@ -42,10 +45,17 @@ def sample_tokens(sample: TrainSample) -> int:
     return len(sample.prompt_ids) + len(sample.completion_ids)
 
 
+def packable(rows: int, longest: int) -> bool:
+    """Whether the flat layout of `rows` rows, the longest `longest` tokens, is within the mask
+    bound whatever their shared prefixes (`plan_layout` needs rows x s x (k + s) with the
+    longest suffix s and prefix k, each at most `longest`)."""
+    return rows * 2 * longest * longest <= MAX_MASK_ELEMENTS
+
+
 def part_cost(rows: int, longest: int, total: int, *, packed: bool) -> int:
     """Tokens a micro-batch of `rows` rows (the longest `longest`, `total` real tokens) runs:
     padded, rows x longest; packed, its real tokens unless its layout may run padded."""
-    if packed and rows * 2 * longest * longest <= MAX_MASK_ELEMENTS:
+    if packed and packable(rows, longest):
         return total
     return rows * longest
 
@@ -55,7 +65,8 @@ def split_lengths(
 ) -> list[list[int]]:
     """Indices into `lengths`, as contiguous micro-batches of at most `max_seqs` rows and
     `max_tokens` tokens as they run (`part_cost`: padded, rows x longest; `packed`, their real
-    tokens; 0 = no token bound); a row longer than `max_tokens` goes alone."""
+    tokens, and each within the layout's mask bound; 0 = no token bound); a row longer than
+    `max_tokens` goes alone."""
     if max_seqs < 1:
         raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
     if max_tokens < 0:
@@ -68,7 +79,11 @@ def split_lengths(
             raise ValueError(f"sample {index} has a negative length {length}")
         grown = max(longest, length)
         cost = part_cost(len(current) + 1, grown, total + length, packed=packed)
-        fits = len(current) < max_seqs and (max_tokens == 0 or cost <= max_tokens)
+        fits = (
+            len(current) < max_seqs
+            and (max_tokens == 0 or cost <= max_tokens)
+            and (not packed or packable(len(current) + 1, grown))
+        )
         if current and not fits:
             parts.append(current)
             current, grown, total = [], length, 0

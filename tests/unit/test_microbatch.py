@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from asyncrl.learner.microbatch import padded_tokens, part_cost, split_lengths, split_microbatches
 from asyncrl.learner.step import TrainSample
+from asyncrl.models.shared_prefix import MAX_MASK_ELEMENTS
 
 
 def make_sample(prompt_len: int, completion_len: int, traj_id: int = 0) -> TrainSample:
@@ -107,6 +108,23 @@ def test_packed_micro_batches_are_bounded_by_real_tokens():
     assert packed == [[0, 1, 2, 3, 4], [5, 6]]
     assert all(sum(lengths[i] for i in p) <= 120 for p in packed)
     assert split_lengths(lengths, max_seqs=2, max_tokens=120, packed=True) == [[0, 1], [2, 3], [4, 5], [6]]
+
+
+def test_packed_micro_batches_stay_within_the_layout_bound_without_a_token_bound():
+    """Issue #36: a held-back window trained at once (256 rows, no token bound) was one
+    micro-batch whose flat layout passed the mask bound, so it ran padded, several times the cost
+    of the packed chunks the same rows made when streamed. Packed micro-batches are now cut where
+    the layout would stop packing; unpacked ones still split by sequences only."""
+    longest = 100
+    rows_fit = MAX_MASK_ELEMENTS // (2 * longest * longest)  # the most rows of this length that pack
+    lengths = [longest] * (2 * rows_fit + 3)
+    packed = split_lengths(lengths, max_seqs=10_000, max_tokens=0, packed=True)
+    assert [len(p) for p in packed] == [rows_fit, rows_fit, 3]
+    assert all(part_cost(len(p), longest, longest * len(p), packed=True) == longest * len(p) for p in packed)
+    assert split_lengths(lengths, max_seqs=10_000, max_tokens=0) == [list(range(len(lengths)))]
+    # A row over the bound on its own still trains, alone.
+    huge = int((MAX_MASK_ELEMENTS / 2) ** 0.5) + 1
+    assert split_lengths([10, huge, 10], max_seqs=8, max_tokens=0, packed=True) == [[0], [1], [2]]
 
 
 def test_packed_bound_keeps_the_padded_cost_where_the_layout_may_run_padded():
