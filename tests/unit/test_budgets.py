@@ -119,6 +119,20 @@ def test_each_step_spends_exactly_its_samples_whatever_the_admission_chunks():
     assert fixed.allocate([0, 1, 2], [0.25, 0.0, 0.1]) == [4, 4, 4] and fixed.stride == 0
 
 
+def test_a_readmitted_group_keeps_its_saved_size_whatever_the_record_says_now():
+    """A resume's record holds trained groups only, so it can differ from the one a group was
+    sized by: the checkpoint's sizes win, and the step's new groups get exactly what is left."""
+    budget = Budget(groups_per_step=4, samples_per_group=4, lo=2, hi=8, adaptive=True)
+    sizes = budget.allocate([0, 1, 2, 3], [0.3, 0.05, 0.05, 0.05])
+    assert sizes[0] > 4
+    saved = msgspec.json.decode(msgspec.json.encode({0: sizes[0], 1: sizes[1]}))  # keys become strings
+    resumed = Budget(groups_per_step=4, samples_per_group=4, lo=2, hi=8, adaptive=True)
+    resumed.restore(saved)
+    assert resumed.allocate([0, 1], [0.05, 0.3]) == sizes[:2]
+    rest = resumed.allocate([2, 3], [0.05, 0.3])
+    assert sum(rest) == 16 - sizes[0] - sizes[1] and rest[1] > rest[0]
+
+
 def test_the_weight_is_largest_near_one_half_and_for_little_evidence():
     assert posterior_std(1, 1) == pytest.approx(math.sqrt(1 / 12))
     assert posterior_std(5, 5) > posterior_std(9, 1)
@@ -175,19 +189,25 @@ def test_sizes_follow_the_record_spend_each_step_exactly_and_a_resume_repeats_th
     summary = d.book.summary(at_end=True)
     assert (summary.num_samples_trained, summary.num_samples_lost, summary.num_duplicated) == (128, 0, 0)
 
+    # The checkpoint after step 1: step 2 finished (in the record) but not trained, step 3 admitted
+    # with step 2 in the record. The resumed record has steps 0-1 only, so step 3's sizes must come
+    # from the checkpoint, not from the record again.
     first = make("replay", "learner.samples_per_group=4", "learner.groups_per_step=4", *BUDGET)
-    d1, chosen = _drive(first, range(3))
-    _finish(d1, d1.plan(loaded_version=3, serving=["a"]).by_peer["a"], 3)  # step 3 admitted, not trained
+    d1, chosen = _drive(first, range(2))
+    for v in (2, 3):
+        chosen |= _finish(d1, d1.plan(loaded_version=v, serving=["a"]).by_peer["a"], v)
     state = msgspec.json.decode(msgspec.json.encode(first.state()))
-    assert state["budget"] == "uncertainty" and len(state["sizes"]) == 4
+    assert state["budget"] == "uncertainty" and len(state["sizes"]) == 8
     resumed = make("replay", "learner.samples_per_group=4", "learner.groups_per_step=4", *BUDGET)
     resumed.restore(state, where="test")
-    d2 = _dispatcher(resumed, resume_version=3)
-    d2.book.num_steps_trained = 3
-    d2.readmit(
-        {"admission": {"num_admitted": d1.mode.admission.num_admitted}, "selection": state}, resume_version=3
-    )
-    _, rest = _drive(resumed, range(3, 8), d2)
+    d2 = _dispatcher(resumed, resume_version=2)
+    d2.book.num_steps_trained = 2
+    saved = {"admission": {"num_admitted": d1.mode.admission.num_admitted}, "selection": state}
+    readmitted = d2.readmit(saved, resume_version=2)
+    assert {t.group_id: (t.dataset_index, t.num_samples) for t in readmitted} == {
+        j: whole_chosen[j] for j in range(8, 16)
+    }
+    _, rest = _drive(resumed, range(2, 8), d2)
     assert {**chosen, **rest} == whole_chosen
 
 
