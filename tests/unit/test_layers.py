@@ -5,7 +5,7 @@
   roles   scheduler, learner, generators, monitor   leaves, infra and their own package only
   infra   transport, runtime                        leaves and infra only
   leaves  messages, config, config_sections,        leaves only
-          config_load, config_objective, lint,
+          config_load, config_objective, config_budget, lint,
           plugins, lazy, tasks, rewards,
           kernels, staleness, buffer, models,
           environments
@@ -38,6 +38,7 @@ LEAVES = frozenset(
         "config_sections",
         "config_load",
         "config_objective",
+        "config_budget",
         "lint",
         "plugins",
         "lazy",
