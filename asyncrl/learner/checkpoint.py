@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.learner.opd_control import control_state, restore_control
 from asyncrl.learner.step import TrainSample
 
 FORMAT = 2
@@ -125,6 +126,7 @@ def save_learner_checkpoint(run_dir: Path, version: int, trainer, held: Iterable
         **({} if trainer.lockstep else trainer.copies.state_dict()),  # "ewma" and "snapshots"
         "nonfinite_total": trainer.updater.nonfinite_total,
         "held": [_held_state(*entry) for entry in held],
+        **control_state(trainer),  # opd: the gap horizon's next value
     }
     torch.save(extras, tmp / EXTRAS)
     for f in tmp.iterdir():
@@ -166,6 +168,7 @@ def load_learner_checkpoint(run_dir: Path, version: int, trainer, *, extras: boo
     random.setstate((3, tuple(state["python_rng"]), None))
     trainer.copies.load_state_dict(_copies_state(path, state, trainer))
     trainer.updater.restore(nonfinite_total=int(state.get("nonfinite_total", 0)))
+    restore_control(trainer, state)
     held = [(int(h["step"]), TrainSample(**h["sample"]), h.get("extra", {})) for h in state.get("held", [])]
     return held if extras else [(step, sample) for step, sample, _ in held]
 

@@ -233,6 +233,29 @@ class DistillControl:
         self.gap_sum = self.gap_tokens = self.scored_tokens = self.trained_tokens = 0.0
         return report
 
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs: the horizon of the next step (the "gap" schedule's own state;
+        "fixed" and "linear" recompute theirs from the step at `begin_step`)."""
+        return {"current": self.current}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.current = int(state["current"])
+
+
+def control_state(trainer) -> dict[str, dict[str, int]]:
+    """The learner checkpoint's entry for the run's control (`distill_work.install_control`):
+    {"opd_control": its state}, or {} without one."""
+    control = getattr(getattr(trainer, "engine", None), "opd_control", None)
+    return {} if control is None else {"opd_control": control.state_dict()}
+
+
+def restore_control(trainer, extras: Mapping[str, Any]) -> None:
+    """Put a checkpoint's control state back (`control_state`); a checkpoint written without one
+    (opd off, or an older checkpoint) leaves the control as the config built it."""
+    control = getattr(getattr(trainer, "engine", None), "opd_control", None)
+    if control is not None and "opd_control" in extras:
+        control.load_state_dict(extras["opd_control"])
+
 
 def freshness_params(section: Mapping[str, Any]) -> dict[str, float]:
     """staleness.freshness's lambdas and floor as `freshness_weights_B` takes them (the
