@@ -293,11 +293,12 @@ class RLWork:
         opd = self._opd_for(mine, ids.shape[1]) if mine else None
         logp_ref_BL = self._reference_logp(ids, parts)
         logp_BL = logp_BLN = None
+        lengths_B = batch.lengths_B if batch is not None else None  # packed layouts skip the padding
         if single:
-            logp_BL, logp_BLN = self._forward(ids, opd)
+            logp_BL, logp_BLN = self._forward(ids, opd, lengths_B)
             logp_now_BL = logp_BL.detach()
         else:
-            logp_now_BL = self._anchor_logp(ids, parts, opd)
+            logp_now_BL = self._anchor_logp(ids, parts, opd, lengths_B)
         adv_GN, keep_GN = self._batch_advantages(
             state, whole, rows, parts, logp_now_BL, logp_ref_BL, batch, samples=samples
         )
@@ -401,11 +402,18 @@ class RLWork:
                 lambda sl: self.engine.logp(self.reference, ids[sl]), ids, parts, self.engine, self.reference
             )
 
-    def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
-        """The current policy's log-probs of the rows (no grad), micro-batch by micro-batch."""
+    def _anchor_logp(
+        self, ids: torch.Tensor, parts: list, opd: OpdArrays | None, lengths_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The current policy's log-probs of the rows (no grad), micro-batch by micro-batch;
+        `lengths_B`: each row's real tokens (the flat layout then holds no right padding)."""
         with torch.no_grad():
             return _by_parts(
-                lambda sl: self._forward(ids[sl], None if opd is None else opd.rows(sl, ids.shape[1]))[0],
+                lambda sl: self._forward(
+                    ids[sl],
+                    None if opd is None else opd.rows(sl, ids.shape[1]),
+                    None if lengths_B is None else lengths_B[sl.cpu()],
+                )[0],
                 ids,
                 parts,
                 self.engine,
@@ -598,10 +606,13 @@ class OpobBatchWork(RLWork):
         one_update = o.minibatches == 1 and o.epochs == 1 and self.distill is None
         return not self.engine.lockstep and one_update and not self.engine.actor.share_prefixes
 
-    def _anchor_logp(self, ids: torch.Tensor, parts: list, opd: OpdArrays | None) -> torch.Tensor:
+    def _anchor_logp(
+        self, ids: torch.Tensor, parts: list, opd: OpdArrays | None, lengths_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The step-start log-probs of this rank's rows, from the forwards the norms' backward
         runs on (with their graphs and hooks, kept until `_batch_advantages`): one forward per
-        micro-batch (per piece of it, on one plain rank) serves both."""
+        micro-batch (per piece of it, on one plain rank) serves both. They run on padded rows
+        (each row's own gradients), so `lengths_B` is not used."""
         e = self.engine
         capture = self._one_pass()
         self._kept: list = []

@@ -81,6 +81,38 @@ def test_every_policy_trains_and_micro_batching_changes_nothing(tiny_model_dir, 
     assert a.max_staleness == 3 and a.num_tokens == b.num_tokens > 0
 
 
+def test_the_anchor_forward_of_a_split_batch_is_told_each_rows_real_length(tiny_model_dir):
+    """The no-grad forward of the step-start policy (a whole batch in several micro-batches) passed
+    no lengths, so a packed layout counted each row's right padding as tokens. Every forward of
+    the step now gets the rows' real lengths."""
+    from asyncrl.config_load import load_config
+    from asyncrl.learner.objective import Objective
+    from asyncrl.learner.trainer import Trainer
+
+    cfg = load_config(overrides=["learner.streaming=off"])
+    trainer = Trainer(
+        _model(tiny_model_dir), Objective.from_config(cfg), make_policy("none"), lr=1e-3, weight_decay=0.0,
+        max_grad_norm=1e9, temperature=1.0, pad_token_id=0, group_size=4, micro_batch_size=5, max_open_groups=8,
+        max_staleness=3,
+    )  # fmt: skip
+    seen: list = []
+    logp = trainer.engine.logp
+
+    def spy(actor, ids_BL, lengths_B=None):
+        seen.append((ids_BL.shape[0], None if lengths_B is None else lengths_B.tolist()))
+        return logp(actor, ids_BL, lengths_B)
+
+    trainer.engine.logp = spy
+    samples = _samples()
+    trainer.begin_step(6)
+    trainer.batch_backward(samples)
+    trainer.finish_step()
+    assert len(seen) >= 4  # the anchor forward and the training forward, each over several micro-batches
+    assert all(lengths is not None and len(lengths) == rows for rows, lengths in seen)
+    real = sorted(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    assert sorted(n for _, lengths in seen[: len(seen) // 2] for n in lengths) == real
+
+
 def test_pack_and_staleness():
     samples = _samples(num_groups=2, group_size=2)
     batch = pack(samples, pad_token_id=0)
