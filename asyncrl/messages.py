@@ -576,6 +576,12 @@ class Welcome(_Msg, frozen=True, kw_only=True):
 class JoinRefused(_Msg, frozen=True, kw_only=True):
     reason: str
     full: bool = False  # every slot is served now; one may free up (a worker lost): try again later
+    # With `full` (and network weights): what a waiting worker pre-fetches while it waits, as in the
+    # Welcome it will get (the initial model), so taking a freed slot starts the generator at once.
+    run_name: str = ""
+    files_endpoint: str = ""
+    checksum_kind: str = ""
+    model_files: list[FileEntry] = []
 
 
 class FileRequest(_Msg, frozen=True, kw_only=True):

@@ -42,7 +42,7 @@ import zmq
 
 from asyncrl.config_load import config_from_tree, write_resolved_config
 from asyncrl.config_sections import ClusterConfig, ConfigError
-from asyncrl.messages import Join, JoinRefused, Welcome
+from asyncrl.messages import FileEntry, Join, JoinRefused, Welcome
 from asyncrl.scheduler.spawner import ForkSpawner, LocalProcess, LocalSpawner, is_prewarmed, prewarm
 from asyncrl.transport import security
 from asyncrl.transport.serve import fetch_tree
@@ -122,6 +122,11 @@ class Worker:
         self.stopping = False
         self.launcher_lost_at: float | None = None
         self.monitor: zmq.Socket | None = None  # events of the connection to the launcher
+        self.zctx: zmq.Context | None = None
+        # A standby's pre-fetch of the initial model while it waits for a slot: the refusal's
+        # (run name, file list), and the fetch (bytes fetched) into `scratch`/model.
+        self.prefetch_of: tuple[str, list[FileEntry]] | None = None
+        self.prefetch: asyncio.Task[int] | None = None
 
     def say(self, line: str) -> None:
         print(f"worker: {line}", flush=True)
@@ -170,6 +175,7 @@ class Worker:
                         f"{reply.reason}; waiting for the first slot that frees (as long as the run lasts)"
                     )
                     prewarm()  # a standby: its generators will start with their imports done
+                    self.start_prefetch(reply)
             self.watch_launcher()
             lost = self.launcher_lost_at
             if self.stopping:
@@ -184,9 +190,49 @@ class Worker:
                     f"the launcher has been unreachable for {LAUNCHER_GONE_S:g} s while waiting for a slot"
                 )
 
+    def start_prefetch(self, refused: JoinRefused) -> None:
+        """A standby fetches the run's initial model while it waits (the refusal names it), so a
+        slot that frees is served without that fetch (`prepare`)."""
+        if self.prefetch is not None or not refused.model_files or not refused.files_endpoint:
+            return
+        assert self.zctx is not None
+        self.scratch = scratch_dir(refused.run_name, self.scratch_parent)
+        self.prefetch_of = (refused.run_name, list(refused.model_files))
+        self.prefetch = asyncio.ensure_future(
+            fetch_tree(
+                self.zctx,
+                refused.files_endpoint,
+                "model",
+                refused.model_files,
+                self.scratch / "model",
+                refused.checksum_kind,
+            )
+        )
+
+    async def prefetched(self, welcome: Welcome) -> bool:
+        """Whether the standby's pre-fetch holds this Welcome's model (waited for if still
+        running); a failed or different pre-fetch is dropped and the model fetched as usual."""
+        if self.prefetch is None or self.prefetch_of != (welcome.run_name, list(welcome.model_files)):
+            return False
+        t0 = time.perf_counter()
+        try:
+            nbytes = await self.prefetch
+        except Exception as exc:  # noqa: BLE001 - any failure: fetch it again, as without a pre-fetch
+            self.say(f"the model's pre-fetch failed ({exc}); fetching it now")
+            return False
+        self.say(
+            f"the model was pre-fetched while waiting ({len(welcome.model_files)} files, "
+            f"{nbytes / 1e6:.1f} MB; waited {time.perf_counter() - t0:.1f} s for the rest)"
+        )
+        return True
+
     async def prepare(self, zctx: zmq.Context, welcome: Welcome) -> Path:
-        """The scratch run directory: config.json, and the model fetched over the network."""
-        self.scratch = run_dir = scratch_dir(welcome.run_name, self.scratch_parent)
+        """The scratch run directory: config.json, and the model fetched over the network (or
+        pre-fetched while this worker waited for a slot)."""
+        ready = await self.prefetched(welcome)
+        if not ready and self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch = run_dir = self.scratch if ready else scratch_dir(welcome.run_name, self.scratch_parent)
         tree = json.loads(welcome.config_json)
         if not welcome.weights_network:  # a shared filesystem: the launcher's weights root, same path
             tree["weights"]["dir"] = welcome.weights_root
@@ -195,6 +241,8 @@ class Worker:
         (run_dir / "logs").mkdir()
         if not welcome.weights_network:
             return Path(welcome.assignments[0].args.model)  # a shared filesystem
+        if ready:
+            return run_dir / "model"
         t0 = time.perf_counter()
         nbytes = await fetch_tree(
             zctx,
@@ -290,7 +338,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
-        zctx = zmq.Context()
+        zctx = self.zctx = zmq.Context()
         ep = None
         try:
             ep, welcome = await self.join(zctx, join_timeout_s)
@@ -304,6 +352,9 @@ class Worker:
             self.say(f"done (exit code {code})")
             return code
         finally:
+            if self.prefetch is not None and not self.prefetch.done():
+                self.prefetch.cancel()
+                await asyncio.gather(self.prefetch, return_exceptions=True)
             for proc in self.children.values():
                 proc.kill()  # a no-op for those that exited
             if ep is not None:

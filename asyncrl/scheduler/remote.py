@@ -307,8 +307,15 @@ class JoinDesk:
             )
         model_files = await self._model_files if self._model_files is not None else []
         handles = self.spawner.take(msg.count)
-        if not handles:
-            return self._refuse(self.FULL, full=True)
+        if not handles:  # it waits, and meanwhile pre-fetches the model the Welcome will name
+            return self._refuse(
+                self.FULL,
+                full=True,
+                run_name=self.cfg.run.name,
+                files_endpoint=self.files_address,
+                checksum_kind=self.cfg.weights.checksum,
+                model_files=model_files,
+            )
         worker = f"{msg.host} (pid {msg.pid})"
         assignments = []
         for h in handles:
@@ -328,9 +335,11 @@ class JoinDesk:
         )
         return welcome, handles
 
-    def _refuse(self, reason: str, *, full: bool = False) -> tuple[JoinRefused, list[RemoteHandle]]:
+    def _refuse(
+        self, reason: str, *, full: bool = False, **standby
+    ) -> tuple[JoinRefused, list[RemoteHandle]]:
         self.num_refused += 1
-        return JoinRefused(reason=reason, full=full), []
+        return JoinRefused(reason=reason, full=full, **standby), []
 
     def tick(self) -> str | None:
         """Each supervision tick: why the run must stop because a remote slot waited too long for

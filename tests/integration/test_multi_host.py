@@ -285,6 +285,7 @@ def test_sigkill_of_a_remote_worker_is_noticed_in_seconds_and_a_waiting_worker_t
     joins = [r for r in read_records(run_dir, "join") if not r["refused"]]
     assert [j["slots"] for j in joins] == [["gen-0"], ["gen-1"], ["gen-0-r1"]]
     assert "serving gen-0-r1" in out3 and "waiting for the first slot that frees" in out3
+    assert "the model was pre-fetched while waiting" in out3 and "fetched the model (" not in out3
     done_by = {r["generator_id"] for r in read_records(run_dir, "task")}
     assert {"gen-0-r1", "gen-1"} <= done_by
 

@@ -75,6 +75,8 @@ def test_a_join_takes_waiting_slots_and_a_second_is_told_the_run_is_full(tmp_pat
     assert [a.peer_id for a in reply.assignments] == ["gen-2"]
     reply, handles = asyncio.run(desk.answer(_join(1)))
     assert isinstance(reply, JoinRefused) and reply.full and not handles
+    # What a waiting worker pre-fetches meanwhile: the run's initial model, where the Welcome names it.
+    assert reply.run_name == cfg.run.name and reply.files_endpoint == "tcp://10.0.0.1:5"
 
 
 @pytest.mark.parametrize(
