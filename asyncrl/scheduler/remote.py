@@ -59,6 +59,10 @@ WORKER_COMMAND = "asyncrl worker --join {address} --count {count}"
 # A waiting worker asks again every `asyncrl.worker.JOIN_RETRY_S`; one not heard from for this
 # long is forgotten (it gave up, or died while it waited).
 WAITING_STALE_S = 10.0
+# A freed slot is offered only to waiting workers heard from within this long (two of their asks
+# and a margin): a Welcome sent to one that died meanwhile would hold the slot until its start-up
+# bound; one that is alive but quiet gets the slot when it asks again (`on_join`).
+OFFER_FRESH_S = 5.0
 
 
 class WaitingWorker(msgspec.Struct, kw_only=True):
@@ -256,9 +260,12 @@ class JoinDesk:
         """Slots waiting for a worker, given to the workers that wait for one, oldest first:
         (identity, Welcome, handles) to send; `undelivered` puts back those that did not arrive."""
         out = []
+        now = time.monotonic()
         for identity, waiting in list(self.waiting_workers.items()):
             if not self.spawner.waiting:
                 break
+            if now - waiting.last_seen > OFFER_FRESH_S:
+                continue
             reply, handles = await self.answer(waiting.join)
             if not handles:
                 break

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import Config
 from asyncrl.config_load import load_config
 from asyncrl.messages import Join, JoinRefused, Welcome, WorkerArgs
-from asyncrl.scheduler.remote import JoinDesk, RemoteHandle
+from asyncrl.scheduler.remote import OFFER_FRESH_S, JoinDesk, RemoteHandle
 
 
 class FakeRecords:
@@ -168,3 +168,25 @@ def test_a_waiting_worker_not_heard_from_is_forgotten_and_the_rest_are_told_the_
     desk.tick()
     assert list(desk.waiting_workers) == ["w2"]
     assert desk.ended() == ["w2"] and not desk.waiting_workers
+
+
+def test_a_freed_slot_skips_a_waiting_worker_gone_quiet_and_goes_to_one_that_asks(tmp_path):
+    """A Welcome sent to a waiting worker that died (it stopped asking) held the slot until the
+    start-up bound. A freed slot is offered only to waiters heard from lately; a quiet one still
+    gets a slot when it asks again."""
+    desk, _, _ = _desk(tmp_path)
+    children = {p: _Child() for p in ("gen-1", "gen-1-r1")}
+    desk.spawner.start("gen-1", "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=1))
+    asyncio.run(desk.on_join(_join(1), children, "w1"))  # serves gen-1
+    asyncio.run(desk.on_join(_join(1, pid=7), children, "quiet"))
+    asyncio.run(desk.on_join(_join(1, pid=8), children, "fresh"))
+    desk.waiting_workers["quiet"].last_seen -= OFFER_FRESH_S + 1
+    desk.spawner.start("gen-1-r1", "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=1))
+    ((identity, welcome, _),) = asyncio.run(desk.offers(children))
+    assert identity == "fresh" and [a.peer_id for a in welcome.assignments] == ["gen-1-r1"]
+    assert list(desk.waiting_workers) == ["quiet"]  # still waiting: it is forgotten only when stale
+    desk.spawner.start("gen-2-r1", "m", ctrl_address="tcp://x:1", args=WorkerArgs(index=2))
+    children["gen-2-r1"] = _Child()
+    assert asyncio.run(desk.offers(children)) == []  # not offered while quiet...
+    reply = asyncio.run(desk.on_join(_join(1, pid=7), children, "quiet"))  # ...but it asks again
+    assert isinstance(reply, Welcome) and [a.peer_id for a in reply.assignments] == ["gen-2-r1"]
