@@ -27,6 +27,14 @@ from the launcher's StepDones). A group admitted and not trained, finished or no
 again by a resume and counted when it finishes again, so a resumed record equals the
 uninterrupted run's instead of counting such a group twice.
 
+Guided members (`sampling.guidance`) are not the policy's own samples: their forced prefix is
+the worked solution, so their successes say nothing of the prompt's pass rate. The update uses the
+unguided members only: n - g samples and s - (the guided members' reward sum) successes, clipped
+to [0, n - g] as above (the TaskDone carries `num_guided` and `guided_reward_sum`; selection.py
+subtracts them). A group whose members were all guided adds no samples. `guided_reward_sum` is
+of the weighted reward sum, so with guidance and several rewards (or one weighted other than 1)
+the record counts that sum for every group, not the primary reward (`selection.primary_reward`).
+
 A group is degenerate (no learning signal in the pass rate) when s == 0 or s == n: every sample
 failed or every sample succeeded. For rewards in [0, 1] these are exactly the groups whose primary
 reward is all-equal at 0 or at 1; a group all-equal at an interior value is not counted (the
@@ -126,13 +134,22 @@ class PromptStats:
         """Group `group_id` samples the prompt `key` (stream index `index`) for `window`."""
         self.open[group_id] = (index, key, window)
 
-    def observe(self, group_id: int, *, total: float, num_samples: int) -> bool:
-        """The group's samples are in: `total` is its primary reward's sum over `num_samples`.
-        Returns whether it was degenerate. ValueError for a group not admitted (or seen twice)."""
+    def observe(
+        self, group_id: int, *, total: float, num_samples: int, num_guided: int = 0, guided_total: float = 0.0
+    ) -> bool:
+        """The group's samples are in: `total` is its primary reward's sum over `num_samples`, of
+        which `num_guided` guided members summed `guided_total` (left out: module docstring).
+        Returns whether its unguided members were degenerate. ValueError for a group not admitted
+        (or seen twice)."""
         if group_id not in self.open:
             raise ValueError(f"prompt record: group {group_id} was not admitted, or was observed already")
+        if not 0 <= num_guided <= num_samples:
+            raise ValueError(
+                f"prompt record: group {group_id} has {num_guided} guided of {num_samples} samples"
+            )
         index, key, window = self.open.pop(group_id)
-        s = group_successes(total, num_samples)
+        num_samples -= num_guided
+        s = group_successes(total - guided_total, num_samples)
         obs = Observation(key=key, successes=s, num_samples=num_samples, window=window, index=index)
         add(self.records, obs)
         if group_id in self.trained_early:

@@ -413,7 +413,13 @@ class Selection:
             total = msg.reward_sums[self.reward_name]
         else:
             total = msg.mean_reward * msg.num_trajectories
-        self.stats.observe(task.group_id, total=total, num_samples=msg.num_trajectories)
+        self.stats.observe(
+            task.group_id,
+            total=total,
+            num_samples=msg.num_trajectories,
+            num_guided=msg.num_guided,
+            guided_total=msg.guided_reward_sum,
+        )
 
     def trained(self, groups: Iterable[int]) -> None:
         """Groups the learner trained (or, in pool mode, dropped): a resume never admits them again,
@@ -476,6 +482,10 @@ def primary_reward(config: Config) -> str:
     accuracy's reward; "" = the task's own score."""
     rewards = config.task.rewards
     if not rewards:
+        return ""
+    if config.sampling.guidance.enabled and (len(rewards) > 1 or rewards[0].weight != 1.0):
+        # TaskDone's guided_reward_sum is of the weighted sum: the record takes that sum for every
+        # group, so the guided members' share subtracts in the same units (prompt_stats.py)
         return ""
     return config.task.scoring.eval_reward or rewards[0].name
 

@@ -143,3 +143,75 @@ def test_the_posterior_reads_the_primary_reward_not_the_weighted_sum(reward_name
     selection.observe(task, task_done(total, 4, correct=2.0, format=4.0))
     selection.observe(task, task_done(total, 4, correct=2.0, format=4.0))  # a second copy: not counted
     assert selection.stats.posterior("p") == pytest.approx(expected, abs=QUANTUM)
+
+
+def guided_done(total_reward: float, n: int, num_guided: int, guided_sum: float, **sums: float) -> TaskDone:
+    return msgspec.structs.replace(
+        task_done(total_reward, n, **sums), num_guided=num_guided, guided_reward_sum=guided_sum
+    )
+
+
+@pytest.mark.parametrize("reward_name", ["correct", ""], ids=["primary-reward", "task-score"])
+def test_guided_successes_are_not_passes(reward_name):
+    """A group of 6 whose last 2 members were guided and both succeeded, with 1 success among the 4
+    unguided: the record adds 1 success and 3 failures (the unguided members' Beta update), not 3
+    and 3; the group is not degenerate (its unguided members differ)."""
+    selection = Selection("uniform", UniformSelector(), PromptStats(), reward_name=reward_name)
+    task = PromptTask(
+        task_id=0,
+        group_id=0,
+        prompt_ids=[1],
+        num_samples=6,
+        sampling=SamplingParams(),
+        dataset_index=0,
+        window=0,
+        answer="",
+    )
+    selection.admitted(task, "p")
+    selection.observe(task, guided_done(3.0, 6, 2, 2.0, correct=3.0))
+    assert selection.stats.posterior("p") == (1 + 1.0, 1 + 3.0)
+    assert selection.stats.records["p"] == PromptRecord(
+        successes=1.0, failures=3.0, groups=1, last_seen=0, index=0
+    )
+    assert selection.stats.step_fields()["degenerate_fraction"] == 0.0
+
+
+def test_a_group_whose_unguided_members_all_failed_is_degenerate_and_counts_no_guided_pass():
+    stats = PromptStats()
+    stats.admitted(0, 0, "p", 0)
+    assert stats.observe(0, total=2.0, num_samples=4, num_guided=2, guided_total=2.0)  # 0 of 2 unguided
+    assert stats.posterior("p") == (1.0, 1.0 + 2.0)
+    stats.admitted(1, 1, "p", 0)  # every member guided: no samples, no successes
+    stats.observe(1, total=1.0, num_samples=1, num_guided=1, guided_total=1.0)
+    assert stats.posterior("p") == (1.0, 3.0) and stats.records["p"].groups == 2
+    stats.admitted(2, 2, "q", 0)
+    with pytest.raises(ValueError, match="group 2 has 5 guided of 4 samples"):
+        stats.observe(2, total=0.0, num_samples=4, num_guided=5)
+
+
+def test_with_guidance_the_record_counts_the_reward_whose_guided_share_is_on_the_wire():
+    """TaskDone's guided_reward_sum is of the weighted sum: with guidance and a weighted mix the
+    record takes the task's score; with one reward of weight 1 (the same values) the primary."""
+    from asyncrl.config_load import load_config  # noqa: PLC0415
+    from asyncrl.config_sections import RewardConfig  # noqa: PLC0415
+    from asyncrl.scheduler.selection import primary_reward  # noqa: PLC0415
+
+    def with_rewards(config, *rewards):
+        return msgspec.structs.replace(
+            config, task=msgspec.structs.replace(config.task, rewards=list(rewards))
+        )
+
+    correct, fmt = (
+        RewardConfig(kind="exact_match", name="correct"),
+        RewardConfig(kind="regex", name="format", weight=0.1),
+    )
+    plain = load_config(overrides=["task.kind=dataset"])
+    guided = msgspec.structs.replace(
+        plain,
+        sampling=msgspec.structs.replace(
+            plain.sampling, guidance=msgspec.structs.replace(plain.sampling.guidance, enabled=True)
+        ),
+    )
+    assert primary_reward(with_rewards(plain, correct, fmt)) == "correct"
+    assert primary_reward(with_rewards(guided, correct, fmt)) == ""
+    assert primary_reward(with_rewards(guided, correct)) == "correct"
