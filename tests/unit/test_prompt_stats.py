@@ -119,6 +119,23 @@ def task_done(total_reward: float, n: int, **sums: float) -> TaskDone:
     )
 
 
+def admitted_group(reward_name: str, n: int) -> tuple[Selection, PromptTask]:
+    """A uniform selection whose group 0 (n samples) was admitted for the prompt "p"."""
+    selection = Selection("uniform", UniformSelector(), PromptStats(), reward_name=reward_name)
+    task = PromptTask(
+        task_id=0,
+        group_id=0,
+        prompt_ids=[1],
+        num_samples=n,
+        sampling=SamplingParams(),
+        dataset_index=0,
+        window=0,
+        answer="",
+    )
+    selection.admitted(task, "p")
+    return selection, task
+
+
 @pytest.mark.parametrize(
     ("reward_name", "expected"),
     [("correct", (1 + 2.0, 1 + 2.0)), ("", (1 + 2.2, 1 + 1.8))],
@@ -127,18 +144,7 @@ def task_done(total_reward: float, n: int, **sums: float) -> TaskDone:
 def test_the_posterior_reads_the_primary_reward_not_the_weighted_sum(reward_name, expected):
     """Two correct of four with a 0.1-weighted format reward on every sample: the weighted sum is
     2.4; the primary reward's sum is 2. With no task.rewards the task's score (the mean) counts."""
-    selection = Selection("uniform", UniformSelector(), PromptStats(), reward_name=reward_name)
-    task = PromptTask(
-        task_id=0,
-        group_id=0,
-        prompt_ids=[1],
-        num_samples=4,
-        sampling=SamplingParams(),
-        dataset_index=0,
-        window=0,
-        answer="",
-    )
-    selection.admitted(task, "p")
+    selection, task = admitted_group(reward_name, 4)
     total = 2.2 if not reward_name else 2.4
     selection.observe(task, task_done(total, 4, correct=2.0, format=4.0))
     selection.observe(task, task_done(total, 4, correct=2.0, format=4.0))  # a second copy: not counted
@@ -156,18 +162,7 @@ def test_guided_successes_are_not_passes(reward_name):
     """A group of 6 whose last 2 members were guided and both succeeded, with 1 success among the 4
     unguided: the record adds 1 success and 3 failures (the unguided members' Beta update), not 3
     and 3; the group is not degenerate (its unguided members differ)."""
-    selection = Selection("uniform", UniformSelector(), PromptStats(), reward_name=reward_name)
-    task = PromptTask(
-        task_id=0,
-        group_id=0,
-        prompt_ids=[1],
-        num_samples=6,
-        sampling=SamplingParams(),
-        dataset_index=0,
-        window=0,
-        answer="",
-    )
-    selection.admitted(task, "p")
+    selection, task = admitted_group(reward_name, 6)
     selection.observe(task, guided_done(3.0, 6, 2, 2.0, correct=3.0))
     assert selection.stats.posterior("p") == (1 + 1.0, 1 + 3.0)
     assert selection.stats.records["p"] == PromptRecord(
