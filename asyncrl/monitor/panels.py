@@ -179,7 +179,19 @@ def reward_panel(v: RunView, lay: Layout) -> Rows:
     t.add_row("held-out acc", f"before {fmt(v.eval_before)}  after {fmt(v.eval_after)}")
     if v.last_eval is not None:
         t.add_row("eval", f"{fmt(v.last_eval[1])} at policy_version {v.last_eval[0]}")
+    prompt_rows(t, v.last_step or {})
     return t
+
+
+def prompt_rows(t: Rows, step: dict) -> None:
+    """The launcher's per-prompt record (scheduler/prompt_stats.py), from the last step record:
+    the estimated pass rates' quantiles and the step's fraction of degenerate groups."""
+    quantiles = step.get("pass_rate_quantiles")
+    if quantiles is None:  # a record from before the per-prompt record existed
+        return
+    shown = [f"{q} {fmt(quantiles.get(q), '.2f')}" for q in ("q10", "q50", "q90")]
+    t.add_row("pass rates", "  ".join(shown) if quantiles else DASH)
+    t.add_row("degenerate", f"{fmt(step.get('degenerate_fraction'), '.2f')} of the step's groups")
 
 
 LENGTH_ROW = (("gen", "generated"), ("train", "trained"), ("drop", "evicted"))

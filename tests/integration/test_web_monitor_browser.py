@@ -206,6 +206,9 @@ def expected_from_records(run_dir: Path) -> dict:
         "max_staleness": max(r["max_staleness"] for r in steps),
         "before": held_out["before"],
         "after": held_out["after"],
+        # the per-prompt record's charts: a point per quantile per step, and per step with groups
+        "pass_rate_points": sum(len(r.get("pass_rate_quantiles") or {}) for r in steps),
+        "degenerate_points": sum(r.get("degenerate_fraction") is not None for r in steps),
     }
 
 
@@ -232,6 +235,16 @@ def check_finished_run(browser, run_dir: Path) -> None:
         assert head["held-out"] == f"{expected['before']:.3f} → {expected['after']:.3f}"
         assert head["staleness"].startswith(f"max {expected['max_staleness']} bound 2")
         assert fig["throughput"] >= 2 and "learner" in fig["lanes"] and "gen-0" in fig["lanes"]
+        prompts = browser.execute_script(
+            "const p = document.querySelector('section.run [data-panel=prompts]');"
+            "return [...p.querySelectorAll('svg')].map((s) => [s.dataset.chart, Number(s.dataset.points),"
+            " [...s.querySelectorAll('polyline')].map((l) => l.dataset.name)]);"
+        )
+        assert expected["degenerate_points"] >= 1, expected
+        assert prompts == [
+            ["pass_rates", expected["pass_rate_points"], ["q10", "q25", "q50", "q75", "q90"]],
+            ["degenerate", expected["degenerate_points"], ["degenerate groups"]],
+        ]
         screenshot(browser, "web_monitor_finished.png")
     finally:
         served.stop()
@@ -256,6 +269,11 @@ def check_terminal_dashboard(run_dir: Path) -> None:
     assert f"max {expected['max_staleness']} (bound 2)" in screen
     assert "credits …" not in screen and "trajectorie…" not in screen  # labels no longer cut
     assert screen.count("clip fraction") == 1 and "IS weights clipped" in screen
+    last = read_records(run_dir, "step")[-1]  # the per-prompt record's rows, from the last step
+    q = last["pass_rate_quantiles"]
+    assert f"pass rates q10 {q['q10']:.2f} q50 {q['q50']:.2f} q90 {q['q90']:.2f}" in screen
+    frac = last["degenerate_fraction"]
+    assert f"degenerate {'-' if frac is None else format(frac, '.2f')} of the step's groups" in screen
 
 
 def write_big_run(run_dir: Path, num_steps: int) -> None:

@@ -82,6 +82,8 @@ def recorded_run() -> list[dict]:
             "max_staleness": 1,
             "mean_staleness": 0.5,
             "time_s": 2.0,
+            "pass_rate_quantiles": {"q10": 0.2, "q25": 0.3, "q50": 0.5, "q75": 0.7, "q90": 0.85},
+            "degenerate_fraction": 0.25,
         },
         {"type": "event", "text": "started gen-1 (pid 42)", "time_s": 0.2},
     ]
@@ -118,6 +120,9 @@ def test_every_panel_shows_the_recorded_figures():
     assert "gen-1 4.0 samples/s 20.0 tokens/s v1" in text
     # reward trend
     assert "reward 0.750 (mean last 2: 0.625)" in text
+    # the per-prompt record, from the last step record
+    assert "pass rates q10 0.20 q50 0.50 q90 0.85" in text
+    assert "degenerate 0.25 of the step's groups" in text
     # staleness: histogram of steps by max staleness (one at 0, one at 1), bound 2
     assert "max 1 (bound 2) mean 0.50" in text
     assert "(steps by max staleness)" in text

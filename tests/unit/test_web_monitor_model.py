@@ -71,6 +71,8 @@ def step_records(s: int) -> list[dict]:
     step.update(lengths={"generated": 5.0, "trained": 4.5, "evicted": None})
     step.update(length_samples={"generated": 2, "trained": 2, "evicted": 0})
     step.update(staleness_bound=1 if s < 2 else 2, skipped_nonfinite=s == 1, time_s=t)
+    quantiles = {"q10": 0.1 * s, "q25": 0.25, "q50": 0.5, "q75": 0.75, "q90": 0.9}
+    step.update(pass_rate_quantiles=quantiles, degenerate_fraction=None if s == 1 else 0.5 / (s + 1))
     task = dict(type="task", task_id=s, generator_id="gen-0", num_trajectories=2, num_tokens=10)
     task.update(generate_s=0.5, mean_reward=0.5, time_s=t - 0.2)
     publish = dict(
@@ -121,6 +123,12 @@ def test_page_state_holds_what_the_records_say():
     assert [p[1] for p in series["length/trained"]] == [4.5, 4.5, 4.5]
     assert "length/evicted" not in series or series["length/evicted"] == []  # None: not a point
     assert [p[1] for p in series["sync/publish_ms"]] == [20.0, 20.0, 20.0]
+    # the per-prompt record: each quantile over steps; a step with no group observed (None) skipped
+    assert [p[:2] for p in series["pass_rate/q10"]] == [[0, 0.0], [1, 0.1], [2, 0.2]]
+    assert {k for k in series if k.startswith("pass_rate/")} == {
+        f"pass_rate/q{q}" for q in (10, 25, 50, 75, 90)
+    }
+    assert [p[:2] for p in series["degenerate_fraction"]] == [[0, 0.5], [2, 0.16667]]
     assert [p[1] for p in series["sync/load_ms"]] == [50.0, 50.0, 50.0]
     # the bound moved from 1 to 2 at step 2: one decision marked
     assert state["staleness"]["decisions"] == [[2, 1, 2]]

@@ -20,6 +20,9 @@ What each panel is made of, all read from records the launcher writes:
   evaluation      `eval` records (version, accuracy, pass_at_k); the held-out accuracy before and
                   after training (`event` records' `held_out` field, or summary.json)
   lengths         `step.lengths` (mean completion length generated / trained / evicted per step)
+  prompts         the launcher's per-prompt record (scheduler/prompt_stats.py): `step.pass_rate_
+                  quantiles` (q10-q90 of the prompts' estimated pass rates, after each step) and
+                  `step.degenerate_fraction` (groups all failed or all solved since the last step)
   weight sync     `publish` (publish_s, num_bytes) and `loaded` (load_s, the slowest generator)
   events          `event`, `restart`, `error`, `fatal`, `rejected`, `refused` records, skipped
                   steps, the settings linter's warnings (summary.json `lint`)
@@ -106,6 +109,9 @@ class WebRun:
             self._bound = bound
         for kind, value in (r.get("lengths") or {}).items():
             self._point(f"length/{kind}", step, _num(value))
+        for q, value in (r.get("pass_rate_quantiles") or {}).items():
+            self._point(f"pass_rate/{q}", step, _num(value))
+        self._point("degenerate_fraction", step, _num(r.get("degenerate_fraction")))
         if r.get("skipped_nonfinite"):
             self.events.append([t, "skipped", f"step {step}: update skipped (non-finite loss or gradient)"])
 

@@ -178,6 +178,7 @@ const PANELS = [
   ["rewards", "Rewards", "one", "mean reward of each step's samples; each reward's running mean (task.rewards)"],
   ["evaluation", "Held-out evaluation", "one", "accuracy by policy_version: before and after training, and eval records"],
   ["lengths", "Completion lengths", "one", "mean tokens per completion, per step: generated, trained, dropped"],
+  ["prompts", "Prompt record", "pair", "estimated pass rates of the prompts sampled so far (q10-q90, after each step); fraction of each step's groups all failed or all solved (no learning signal)"],
   ["sync", "Weight sync", "pair", "per version: publish time and the slowest generator's load time (ms); MiB published"],
   ["events", "Events", "events", ""],
   ["config", "Resolved config", "config", ""],
@@ -207,6 +208,7 @@ function buildRun(info) {
     if (note) parts.notes = el("p", { class: "note" }, panel, note);
   }
   parts.svgs.throughput[0].dataset.chart = "throughput";
+  [parts.svgs.prompts[0].dataset.chart, parts.svgs.prompts[1].dataset.chart] = ["pass_rates", "degenerate"];
   return parts;
 }
 
@@ -279,6 +281,10 @@ function render(parts, s) {
   const versions = [0].concat(s.head.total_steps ? [s.head.total_steps] : []);  // the whole run's span
   lineChart(parts.svgs.evaluation[0], evalLines(s), { xlabel: "version", xInclude: versions, empty: "no held-out evaluation recorded" });
   lineChart(parts.svgs.lengths[0], pick(se, "length/"), { xlabel: "step", zero: true });
+  const [passRates, degenerate] = parts.svgs.prompts;
+  const bounds = { yInclude: [0, 1], xlabel: "step", empty: "no groups observed yet" };
+  lineChart(passRates, pick(se, "pass_rate/"), bounds);
+  lineChart(degenerate, [{ name: "degenerate groups", pts: se.degenerate_fraction, color: COLORS[3] }], bounds);
   const [syncTime, syncSize] = parts.svgs.sync;
   lineChart(syncTime, [
     { name: "publish ms", pts: se["sync/publish_ms"] }, { name: "load ms (slowest)", pts: se["sync/load_ms"] },
