@@ -114,15 +114,11 @@ def initial_model(recipe: Recipe):
 
     if recipe.layers == 0:
         return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32)
-    student = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR).config
-    return build_model(
-        student.vocab_size,
-        hidden_size=student.hidden_size,
-        num_layers=recipe.layers,
-        num_heads=student.num_attention_heads,
-        max_positions=student.max_position_embeddings,
-        seed=recipe.seed,
+    c = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR).config
+    width = dict(
+        hidden_size=c.hidden_size, num_heads=c.num_attention_heads, max_positions=c.max_position_embeddings
     )
+    return build_model(c.vocab_size, num_layers=recipe.layers, seed=recipe.seed, **width)
 
 
 def build(name: str, recipe: Recipe, out: Path, test: list[dict]) -> None:
@@ -145,16 +141,8 @@ def build(name: str, recipe: Recipe, out: Path, test: list[dict]) -> None:
         if (step + 1) % 100 == 0:
             print(f"{name} step {step + 1}/{recipe.steps} loss {loss:.3f}", flush=True)
 
-    result = sft(
-        model,
-        tokenizer,
-        pairs,
-        steps=recipe.steps,
-        batch_size=recipe.batch_size,
-        lr=recipe.lr,
-        seed=recipe.seed,
-        on_step=progress,
-    )
+    steps = {k: getattr(recipe, k) for k in ("steps", "batch_size", "lr", "seed")}
+    result = sft(model, tokenizer, pairs, on_step=progress, **steps)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)

@@ -17,7 +17,8 @@ from asyncrl.config_load import load_config
 from asyncrl.learner import distill_work
 from asyncrl.learner.distill_work import KlByTeacher, OpdArrays, distill_term, kl_by_teacher
 from asyncrl.learner.objective import DistillationObjective
-from tests.unit.test_trainer import _batch_step, _model, _samples, _stream_step, _with_opd
+from tests.unit.test_opd_combined import setup as setup  # noqa: F401 (fixture)
+from tests.unit.test_trainer import _batch_step, _stream_step
 
 NAN = float("nan")
 
@@ -94,15 +95,10 @@ def test_domains_come_from_teachers_of_one_domain():
 
 
 @pytest.fixture(scope="module")
-def routed(tiny_model_dir, tmp_path_factory):
-    """Groups 0 and 2 scored by teacher `lo` (domain two), 1 and 3 by `hi` (domain three)."""
-    from asyncrl.models.tiny import create_base
-
-    base = _model(tiny_model_dir)
-    teacher_dir = create_base(
-        tmp_path_factory.mktemp("teacher") / "m", hidden_size=32, num_layers=1, num_heads=2, seed=7
-    )
-    samples = _with_opd(base, _model(teacher_dir), _samples(base, stale=0.5, seed=3))
+def routed(setup):
+    """`test_opd_combined`'s batch, groups 0 and 2 scored by teacher `lo` (domain two), 1 and 3
+    by `hi` (domain three)."""
+    base, samples = setup
     named = [dataclasses.replace(s, teacher_id="lo" if s.group_id % 2 == 0 else "hi") for s in samples]
     return base, named
 
