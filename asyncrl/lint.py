@@ -114,8 +114,9 @@ def _decoupled_one_update(config: Config) -> Iterator[Finding]:
         f"staleness.policy = 'decoupled' with one optimizer update per batch at a staleness bound of {bound}: "
         "the proximal policy is then the current one, the clip never binds, and the objective is "
         "importance-weighted policy gradient with weights up to the cap (unstable at high staleness)",
-        "update by minibatches against the same proximal anchor, e.g. --set learner.minibatches=4 "
-        "(docs/staleness.md), or lower staleness.max_staleness to 2",
+        "update by minibatches against the same proximal anchor with the learning rate divided by their "
+        "count, e.g. --set learner.minibatches=4 and learner.lr at a quarter (minibatches alone still "
+        "fell short of no correction at bound 8: docs/staleness.md), or lower staleness.max_staleness to 2",
     )
 
 
