@@ -6,7 +6,11 @@ shipped files are reproduced byte for byte):
 * data/mixed_train.jsonl (512 rows) and data/mixed_test.jsonl (200 rows, no prompt of the
   training file): half two-operand problems `a+b=` (domain "two"), half three-operand ones
   `a+b+c=` (domain "three"), which the shipped student never saw: the mixed task of the
-  several-teachers table (`opd.route_field = "domain"`).
+  several-teachers table (`opd.route_field = "domain"`);
+* data/mixed2_train.jsonl (512 rows) and data/mixed2_test.jsonl (200 rows, no prompt of the
+  training file): half `a+b=` (domain "two"), half two-operand subtractions `a-b=` with a >= b
+  (domain "sub"), which the shipped student does not solve but a teacher of its size learns by a
+  short SFT: the mixed task of the routed table that tests routing.
 
     python examples/mixed_addition/make_data.py
 """
@@ -53,6 +57,24 @@ def mixed_rows(num_train: int = 512, num_test: int = 200, seed: int = 1) -> tupl
     return out[:num_train], out[num_train:]
 
 
+def mixed2_rows(num_train: int = 512, num_test: int = 200, seed: int = 2) -> tuple[list[dict], list[dict]]:
+    """(train, test): alternating `a+b=` and `a-b=` (a >= b) problems, each prompt once."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    out: list[dict[str, str]] = []
+    while len(out) < num_train + num_test:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        domain = "two" if len(out) % 2 == 0 else "sub"
+        if domain == "sub":
+            a, b = max(a, b), min(a, b)
+        prompt = f"{a}+{b}=" if domain == "two" else f"{a}-{b}="
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append({"prompt": prompt, "answer": str(a + b if domain == "two" else a - b), "domain": domain})
+    return out[:num_train], out[num_train:]
+
+
 def write(name: str, table: list[dict]) -> None:
     path = HERE / "data" / name
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +87,9 @@ def main() -> None:
     train, test = mixed_rows()
     write("mixed_train.jsonl", train)
     write("mixed_test.jsonl", test)
+    train, test = mixed2_rows()
+    write("mixed2_train.jsonl", train)
+    write("mixed2_test.jsonl", test)
 
 
 if __name__ == "__main__":
