@@ -31,7 +31,7 @@ class _Sums:
 
 
 def _sample(gid: int, i: int):
-    return types.SimpleNamespace(traj_id=gid * 10 + i, group_id=gid, sample_index=i)
+    return types.SimpleNamespace(traj_id=gid * 10 + i, group_id=gid, sample_index=i, group_size=0)
 
 
 def _state(offers: list[tuple[int, int]], *, window_groups=None, acc=None) -> StepState:
