@@ -21,6 +21,7 @@ import select
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,9 @@ class Follower:
         self.sub = None
         self.num_bad_frames = 0
         self.last_file_read = 0.0
+        # Asked between pieces of work: once true (the q key), reading stops where it is, so a
+        # monitor behind a fast run (folding a backlog) still detaches at once.
+        self.should_stop: Callable[[], bool] = lambda: False
         if target.live and target.endpoint:
             self.ctx = zctx or zmq.Context.instance()
             self.sub = self.ctx.socket(zmq.SUB)
@@ -191,7 +195,7 @@ class Follower:
                 self.sink(record)
                 self.next_seq = seq + 1
             num_new += len(new)
-            if not self.file.more or self.file.offset >= end:
+            if not self.file.more or self.file.offset >= end or self.should_stop():
                 return num_new
 
     def on_frames(self, frames: list[bytes]) -> None:
@@ -221,7 +225,7 @@ class Follower:
         must not keep the caller (and the q key) waiting."""
         if self.sub is not None and self.sub.poll(timeout_ms):
             until = time.monotonic() + timeout_ms / 1000
-            while time.monotonic() < until:
+            while time.monotonic() < until and not self.should_stop():
                 try:
                     frames = self.sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -254,7 +258,9 @@ class KeyReader:
 
         fd = sys.stdin.fileno()
         self.saved = termios.tcgetattr(fd)
-        tty.setcbreak(fd)  # keys without Enter; Ctrl-C still raises KeyboardInterrupt
+        # Keys without Enter; Ctrl-C still raises KeyboardInterrupt. TCSANOW, not the default
+        # TCSAFLUSH, which would discard a key typed while the monitor started.
+        tty.setcbreak(fd, termios.TCSANOW)
         self.thread = threading.Thread(target=self._run, args=(fd,), name="monitor-keys", daemon=True)
         self.thread.start()
         return self
@@ -305,6 +311,7 @@ def run_monitor(arg: str, *, once: bool = False, console=None) -> int:
                 dash.print_once()
                 return 0
         with KeyReader() as keys, dash:
+            follower.should_stop = keys.quit.is_set
             summary_seen = False
             while not keys.quit.is_set():
                 follower.poll(POLL_MS)

@@ -39,6 +39,23 @@ def test_follower_reads_each_record_once_in_order_and_fills_gaps_from_the_file(t
     assert seen == [f"r{i}" for i in range(8)]
 
 
+def test_a_follower_told_to_stop_leaves_its_backlog_between_pieces(tmp_path):
+    """A monitor behind a fast run folds a long backlog; q must not wait for all of it. Reading
+    stops between pieces once `should_stop` says so, and goes on from there next time."""
+    lines = [json.dumps({"type": "event", "text": f"line {i:03d}"}) for i in range(40)]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    seen: list[str] = []
+    follower = Follower(Target(run_dir=tmp_path, endpoint=None, live=False), lambda r: seen.append(r["text"]))
+    read_new = follower.file.read_new
+    follower.file.read_new = lambda from_seq: read_new(from_seq, max_bytes=64)  # a line or two a piece
+    follower.should_stop = lambda: len(seen) >= 5
+    first = follower.catch_up()
+    assert 5 <= first < 10 and seen == [f"line {i:03d}" for i in range(first)]
+    follower.should_stop = lambda: False
+    follower.catch_up()
+    assert seen == [f"line {i:03d}" for i in range(40)]  # nothing lost or read twice
+
+
 def test_follower_drops_malformed_frames_and_keeps_going(tmp_path):
     seen: list[dict] = []
     follower = Follower(Target(run_dir=None, endpoint=None, live=False), seen.append)
