@@ -230,6 +230,9 @@ class Worker:
         """The scratch run directory: config.json, and the model fetched over the network (or
         pre-fetched while this worker waited for a slot)."""
         ready = await self.prefetched(welcome)
+        if not ready and self.prefetch is not None:  # another run's or model's pre-fetch: stop it
+            self.prefetch.cancel()
+            await asyncio.gather(self.prefetch, return_exceptions=True)
         if not ready and self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch = run_dir = self.scratch if ready else scratch_dir(welcome.run_name, self.scratch_parent)
