@@ -71,7 +71,6 @@ class Engine:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         # Whether some unit of this trainer runs its forwards on padded rows (the optimal
         # baseline's norms): its micro-batches are then bounded by padded tokens.
-        self.pads = False
         # Data-parallel threads (one plain CPU rank); elsewhere torch's own threads do the work.
         self.threads = threads if not self.lockstep and self.device.type == "cpu" else 1
         # With "auto" threads, how many the next step trains on (revisited by `observe_idle`).
@@ -185,15 +184,16 @@ class Engine:
         return corr
 
     # ------------------------------------------------------------------ ranks and micro-batches
-    def microbatches(self, samples: Sequence[TrainSample]) -> list[list[int] | None]:
+    def microbatches(self, samples: Sequence[TrainSample], *, padded: bool = False) -> list[list[int] | None]:
         """Indices of `samples` per forward/backward: at most `micro_batch_size` sequences and
-        `max_tokens_per_microbatch` tokens (real ones where the forwards pack: `microbatch.py`). Lockstep ranks all run as many as the rank
+        `max_tokens_per_microbatch` tokens (real ones where the forwards pack: `microbatch.py`;
+        `padded`: for forwards on right-padded rows whatever the layout). Lockstep ranks all run as many as the rank
         with the most (the others pad with empty ones: `None` here, see `dummy_backward`)."""
         parts = split_microbatches(
             samples,
             max_seqs=self.micro_batch_size,
             max_tokens=self.max_tokens_per_microbatch,
-            packed=self.packed_microbatches,
+            packed=self.packed_microbatches and not padded,
         )
         if self.lockstep:
             count = torch.tensor([len(parts)], dtype=torch.int64, device=self.device)
@@ -289,8 +289,8 @@ class Engine:
     @property
     def packed_microbatches(self) -> bool:
         """Whether micro-batches are bounded by their real tokens: the forwards pack (the
-        shared-prefix flat layout) and no unit pads (`pads`)."""
-        return bool(getattr(self.actor, "share_prefixes", False)) and not self.pads
+        shared-prefix flat layout; `microbatches(padded=True)` for a unit's forwards that pad)."""
+        return bool(getattr(self.actor, "share_prefixes", False))
 
     def pieces(self, rows: Sequence) -> list[Sequence]:
         """`rows` cut into the contiguous pieces the data-parallel threads take (one if none)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.learner.step import PackedBatch
+from asyncrl.learner.step import PackedBatch, TrainSample
 from asyncrl.learner.streaming import GroupFold, token_weight
 from asyncrl.staleness.vcpo import opob_baseline, opob_released_scale, sequence_log_weights
 
@@ -113,3 +113,13 @@ def released_scales(objective: RLObjective, batch: PackedBatch, logp_BL: torch.T
         ],
         dtype=torch.float64,
     )
+
+
+def informative_groups(samples: Sequence[TrainSample]) -> set[int]:
+    """The groups whose advantages depend on their baseline, so whose members' norms W_i are
+    needed: those whose rewards are not all equal. An all-equal group's advantages are 0
+    whatever b_g is (`opob_advantages`), and the filters that drop groups drop only such ones."""
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.group_id, set()).add(float(s.reward))
+    return {g for g, values in rewards.items() if len(values) > 1}

@@ -40,6 +40,7 @@ from asyncrl.learner.objective import CombinedObjective, DistillStats, RLObjecti
 from asyncrl.learner.opob import (
     baseline_scale,
     folded_loss,
+    informative_groups,
     opob_advantages,
     released_scales,
     step_lr_scale,
@@ -577,45 +578,80 @@ class OpobWork(RLWork):
 
 
 class OpobBatchWork(RLWork):
-    """RL with VCPO's off-policy optimal baseline from one batched backward (whole-batch steps,
-    one plain rank or lockstep ranks): each rank's rows take a forward and a backward at A = +1
-    that forms no parameter gradient but every row's ||h_i||^2 (`ghost.GhostNorms`); the ranks sum
-    the norms into the whole batch's, every rank folds each group with b_g = sum W R / sum W
+    """RL with VCPO's off-policy optimal baseline from batched backwards (whole-batch steps, one
+    plain rank or lockstep ranks): rows take a forward on padded rows and a backward at A = +1
+    that forms no parameter gradient but every row's ||h_i||^2 (`ghost.GhostNorms`); the ranks
+    sum the norms into the whole batch's, every rank folds each group with b_g = sum W R / sum W
     (`opob.opob_advantages`), and the step trains with these advantages. The correction (and
     VCPO's ESS lr scale) is the whole batch's, as for any whole-batch step.
 
-    On one plain rank that one forward and backward also train (`_one_pass`): the backward keeps
-    each layer's inputs and output gradients at +1 and the step's gradient is formed from them
-    with each row's advantage (`GhostNorms.grads`; exact, the loss being linear in it), the
-    pieces of each micro-batch on the data-parallel threads. Lockstep ranks (FSDP, whose
-    gradients are sharded) train with a second forward and backward, as the group mean's step."""
+    Only the rows of groups whose advantages depend on their baseline take the norms' forward
+    and backward (`opob.informative_groups`: rewards not all equal; on the default job 50-90% of
+    the groups are not); that forward also gives their step-start log-probs, and the other rows
+    take the group mean's anchor forward (no graph, on the packed layout with shared prefixes).
+    Then, chosen once (`_one_pass`):
+    * one pass (one plain rank, one update on the step-start model, no second loss term): the
+      norms' backward also trains. It keeps each layer's inputs and output gradients at +1 and
+      forms the step's gradient from them with each row's advantage (`GhostNorms.grads`; exact,
+      the loss being linear in it); the other rows' advantages are 0, so they add nothing to it
+      (their loss and clip figures come from their anchor forward's log-probs, as the training
+      forward's would);
+    * two passes (lockstep ranks, whose gradients are sharded; minibatches, epochs, or a
+      distillation term): the step trains as the group mean's does, a forward and backward of
+      every row.
 
-    trains_on_anchor_forward = False  # the anchor forward is the norms' forward (padded rows)
+    The norms' forwards of a step are kept (`_kept`: rows, collector, log-probs with their graph;
+    rows None for a lockstep rank's empty turn) until the correction gives their backward's
+    coefficients (`_batch_advantages`); one pass keeps them further, to train."""
+
+    trains_on_anchor_forward = False  # the anchor forward is partly the norms' (padded rows)
 
     def __init__(self, engine: Engine, objective: RLObjective, **kwargs) -> None:
         super().__init__(engine, objective, **kwargs)
-        engine.pads = True  # the norms' forwards run on padded rows: bound those micro-batches
+        self.one_pass = self._one_pass()
+        self._kept: list = []
+        self._mine: list[TrainSample] = []
+        self._informative: set[int] = set()
+        self._rest: list[int] = []  # this rank's rows without norms
+        self._logp_now: torch.Tensor | None = None
 
     def _one_pass(self) -> bool:
-        """Whether the norms' backward is also the step's (one plain rank, one update on the
-        step-start model, no second loss term), which pays where the training forward would be
-        padded too: with shared prefixes a group's prompt runs once in the training forward,
-        and forming the gradient from the padded pieces costs more than that second forward
-        and backward (measured: docs/staleness.md)."""
+        """Whether the norms' backward is also the step's: one plain rank, one update on the
+        step-start model, no second loss term."""
         o = self.objective
-        one_update = o.minibatches == 1 and o.epochs == 1 and self.distill is None
-        return not self.engine.lockstep and one_update and not self.engine.actor.share_prefixes
+        return not self.engine.lockstep and o.minibatches == 1 and o.epochs == 1 and self.distill is None
+
+    def whole(self, state: StepState, samples: Sequence[TrainSample]) -> None:
+        self._mine = self.engine.share(samples)  # this rank's rows, as `RLWork.whole` takes them
+        self._informative = informative_groups(samples)
+        super().whole(state, samples)
 
     def _anchor_logp(
         self, ids: torch.Tensor, parts: list, opd: OpdArrays | None, lengths_B: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The step-start log-probs of this rank's rows, from the forwards the norms' backward
-        runs on (with their graphs and hooks, kept until `_batch_advantages`): one forward per
-        micro-batch (per piece of it, on one plain rank) serves both. They run on padded rows
-        (each row's own gradients), so `lengths_B` is not used."""
+        """The step-start log-probs of this rank's rows: the informative groups' rows from their
+        norms' forwards (kept), the others' from the group mean's anchor forward."""
         e = self.engine
-        capture = self._one_pass()
-        self._kept: list = []
+        need = [i for i, s in enumerate(self._mine) if s.group_id in self._informative]
+        self._rest = [i for i, s in enumerate(self._mine) if s.group_id not in self._informative]
+        rest_parts = _subset_parts(e.microbatches([self._mine[i] for i in self._rest]), self._rest)
+        out = super()._anchor_logp(ids, rest_parts, opd, lengths_B)
+        need_parts = _subset_parts(e.microbatches([self._mine[i] for i in need], padded=True), need)
+        logp = self._keep_forwards(ids, need_parts, capture=self.one_pass)
+        if out is None:
+            out = logp if logp is not None else torch.zeros(ids.shape, dtype=e.dtype, device=ids.device)
+        elif logp is not None:
+            rows = torch.tensor(need, dtype=torch.long, device=out.device)
+            out[rows] = logp[rows]
+        self._logp_now = out
+        return out
+
+    def _keep_forwards(self, ids: torch.Tensor, parts: list, *, capture: bool) -> torch.Tensor | None:
+        """The norms' forwards of `parts` (rows of `ids`, micro-batch by micro-batch, each cut
+        into pieces on the data-parallel threads, each piece with its own collector), kept in
+        `_kept`; their log-probs (no grad) in row order, zero elsewhere (None if no rows)."""
+        e = self.engine
+        self._kept = []
         out = None
         for part in parts:
             if part is None:  # a lockstep rank's empty turn: its collectives, zeros to back-propagate
@@ -663,9 +699,10 @@ class OpobBatchWork(RLWork):
         return adv_GN, keep_GN
 
     def _row_norms(self, batch, corr: Correction | None) -> torch.Tensor | None:
-        """||h_i||^2 of this rank's rows (float64): the backward at A = +1 of each kept forward,
-        its pieces on the data-parallel threads (a lockstep rank's empty turns back-propagate
-        zeros). Pieces that train in the same pass stay kept (`_rows_backward`)."""
+        """||h_i||^2 of this rank's rows (float64; 0 for rows without a kept forward): the
+        backward at A = +1 of each kept forward, its pieces on the data-parallel threads (a
+        lockstep rank's empty turns back-propagate zeros). Pieces that train in the same pass
+        stay kept (`_rows_backward`)."""
         e = self.engine
         out = None if batch is None else torch.zeros(batch.input_ids_BL.shape[0], dtype=torch.float64)
 
@@ -688,10 +725,12 @@ class OpobBatchWork(RLWork):
     def _rows_backward(
         self, plan: WholeRows, logp_BL: torch.Tensor | None = None, logp_BLN: torch.Tensor | None = None
     ) -> RowSums:
-        """The step's gradient from the norms' own backward where it was kept (one pass), else
-        a second forward and backward (`RLWork._rows_backward`)."""
-        kept, self._kept = getattr(self, "_kept", []), []
-        if not kept or getattr(plan, "shaped", None) is not None:  # a guided prefix's second loss
+        """One pass: the step's gradient from the norms' own backward (the informative rows; the
+        other rows' advantages are 0), every trained parameter given one (zeros where no row
+        reaches it, as a backward would), the other rows' loss and clip figures from their
+        step-start log-probs. Else a forward and backward of every row (`RLWork._rows_backward`)."""
+        kept, self._kept = self._kept, []
+        if not self.one_pass or getattr(plan, "shaped", None) is not None:  # a guided prefix's second loss
             return super()._rows_backward(plan, logp_BL, logp_BLN)
         e = self.engine
         sums = RowSums()
@@ -712,6 +751,16 @@ class OpobBatchWork(RLWork):
                     p.grad = g if p.grad is None else p.grad.add_(g)
             sums.loss += loss
             sums.clipped += clipped
+        for p in e.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self._rest:
+            rows = torch.tensor(self._rest, dtype=torch.long, device=plan.ids_BL.device)
+            loss, stats = self.objective.policy_loss(
+                self._logp_now[rows], _corr_rows(plan.corr, rows), plan.adv_BL[rows], plan.mask_BL[rows]
+            )
+            sums.loss += float(loss)
+            sums.clipped += float(stats.clip_fraction) * float(stats.num_tokens)
         return sums
 
     @contextlib.contextmanager
@@ -738,6 +787,12 @@ def _corr_rows(corr: Correction, rows: torch.Tensor) -> Correction:
     return corr._replace(
         logp_anchor_BT=corr.logp_anchor_BT[rows], weight_BT=corr.weight_BT[rows], mask_BT=corr.mask_BT[rows]
     )
+
+
+def _subset_parts(parts: list, subset: list[int]) -> list:
+    """Micro-batches of a subset of rows (indices into `subset`) as rows' own indices; a
+    lockstep rank's empty turn (None) stays one."""
+    return [None if part is None else [subset[j] for j in part] for part in parts]
 
 
 @dataclass

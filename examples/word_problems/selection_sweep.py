@@ -22,16 +22,17 @@ import json
 import statistics
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STRATEGIES = ("uniform", "skip", "priority", "curriculum", "replay")
 
 
-def launch(out: Path, name: str, sets: list[str]) -> None:
+def launch(out: Path, name: str, sets: list[str], config: Path) -> None:
     if (out / name / "summary.json").is_file():
         return
-    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui", str(HERE / "config.toml")]
+    args = [sys.executable, "-m", "asyncrl", "launch", "--no-tui", str(config)]
     for s in [f'run.out_dir="{out}"', f'run.name="{name}"', *sets]:
         args += ["--set", s]
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -54,9 +55,19 @@ def figures(run_dir: Path) -> dict[str, float]:
     }
 
 
+def train_path(config: Path) -> Path:
+    """The training file of a dataset job's config (relative paths are the config's directory's)."""
+    with config.open("rb") as f:
+        path = Path(tomllib.load(f)["task"]["dataset"]["path"])
+    return path if path.is_absolute() else config.resolve().parent / path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--config", type=Path, default=HERE / "config.toml", help="the job (a dataset task; default this example's)"
+    )
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -66,7 +77,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sets = [f"learner.steps={args.steps}", *args.extra]
     if args.rows:
-        rows = (HERE / "data" / "train.jsonl").read_text().splitlines()[: args.rows]
+        rows = train_path(args.config).read_text().splitlines()[: args.rows]
         subset = args.out / f"train{args.rows}.jsonl"
         subset.write_text("\n".join(rows) + "\n")
         sets.append(f'task.dataset.path="{subset}"')
@@ -85,6 +96,7 @@ def main() -> None:
                     f"run.seed={seed}",
                     f"task.seed={seed}",
                 ],
+                args.config,
             )
             table.setdefault(strategy, []).append(figures(args.out / name))
     keys = ("reward_first_q", "reward_last_q", "held_out_after", "degenerate")

@@ -137,9 +137,10 @@ def test_packed_bound_keeps_the_padded_cost_where_the_layout_may_run_padded():
     assert split_lengths([100, 10], max_seqs=8, max_tokens=110, packed=True) == [[0, 1]]
 
 
-def test_the_engine_packs_micro_batches_unless_a_unit_pads(tiny_model_dir):
+def test_the_engine_packs_micro_batches_unless_asked_for_padded_ones(tiny_model_dir):
     """The trainer's engine bounds real tokens with `learner.shared_prefix`, padded tokens
-    without it and under the optimal baseline's batched norms (padded rows)."""
+    without it and for forwards on padded rows (`padded=True`: the optimal baseline's norms),
+    whatever the step's other forwards do."""
     from tests.unit.test_trainer import _model, _trainer
 
     model = _model(tiny_model_dir)
@@ -147,5 +148,9 @@ def test_the_engine_packs_micro_batches_unless_a_unit_pads(tiny_model_dir):
     assert engine.packed_microbatches
     engine.actor.share_prefixes = False  # what learner.shared_prefix = false builds
     assert not engine.packed_microbatches
-    opob = _trainer(model, "staleness.policy=vcpo", "staleness.vcpo_baseline=opob")
-    assert not opob.engine.packed_microbatches
+    opob = _trainer(model, "staleness.policy=vcpo", "staleness.vcpo_baseline=opob").engine
+    assert opob.packed_microbatches
+    opob.max_tokens_per_microbatch = 16  # the hand-computed case above: padded [[0, 1], [2, 3]]
+    samples = [make_sample(3, 2), make_sample(1, 1), make_sample(4, 4), make_sample(2, 1)]
+    assert opob.microbatches(samples, padded=True) == [[0, 1], [2, 3]]
+    assert opob.microbatches(samples) == [[0, 1, 2], [3]]  # 15 real tokens, then 3

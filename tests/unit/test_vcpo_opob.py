@@ -289,6 +289,35 @@ def test_the_optimal_baseline_accepts_per_trajectory_policies():
     assert policy.batch_global and not policy.batch_global_lr_only  # self-normalised weights
 
 
+def test_the_batched_step_takes_norms_only_of_groups_whose_baseline_matters(tiny_model_dir):
+    """The norms' forward and backward run on the members of groups whose rewards
+    differ and no others (an all-equal group's advantages are 0 whatever its baseline), and the
+    step still equals the per-trajectory path's, which takes every norm."""
+    from asyncrl.learner.ghost import GhostNorms
+
+    base = _model(tiny_model_dir)
+    samples = _samples(base, num_groups=6, stale=0.5, seed=5, degenerate=(0, 2, 3))
+    rewards = [[s.reward for s in samples if s.group_id == g] for g in range(6)]
+    informative = [g for g, r in enumerate(rewards) if len(set(r)) > 1]
+    assert informative and set(informative) <= {1, 4, 5}
+    ref = copy.deepcopy(base)
+    with _per_trajectory():
+        _batch_step(ref, samples, *OPOB["vcpo"])
+    rows_seen: list[int] = []
+    backward = GhostNorms.backward
+
+    def counting(self, logp_BL, coeff_BL):
+        rows_seen.append(logp_BL.shape[0])
+        return backward(self, logp_BL, coeff_BL)
+
+    model = copy.deepcopy(base)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GhostNorms, "backward", counting)
+        _batch_step(model, samples, *OPOB["vcpo"], micro=8)
+    assert sum(rows_seen) == 4 * len(informative)
+    torch.testing.assert_close(_params(model), _params(ref), rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize(("threads", "micro"), [(2, 256), (1, 8)])
 def test_batched_optimal_baseline_on_pieces_and_micro_batches(tiny_model_dir, threads, micro, one_pass):
