@@ -112,6 +112,44 @@ def test_the_stream_crosses_chunk_boundaries_and_transfers() -> None:
     assert memfds() == 0 and ring_mappings() == 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep apart")
+def test_a_transfer_keeps_the_reader_off_the_senders_cpu_and_restores_both() -> None:
+    """During a transfer the sender's thread stays on one CPU and the reader's thread keeps off
+    it (so their copies overlap on two cores, whatever the scheduler prefers); after it both
+    threads may run where they could before."""
+    before = os.sched_getaffinity(0)
+    ring, reader = _pair(num_slots=2, slot_bytes=64)
+    seen: dict[str, set[int]] = {}
+    data = torch.arange(300, dtype=torch.int64).to(torch.uint8)
+
+    def send() -> None:
+        ring.begin()
+        seen["sender during"] = os.sched_getaffinity(0)
+        ring.write(data)
+        ring.finish()
+        seen["sender after"] = os.sched_getaffinity(0)
+
+    try:
+        sender = threading.Thread(target=send, name="ring-sender")
+        sender.start()
+        reader.begin(data.numel())
+        first, rest = torch.zeros(10, dtype=torch.uint8), torch.zeros(290, dtype=torch.uint8)
+        reader.read_into(first)
+        seen["reader during"] = os.sched_getaffinity(0)
+        reader.read_into(rest)
+        reader.finish()
+        seen["reader after"] = os.sched_getaffinity(0)
+        sender.join(timeout=60)
+        assert not sender.is_alive()
+    finally:
+        reader.close()
+        ring.close()
+    assert torch.equal(torch.cat([first, rest]), data)
+    assert len(seen["sender during"]) == 1
+    assert seen["reader during"] == before - seen["sender during"]
+    assert seen["sender after"] == seen["reader after"] == before
+
+
 def test_a_connection_without_the_secret_is_refused(caplog) -> None:
     ring = SendRing(num_slots=2, slot_bytes=64, timeout_s=60.0)
     token, secret = ring.listen(), new_id()
