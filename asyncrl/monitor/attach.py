@@ -13,6 +13,7 @@ crash) just closes it. The launcher's PUB neither blocks nor notices.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -163,9 +164,11 @@ class Follower:
         self.sub = None
         self.num_bad_frames = 0
         self.last_file_read = 0.0
-        # Asked between pieces of work: once true (the q key), reading stops where it is, so a
-        # monitor behind a fast run (folding a backlog) still detaches at once.
+        # Asked between records: once true (the q key), reading stops where it is, so a monitor
+        # behind a fast run (folding a backlog, each record waiting for the dashboard's lock while
+        # it renders) still detaches at once. Records read and not yet folded wait in `unfolded`.
         self.should_stop: Callable[[], bool] = lambda: False
+        self.unfolded: collections.deque[tuple[int, dict]] = collections.deque()
         if target.live and target.endpoint:
             self.ctx = zctx or zmq.Context.instance()
             self.sub = self.ctx.socket(zmq.SUB)
@@ -190,11 +193,15 @@ class Follower:
             return 0
         num_new = 0
         while True:
-            new = self.file.read_new(self.next_seq)
-            for seq, record in new:
+            if not self.unfolded:
+                self.unfolded.extend(self.file.read_new(self.next_seq))
+            while self.unfolded:
+                if self.should_stop():  # checked per record: folding one can wait for a render
+                    return num_new
+                seq, record = self.unfolded.popleft()
                 self.sink(record)
                 self.next_seq = seq + 1
-            num_new += len(new)
+                num_new += 1
             if not self.file.more or self.file.offset >= end or self.should_stop():
                 return num_new
 

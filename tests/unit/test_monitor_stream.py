@@ -56,6 +56,21 @@ def test_a_follower_told_to_stop_leaves_its_backlog_between_pieces(tmp_path):
     assert seen == [f"line {i:03d}" for i in range(40)]  # nothing lost or read twice
 
 
+def test_a_follower_told_to_stop_leaves_even_a_piece_it_has_read(tmp_path):
+    """One piece of the file holds thousands of records, each folded under the dashboard's lock
+    (which its renders hold): q is asked before each record, and the rest wait for the next
+    catch-up, none lost or read twice."""
+    lines = [json.dumps({"type": "event", "text": f"line {i:03d}"}) for i in range(40)]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    seen: list[str] = []
+    follower = Follower(Target(run_dir=tmp_path, endpoint=None, live=False), lambda r: seen.append(r["text"]))
+    follower.should_stop = lambda: len(seen) >= 5
+    assert follower.catch_up() == 5 and len(seen) == 5  # the whole file is one piece
+    follower.should_stop = lambda: False
+    follower.on_frames([b"40", json.dumps({"type": "event", "text": "line 040"}).encode()])
+    assert seen == [f"line {i:03d}" for i in range(41)]
+
+
 def test_follower_drops_malformed_frames_and_keeps_going(tmp_path):
     seen: list[dict] = []
     follower = Follower(Target(run_dir=None, endpoint=None, live=False), seen.append)
