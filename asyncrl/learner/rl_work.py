@@ -638,8 +638,8 @@ class OpobBatchWork(RLWork):
         out = super()._anchor_logp(ids, rest_parts, opd, lengths_B)
         need_parts = _subset_parts(e.microbatches([self._mine[i] for i in need], padded=True), need)
         logp = self._keep_forwards(ids, need_parts, capture=self.one_pass)
-        if out is None:
-            out = logp if logp is not None else torch.zeros(ids.shape, dtype=e.dtype, device=ids.device)
+        if out is None:  # every row informative (or none here: a lockstep rank without rows)
+            out = logp
         elif logp is not None:
             rows = torch.tensor(need, dtype=torch.long, device=out.device)
             out[rows] = logp[rows]
