@@ -1,14 +1,16 @@
-"""Prompt selection on the word-problems example: each `sampling.selection` strategy, several seeds,
+"""Prompt selection on a dataset job (the word-problems example by default, `--config` for another,
+e.g. examples/smollm2_arithmetic/config.toml): each `sampling.selection` strategy, several seeds,
 at equal sample budgets (every strategy admits the same groups of the same size per step; only
 which prompt a group gets differs). Runs the launches one after another and prints a table of
-medians and spreads (docs/tasks.md, "Prompt selection", has the figures and the command).
+medians and spreads (docs/tasks.md, "Prompt selection", has the figures and the commands).
 
     python examples/word_problems/selection_sweep.py --out /tmp/sweep --rows 64 --steps 8 --seeds 1 2 3 \
         --set learner.groups_per_step=16 --set task.num_eval=100
 
-`--rows N` trains on the first N rows of data/train.jsonl (a file written under --out), so that a
-short run sees each prompt several times, which is when a per-prompt record can matter; 0 = all
-4000 rows (a 40-step run then sees each prompt at most once). An existing run directory is not
+`--rows N` trains on the first N rows of the job's training file (`task.dataset.path`; the subset
+is written under --out), so that a short run sees each prompt several times, which is when a
+per-prompt record can matter; 0 = every row (the word-problems example's 4000: a 40-step run
+then sees each prompt at most once). An existing run directory is not
 run again (its records are read), so an interrupted sweep continues where it stopped.
 
 A strategy `S+B` runs selection S with `sampling.budget = B` (rollout budgets, docs/tasks.md), e.g.
@@ -66,7 +68,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
-        "--config", type=Path, default=HERE / "config.toml", help="the job (a dataset task; default this example's)"
+        "--config",
+        type=Path,
+        default=HERE / "config.toml",
+        help="the job (a dataset task; default this example's)",
     )
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
